@@ -1,0 +1,233 @@
+"""Pull the mismatch tensors out of whatever a batch is, and check them.
+
+A batch may be a mapping of tensors, a ``TensorDict``, or any object whose ``.batch``
+attribute is one (verl's ``DataProto``). Lookups go through several *sources* in order,
+so the callback can prefer what ``training_step`` returned over the batch itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+LOG_PROB_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MASK_DTYPES = (
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    *LOG_PROB_DTYPES,
+)
+TOKEN_ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+RESPONSE_MASK_FALLBACK = "attention_mask"
+RESPONSES_KEY = "responses"
+
+
+class BatchError(ValueError):
+    """A batch the statistics cannot use.
+
+    ``kind`` names the kind of problem (for example ``"missing:old_log_probs"``) so a
+    caller can report each kind once.
+    """
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class MismatchInputs:
+    """The validated tensors of one batch, all ``[batch, response_length]`` on one device."""
+
+    rollout_log_probs: Tensor
+    old_log_probs: Tensor
+    mask: Tensor
+    rollout_token_ids: Tensor | None = None
+    trainer_token_ids: Tensor | None = None
+
+
+def tensor_sources(*objects: Any) -> list[Any]:
+    """Return the lookup sources among ``objects``: mappings, ``TensorDict``s or ``.batch`` holders.
+
+    Objects that are none of these (``None``, a bare loss tensor, a list) are left out.
+    """
+    sources = []
+    for obj in objects:
+        if _is_lookup(obj):
+            sources.append(obj)
+        elif not isinstance(obj, Tensor) and _is_lookup(getattr(obj, "batch", None)):
+            sources.append(obj.batch)
+    return sources
+
+
+def _is_lookup(obj: Any) -> bool:
+    if isinstance(obj, Mapping):
+        return True
+    # TensorDict and similar containers: keyed access without being a Mapping.
+    return (
+        obj is not None
+        and not isinstance(obj, Tensor)
+        and all(hasattr(obj, name) for name in ("keys", "__getitem__", "__contains__"))
+    )
+
+
+def lookup(sources: Sequence[Any], key: str) -> Any | None:
+    """Return the value of ``key`` in the first source that holds it, else ``None``."""
+    for source in sources:
+        if key in source:
+            return source[key]
+    return None
+
+
+def require(sources: Sequence[Any], key: str) -> Any:
+    """Return the value of ``key`` from the sources, or raise a :class:`BatchError`."""
+    value = lookup(sources, key)
+    if value is None:
+        found = sorted({str(k) for source in sources for k in source})
+        raise BatchError(
+            f"missing:{key}",
+            f"The batch has no `{key}`; expected a [batch, response_length] tensor under that "
+            f"key. Keys present: {found or 'none'}.",
+        )
+    return value
+
+
+def select_mask(
+    sources: Sequence[Any], response_mask_key: str, width: int
+) -> tuple[Tensor | None, str]:
+    """Pick the response mask the way the original debug metrics do.
+
+    ``response_mask_key`` if present, else ``attention_mask``; the chosen mask is cut to
+    the last ``responses.shape[1]`` columns when the sources hold ``responses``. Returns
+    ``(None, reason)`` when neither mask is present, so the caller decides how to fall
+    back to all ones (``width`` is only used in that message).
+    """
+    for key in (response_mask_key, RESPONSE_MASK_FALLBACK):
+        mask = lookup(sources, key)
+        if mask is None:
+            continue
+        responses = lookup(sources, RESPONSES_KEY)
+        if _is_matrix(mask) and _is_matrix(responses) and mask.shape[1] > responses.shape[1]:
+            mask = mask[:, -responses.shape[1] :]
+        return mask, key
+    return None, (
+        f"The batch has neither `{response_mask_key}` nor `{RESPONSE_MASK_FALLBACK}`; every one "
+        f"of the {width} response positions counts, padding included."
+    )
+
+
+def _is_matrix(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.dim() == 2
+
+
+def check_inputs(
+    rollout_log_probs: Any,
+    old_log_probs: Any,
+    mask: Any,
+    rollout_token_ids: Any = None,
+    trainer_token_ids: Any = None,
+    *,
+    names: Sequence[str] = ("rollout_log_probs", "old_log_probs", "response_mask"),
+    id_names: Sequence[str] = ("rollout_token_ids", "trainer_token_ids"),
+) -> MismatchInputs:
+    """Validate the tensors of one batch and return them bundled.
+
+    Raises :class:`BatchError` (a ``ValueError``) naming the key, the shape or dtype found
+    and what was expected. Only tensor metadata is read: nothing waits for the device.
+
+    Example:
+        >>> import torch
+        >>> inputs = check_inputs(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3))
+        >>> tuple(inputs.mask.shape)
+        (2, 3)
+        >>> check_inputs(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3))
+        Traceback (most recent call last):
+        ...
+        lightning_rollout_debug.batch.BatchError: `old_log_probs` has shape (2, 4) but `rollout_log_probs` has shape (2, 3); expected the same [batch, response_length] shape for both.
+    """  # noqa: E501
+    rollout_name, old_name, mask_name = names
+    for name, value in ((rollout_name, rollout_log_probs), (old_name, old_log_probs)):
+        _check_tensor(name, value, LOG_PROB_DTYPES, "a floating-point log-probability tensor")
+    _check_tensor(mask_name, mask, MASK_DTYPES, "a bool, integer or floating-point mask")
+    shape = tuple(rollout_log_probs.shape)
+    if len(shape) != 2:
+        raise BatchError(
+            f"rank:{rollout_name}",
+            f"`{rollout_name}` has shape {shape}; expected a 2-D [batch, response_length] tensor.",
+        )
+    for name, value in ((old_name, old_log_probs), (mask_name, mask)):
+        if tuple(value.shape) != shape:
+            raise BatchError(
+                f"shape:{name}",
+                f"`{name}` has shape {tuple(value.shape)} but `{rollout_name}` has shape {shape}; "
+                f"expected the same [batch, response_length] shape for both.",
+            )
+    tensors = {rollout_name: rollout_log_probs, old_name: old_log_probs, mask_name: mask}
+    ids = (rollout_token_ids, trainer_token_ids)
+    if any(value is not None for value in ids):
+        check_token_ids(*ids, mask, names=(*id_names, mask_name))
+        tensors.update(zip(id_names, ids, strict=True))
+    _check_one_device(tensors)
+    return MismatchInputs(rollout_log_probs, old_log_probs, mask, *ids)
+
+
+def check_token_ids(
+    rollout_token_ids: Any,
+    trainer_token_ids: Any,
+    mask: Any,
+    *,
+    names: Sequence[str] = ("rollout_token_ids", "trainer_token_ids", "response_mask"),
+) -> None:
+    """Validate two ``[batch, response_length]`` integer token-id tensors and their mask.
+
+    Raises:
+        BatchError: naming the key, the shape or dtype found and what was expected.
+    """
+    first, second, mask_name = names
+    _check_tensor(first, rollout_token_ids, TOKEN_ID_DTYPES, "an integer token-id tensor")
+    _check_tensor(second, trainer_token_ids, TOKEN_ID_DTYPES, "an integer token-id tensor")
+    _check_tensor(mask_name, mask, MASK_DTYPES, "a bool, integer or floating-point mask")
+    shape = tuple(rollout_token_ids.shape)
+    if len(shape) != 2:
+        raise BatchError(
+            f"rank:{first}",
+            f"`{first}` has shape {shape}; expected a 2-D [batch, response_length] tensor.",
+        )
+    for name, value in ((second, trainer_token_ids), (mask_name, mask)):
+        if tuple(value.shape) != shape:
+            raise BatchError(
+                f"shape:{name}",
+                f"`{name}` has shape {tuple(value.shape)} but `{first}` has shape {shape}; "
+                f"expected the same [batch, response_length] shape for both.",
+            )
+    _check_one_device({first: rollout_token_ids, second: trainer_token_ids, mask_name: mask})
+
+
+def _check_one_device(tensors: dict[str, Tensor]) -> None:
+    devices = {name: value.device for name, value in tensors.items()}
+    if len(set(devices.values())) > 1:
+        found = ", ".join(f"`{name}` on {device}" for name, device in devices.items())
+        raise BatchError("device", f"The tensors are on different devices ({found}); expected one.")
+
+
+def _check_tensor(name: str, value: Any, dtypes: tuple[torch.dtype, ...], what: str) -> None:
+    if not isinstance(value, Tensor):
+        raise BatchError(
+            f"type:{name}",
+            f"`{name}` is a {type(value).__name__}; expected {what} of shape "
+            f"[batch, response_length].",
+        )
+    if value.dtype not in dtypes:
+        valid = ", ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
+        raise BatchError(
+            f"dtype:{name}",
+            f"`{name}` has dtype {value.dtype} and shape {tuple(value.shape)}; expected {what} "
+            f"with one of the dtypes {valid}.",
+        )

@@ -1,0 +1,172 @@
+"""One-shot functions on tensors and batches, for use outside Lightning.
+
+The first four keep the names and call shapes of the original debug-metrics module;
+:func:`mismatch_metrics` returns the whole catalog. All of them go through
+:class:`~lightning_rollout_debug.stats.MismatchStats`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_rollout_debug.batch import (
+    BatchError,
+    check_inputs,
+    check_token_ids,
+    require,
+    select_mask,
+    tensor_sources,
+)
+from lightning_rollout_debug.stats import (
+    METRIC_NAMES,
+    MismatchStats,
+    paired_moments,
+    pearson_from_moments,
+)
+
+__all__ = [
+    "calculate_debug_metrics",
+    "calculate_log_prob_diff",
+    "calculate_token_list_diff",
+    "mismatch_metrics",
+    "pearson_correlation_coefficient",
+]
+
+DEFAULT_PREFIX = "training/"
+
+
+def calculate_token_list_diff(tensor1: Tensor, tensor2: Tensor, mask: Tensor) -> Tensor:
+    """Count, per row, the masked positions where two token-id tensors differ.
+
+    A position is masked in where ``mask`` is non-zero.
+
+    Example:
+        >>> import torch
+        >>> ids = torch.tensor([[5, 6, 7], [1, 2, 3]])
+        >>> calculate_token_list_diff(ids, torch.tensor([[5, 0, 0], [1, 2, 3]]),
+        ...                           torch.tensor([[1, 1, 0], [1, 1, 1]]))
+        tensor([1, 0])
+    """
+    check_token_ids(tensor1, tensor2, mask, names=("tensor1", "tensor2", "mask"))
+    return ((tensor1 != tensor2) & (mask != 0)).sum(dim=1)
+
+
+def pearson_correlation_coefficient(tensor1: Tensor, tensor2: Tensor, mask: Tensor) -> float:
+    """Pearson correlation of ``tensor1`` and ``tensor2`` over the masked positions.
+
+    Positions where either value is NaN or infinite are left out. Returns NaN when
+    fewer than two positions count or when either side is constant.
+
+    Example:
+        >>> import torch
+        >>> x = torch.tensor([[0.1, 0.5, 0.9, 0.3]])
+        >>> round(pearson_correlation_coefficient(x, 2 * x + 1, torch.ones(1, 4)), 6)
+        1.0
+    """
+    check_inputs(tensor1, tensor2, mask, names=("tensor1", "tensor2", "mask"))
+    keep = (mask != 0) & torch.isfinite(tensor1) & torch.isfinite(tensor2)
+    return pearson_from_moments(*paired_moments(tensor1, tensor2, keep).tolist())
+
+
+def calculate_log_prob_diff(log_probs1: Tensor, log_probs2: Tensor, mask: Tensor) -> Tensor:
+    """``abs(log_probs1 - log_probs2)`` at the masked positions, as a 1-D tensor in row-major order.
+
+    Its length depends on the mask, so (unlike the statistics) it waits for the device.
+
+    Example:
+        >>> import torch
+        >>> calculate_log_prob_diff(torch.tensor([[0.5, 0.2]]), torch.tensor([[0.25, 0.7]]),
+        ...                         torch.tensor([[1, 0]]))
+        tensor([0.2500])
+    """
+    check_inputs(log_probs1, log_probs2, mask, names=("log_probs1", "log_probs2", "mask"))
+    return (log_probs1 - log_probs2).abs()[mask != 0]
+
+
+def calculate_debug_metrics(data: Any, prefix: str = DEFAULT_PREFIX) -> dict[str, float]:
+    """The original five debug metrics of a batch, in probability space.
+
+    ``data`` is a mapping of tensors, a ``TensorDict``, or an object whose ``.batch`` is
+    one (verl's ``DataProto``). It must hold ``rollout_log_probs`` and
+    ``old_log_probs``; the mask is ``response_mask``, else ``attention_mask``, cut to the
+    last ``responses.shape[1]`` columns when ``responses`` is present, else all ones
+    (with a warning). An empty mask gives ``valid = 0`` and NaN for the other four.
+
+    Raises:
+        ValueError: a key is missing, or a tensor has the wrong type, rank, shape or dtype.
+
+    Example:
+        >>> import torch
+        >>> batch = {
+        ...     "rollout_log_probs": torch.log(torch.tensor([[0.5, 0.3, 0.2]])),
+        ...     "old_log_probs": torch.log(torch.tensor([[0.6, 0.3, 0.1]])),
+        ...     "response_mask": torch.ones(1, 3),
+        ... }
+        >>> {name: round(value, 4) for name, value in calculate_debug_metrics(batch).items()}
+        {'training/rollout_probs_diff_valid': 1.0, 'training/rollout_probs_diff_max': 0.1, 'training/rollout_probs_diff_mean': 0.0667, 'training/rollout_probs_diff_std': 0.0577, 'training/rollout_actor_probs_pearson_corr': 0.9972}
+    """  # noqa: E501
+    sources = tensor_sources(data)
+    if not sources:
+        raise BatchError(
+            "type:batch",
+            f"`data` is a {type(data).__name__}; expected a mapping of tensors, a TensorDict, "
+            f"or an object whose `.batch` is one.",
+        )
+    rollout = require(sources, "rollout_log_probs")
+    old = require(sources, "old_log_probs")
+    mask, reason = select_mask(sources, "response_mask", _width(rollout))
+    if mask is None:
+        warnings.warn(reason, UserWarning, stacklevel=2)
+        mask = torch.ones_like(rollout, dtype=torch.bool)
+    stats = MismatchStats(groups=["seed"])
+    inputs = check_inputs(rollout, old, mask, names=("rollout_log_probs", "old_log_probs", "mask"))
+    stats.update(inputs.rollout_log_probs, inputs.old_log_probs, inputs.mask)
+    return _prefixed(stats.compute(), prefix)
+
+
+def mismatch_metrics(
+    rollout_log_probs: Tensor,
+    old_log_probs: Tensor,
+    response_mask: Tensor,
+    *,
+    prefix: str = DEFAULT_PREFIX,
+    is_threshold: float = 2.0,
+    seq_ratio_bounds: tuple[float, float] = (0.99, 1.01),
+    rollout_token_ids: Tensor | None = None,
+    trainer_token_ids: Tensor | None = None,
+) -> dict[str, float]:
+    """Every metric of the catalog for one batch (NaN where a value is undefined).
+
+    The token-id metrics are included when both token-id tensors are given.
+
+    Example:
+        >>> import torch
+        >>> rollout = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+        >>> actor = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+        >>> metrics = mismatch_metrics(rollout, actor, torch.ones(1, 3))
+        >>> metrics["training/rollout_actor_kl_k3"], metrics["training/rollout_is_ess"]
+        (0.0, 1.0)
+    """
+    with_ids = rollout_token_ids is not None or trainer_token_ids is not None
+    stats = MismatchStats(
+        is_threshold=is_threshold,
+        seq_ratio_bounds=seq_ratio_bounds,
+        groups=[group for group in METRIC_NAMES if with_ids or group != "token_ids"],
+    )
+    stats.update(
+        rollout_log_probs, old_log_probs, response_mask, rollout_token_ids, trainer_token_ids
+    )
+    return _prefixed(stats.compute(), prefix)
+
+
+def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
+    return {f"{prefix}{name}": value for name, value in metrics.items()}
+
+
+def _width(tensor: Any) -> int | float:
+    return tensor.shape[-1] if isinstance(tensor, Tensor) and tensor.dim() > 0 else math.nan

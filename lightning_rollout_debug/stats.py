@@ -1,0 +1,682 @@
+"""The statistics of the rollout/trainer mismatch: update, merge, compute.
+
+Everything the package reports is computed here. :class:`MismatchStats` keeps one packed
+float64 vector on the batch's device: a token count, means and centred co-moments
+(merged with Chan's parallel formulas), sums, maxima and minima. An update is masked
+arithmetic on the device with no host synchronisation; merging two windows (or the
+windows of several ranks) is exact; :meth:`MismatchStats.compute` copies the packed
+vector to the host once and derives every metric of ``docs/metrics.md`` from it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_rollout_debug.batch import check_inputs
+
+LOG_PROB_FLOOR = -20.0
+"""Log-probabilities are floored here first, so ``-inf`` counts as -20 nats."""
+
+LOG_RATIO_CLAMP = 20.0
+"""The log importance ratio is clamped to ``[-20, 20]`` before exponentiation."""
+
+GROUPS: tuple[str, ...] = (
+    "seed",
+    "log_space",
+    "kl",
+    "importance_ratio",
+    "sequence",
+    "health",
+    "token_ids",
+)
+"""The metric groups, in the order of ``docs/metrics.md``."""
+
+METRIC_NAMES: dict[str, tuple[str, ...]] = {
+    "seed": (
+        "rollout_probs_diff_valid",
+        "rollout_probs_diff_max",
+        "rollout_probs_diff_mean",
+        "rollout_probs_diff_std",
+        "rollout_actor_probs_pearson_corr",
+    ),
+    "log_space": (
+        "rollout_log_probs_diff_max",
+        "rollout_log_probs_diff_mean",
+        "rollout_log_probs_diff_std",
+    ),
+    "kl": ("rollout_actor_kl_k1", "rollout_actor_kl_k3", "rollout_actor_mult_prob_error"),
+    "importance_ratio": (
+        "rollout_is_ratio_mean",
+        "rollout_is_ratio_min",
+        "rollout_is_ratio_max",
+        "rollout_is_ratio_frac_high",
+        "rollout_is_ratio_frac_low",
+        "rollout_is_chi2",
+        "rollout_is_ess",
+    ),
+    "sequence": (
+        "actor_ppl",
+        "rollout_ppl",
+        "rollout_actor_log_ppl_diff",
+        "rollout_actor_log_ppl_abs_diff_max",
+        "rollout_seq_geo_ratio_min",
+        "rollout_seq_geo_ratio_max",
+        "rollout_seq_frac_outside",
+    ),
+    "health": ("rollout_tokens", "rollout_sequences", "rollout_nonfinite_tokens"),
+    "token_ids": ("rollout_token_diff_count", "rollout_token_diff_seq_frac"),
+}
+"""The un-prefixed metric names of each group."""
+
+# The packed state. Token-level variables keep a mean each and the centred co-moments
+# of the listed pairs; all of them share the token count in slot 0.
+_MEANS = ("prob_actor", "prob_rollout", "prob_diff", "log_diff")
+_COMOMENTS = (
+    ("prob_actor", "prob_actor"),
+    ("prob_rollout", "prob_rollout"),
+    ("prob_actor", "prob_rollout"),
+    ("prob_diff", "prob_diff"),
+    ("log_diff", "log_diff"),
+)
+_SUMS = (
+    "nonfinite",
+    "log_ratio",
+    "kl_k3",
+    "mult_error_m1",
+    "ratio_m1",
+    "ratio_sq_m1",
+    "ratio_high",
+    "ratio_low",
+    "sequences",
+    "seq_ppl_actor",
+    "seq_ppl_rollout",
+    "seq_log_ratio",
+    "seq_outside",
+    "id_updates",
+    "id_rows",
+    "id_diff",
+    "id_diff_rows",
+)
+_MAXES = ("prob_diff", "log_diff", "log_ratio", "seq_abs_log_ratio", "seq_log_ratio")
+_MINS = ("log_ratio", "seq_log_ratio")
+
+
+def _offsets(names: Sequence[Any], start: int) -> dict[Any, int]:
+    return {name: start + i for i, name in enumerate(names)}
+
+
+_COUNT = 0
+_MEAN_AT = _offsets(_MEANS, 1)
+_COMOMENT_AT = _offsets(_COMOMENTS, 1 + len(_MEANS))
+_SUM_AT = _offsets(_SUMS, 1 + len(_MEANS) + len(_COMOMENTS))
+_MAX_AT = _offsets(_MAXES, 1 + len(_MEANS) + len(_COMOMENTS) + len(_SUMS))
+_MIN_AT = _offsets(_MINS, 1 + len(_MEANS) + len(_COMOMENTS) + len(_SUMS) + len(_MAXES))
+STATE_SIZE = 1 + len(_MEANS) + len(_COMOMENTS) + len(_SUMS) + len(_MAXES) + len(_MINS)
+"""Length of the packed float64 state vector."""
+
+_MEAN_SLICE = slice(1, 1 + len(_MEANS))
+_COMOMENT_SLICE = slice(_MEAN_SLICE.stop, _MEAN_SLICE.stop + len(_COMOMENTS))
+_SUM_SLICE = slice(_COMOMENT_SLICE.stop, _COMOMENT_SLICE.stop + len(_SUMS))
+_MAX_SLICE = slice(_SUM_SLICE.stop, _SUM_SLICE.stop + len(_MAXES))
+_MIN_SLICE = slice(_MAX_SLICE.stop, _MAX_SLICE.stop + len(_MINS))
+_PAIR_LEFT = [_MEANS.index(left) for left, _ in _COMOMENTS]
+_PAIR_RIGHT = [_MEANS.index(right) for _, right in _COMOMENTS]
+
+# A side of the Pearson correlation counts as constant when its spread is below what
+# float32 arithmetic can resolve.
+_CONSTANT_RELATIVE_STD = 8 * torch.finfo(torch.float32).eps
+
+
+def identity_state(device: torch.device | str | None = None) -> Tensor:
+    """Return the packed state of an empty window (merging with it changes nothing).
+
+    Built with fill kernels, so making it on an accelerator copies nothing from the host.
+    """
+    options: dict[str, Any] = {"dtype": torch.float64, "device": device}
+    return torch.cat(
+        [
+            torch.zeros(_MAX_SLICE.start, **options),
+            torch.full((len(_MAXES),), -math.inf, **options),
+            torch.full((len(_MINS),), math.inf, **options),
+        ]
+    )
+
+
+def merge_states(states: Tensor) -> Tensor:
+    """Merge packed states stacked as ``[n, STATE_SIZE]`` into one, exactly.
+
+    Counts and sums add, maxima and minima fold, and means with their centred
+    co-moments combine with Chan's formulas generalised to ``n`` parts:
+    ``M = sum_k M_k + sum_k n_k (mean_k - mean)_i (mean_k - mean)_j``.
+
+    Example:
+        >>> import torch
+        >>> a, b = MismatchStats(), MismatchStats()
+        >>> a.update(torch.tensor([[-0.1, -2.0]]), torch.tensor([[-0.2, -2.0]]), torch.ones(1, 2))
+        >>> b.update(torch.tensor([[-0.5]]), torch.tensor([[-0.4]]), torch.ones(1, 1))
+        >>> merged = merge_states(torch.stack([a.state, b.state]))
+        >>> round(MismatchStats.from_state(merged).compute()["rollout_tokens"])
+        3
+    """
+    counts = states[:, _COUNT]
+    total = counts.sum()
+    weights = counts / total.clamp(min=1.0)
+    means = states[:, _MEAN_SLICE]
+    mean = (weights.unsqueeze(1) * means).sum(0)
+    deviation = means - mean
+    spread = counts.unsqueeze(1) * deviation[:, _PAIR_LEFT] * deviation[:, _PAIR_RIGHT]
+    comoments = states[:, _COMOMENT_SLICE].sum(0) + spread.sum(0)
+    return torch.cat(
+        [
+            total.unsqueeze(0),
+            mean,
+            comoments,
+            states[:, _SUM_SLICE].sum(0),
+            states[:, _MAX_SLICE].amax(0),
+            states[:, _MIN_SLICE].amin(0),
+        ]
+    )
+
+
+class MismatchStats:
+    """Mergeable statistics of the mismatch between rollout and trainer log-probabilities.
+
+    Feed it ``[batch, response_length]`` tensors with :meth:`update` (any device, any
+    floating dtype, any number of batches); read every metric with :meth:`compute`. The
+    window is everything since construction or :meth:`reset`. Two instances merge
+    exactly with :meth:`merge`, so per-rank or per-batch windows combine into the
+    statistics of all their tokens.
+
+    Args:
+        is_threshold: ``C`` of the importance-ratio group: ``rho > C`` counts as high,
+            ``rho < 1/C`` as low. Must be greater than 1.
+        seq_ratio_bounds: ``(lo, hi)`` with ``0 < lo <= 1 <= hi``: a sequence whose
+            geometric-mean ratio falls outside counts in ``rollout_seq_frac_outside``.
+        groups: the metric groups to compute, a subset of :data:`GROUPS`
+            (default: all). Leaving groups out skips their arithmetic.
+        chunk_tokens: rows are processed in chunks of about this many tokens, which
+            bounds the temporary memory of an update.
+
+    Example:
+        >>> import torch
+        >>> stats = MismatchStats()
+        >>> rollout = torch.log(torch.tensor([[0.5, 0.25, 0.9]]))
+        >>> actor = torch.log(torch.tensor([[0.5, 0.20, 0.9]]))
+        >>> stats.update(rollout, actor, torch.tensor([[1, 1, 0]]))
+        >>> metrics = stats.compute()
+        >>> metrics["rollout_tokens"], round(metrics["rollout_probs_diff_max"], 6)
+        (2.0, 0.05)
+    """
+
+    def __init__(
+        self,
+        *,
+        is_threshold: float = 2.0,
+        seq_ratio_bounds: tuple[float, float] = (0.99, 1.01),
+        groups: Iterable[str] | None = None,
+        chunk_tokens: int = 1 << 18,
+    ) -> None:
+        self.is_threshold = validate_is_threshold(is_threshold)
+        self.seq_ratio_bounds = validate_seq_ratio_bounds(seq_ratio_bounds)
+        self.groups = validate_groups(groups)
+        if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+            raise ValueError(f"`chunk_tokens` must be a positive int, got {chunk_tokens!r}.")
+        self.chunk_tokens = chunk_tokens
+        self._state: Tensor | None = None
+
+    # ------------------------------------------------------------------ state
+    @property
+    def state(self) -> Tensor:
+        """The packed float64 state vector (the identity when nothing was added)."""
+        return identity_state() if self._state is None else self._state
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where the state lives: the device of the first update, ``None`` before it."""
+        return None if self._state is None else self._state.device
+
+    @classmethod
+    def from_state(cls, state: Tensor, **kwargs: Any) -> MismatchStats:
+        """Build statistics holding a packed ``state`` (for example a merged one)."""
+        stats = cls(**kwargs)
+        stats.load_state(state)
+        return stats
+
+    def load_state(self, state: Tensor) -> None:
+        """Replace the window with a packed state vector of length :data:`STATE_SIZE`."""
+        if state.shape != (STATE_SIZE,):
+            raise ValueError(f"A packed state has shape ({STATE_SIZE},); got {tuple(state.shape)}.")
+        self._state = state.detach().to(torch.float64).clone()
+
+    def reset(self) -> None:
+        """Start a new, empty window."""
+        self._state = None
+
+    def merge(self, other: MismatchStats | Tensor) -> MismatchStats:
+        """Add the window of ``other`` (statistics or a packed state) to this one."""
+        incoming = other.state if isinstance(other, MismatchStats) else other
+        if self._state is None:
+            self.load_state(incoming)
+        else:
+            incoming = incoming.to(device=self._state.device, dtype=torch.float64)
+            self._state = merge_states(torch.stack([self._state, incoming]))
+        return self
+
+    def sync(
+        self,
+        all_gather: Callable[[Tensor], Tensor],
+        device: torch.device | str | None = None,
+    ) -> MismatchStats:
+        """Merge the windows of all processes, in place, with one collective.
+
+        ``all_gather`` maps this process's packed state to the ``[world_size,
+        STATE_SIZE]`` stack of every process's (for example
+        ``trainer.strategy.all_gather``). Every process must call it, empty or not.
+        ``device`` is where the collective runs (the strategy's root device); by default
+        the device of the window.
+        """
+        local = self.state if device is None else self.state.to(device)
+        gathered = all_gather(local)
+        self._state = merge_states(gathered.reshape(-1, STATE_SIZE).to(torch.float64))
+        return self
+
+    # ----------------------------------------------------------------- update
+    @torch.no_grad()
+    def update(
+        self,
+        rollout_log_probs: Tensor,
+        old_log_probs: Tensor,
+        mask: Tensor,
+        rollout_token_ids: Tensor | None = None,
+        trainer_token_ids: Tensor | None = None,
+    ) -> None:
+        """Add one batch to the window.
+
+        Args:
+            rollout_log_probs: ``[B, T]`` log-probs the rollout engine recorded (``b``).
+            old_log_probs: ``[B, T]`` log-probs the trainer recomputed (``a``).
+            mask: ``[B, T]``; a position counts where it is non-zero.
+            rollout_token_ids: optional ``[B, T]`` token ids the rollout produced.
+            trainer_token_ids: optional ``[B, T]`` token ids the trainer used.
+
+        Raises:
+            ValueError: the tensors have the wrong type, rank, shape, dtype or devices.
+        """
+        inputs = check_inputs(
+            rollout_log_probs, old_log_probs, mask, rollout_token_ids, trainer_token_ids
+        )
+        batch, width = inputs.mask.shape
+        device = inputs.mask.device
+        parts = [] if self._state is None else [self._state.to(device)]
+        if batch * width > 0:
+            rows = max(1, self.chunk_tokens // width)
+            for start in range(0, batch, rows):
+                stop = min(batch, start + rows)
+                parts.append(self._chunk_state(inputs, start, stop))
+        if not parts:
+            parts.append(identity_state(device))
+        self._state = parts[0] if len(parts) == 1 else merge_states(torch.stack(parts))
+
+    def _chunk_state(self, inputs: Any, start: int, stop: int) -> Tensor:
+        rows = slice(start, stop)
+        ids = (inputs.rollout_token_ids, inputs.trainer_token_ids)
+        return _batch_state(
+            inputs.rollout_log_probs[rows],
+            inputs.old_log_probs[rows],
+            inputs.mask[rows],
+            None if ids[0] is None else ids[0][rows],
+            None if ids[1] is None else ids[1][rows],
+            groups=self.groups,
+            is_threshold=self.is_threshold,
+            seq_ratio_bounds=self.seq_ratio_bounds,
+        )
+
+    # ---------------------------------------------------------------- compute
+    def compute(self) -> dict[str, float]:
+        """Return every metric of the enabled groups as Python floats (NaN if undefined).
+
+        One device-to-host copy of the packed state; the rest is host arithmetic.
+        """
+        values = self.state.tolist()
+        metrics = _metrics_from_state(values, self.is_threshold, self.seq_ratio_bounds)
+        return {
+            name: metrics[name]
+            for group in GROUPS
+            if group in self.groups
+            for name in METRIC_NAMES[group]
+        }
+
+    # ------------------------------------------------------------ persistence
+    def state_dict(self) -> dict[str, Any]:
+        """The window and the configuration, on the CPU, for checkpoints."""
+        return {
+            "state": self.state.detach().cpu().clone(),
+            "is_threshold": self.is_threshold,
+            "seq_ratio_bounds": tuple(self.seq_ratio_bounds),
+            "groups": sorted(self.groups),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a window saved by :meth:`state_dict` (the configuration stays as built)."""
+        self.load_state(state_dict["state"])
+
+
+# ---------------------------------------------------------------------- validation
+def validate_is_threshold(value: float) -> float:
+    """Return ``value`` as a float if it is a finite number greater than 1."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (1.0 < value < math.inf)
+    ):
+        raise ValueError(f"`is_threshold` must be a finite number greater than 1, got {value!r}.")
+    return float(value)
+
+
+def validate_seq_ratio_bounds(value: Sequence[float]) -> tuple[float, float]:
+    """Return ``(lo, hi)`` if ``0 < lo <= 1 <= hi < inf``."""
+    try:
+        lo, hi = (float(bound) for bound in value)
+    except (TypeError, ValueError):
+        lo = hi = math.nan
+    if not (0.0 < lo <= 1.0 <= hi < math.inf):
+        raise ValueError(
+            f"`seq_ratio_bounds` must be (lo, hi) with 0 < lo <= 1 <= hi, got {value!r}."
+        )
+    return lo, hi
+
+
+def validate_groups(groups: Iterable[str] | None) -> frozenset[str]:
+    """Return the chosen groups as a set, or all of :data:`GROUPS` for ``None``."""
+    if groups is None:
+        return frozenset(GROUPS)
+    if isinstance(groups, str):
+        groups = [groups]
+    chosen = frozenset(groups)
+    unknown = sorted(chosen - set(GROUPS))
+    if unknown:
+        raise ValueError(f"Unknown metric groups {unknown}; valid groups are {list(GROUPS)}.")
+    return chosen
+
+
+# ---------------------------------------------------------------------- the math
+def _batch_state(
+    rollout_log_probs: Tensor,
+    old_log_probs: Tensor,
+    mask: Tensor,
+    rollout_token_ids: Tensor | None,
+    trainer_token_ids: Tensor | None,
+    *,
+    groups: frozenset[str],
+    is_threshold: float,
+    seq_ratio_bounds: tuple[float, float],
+) -> Tensor:
+    """Packed state of one ``[B, T]`` block: masked arithmetic only, nothing leaves the device.
+
+    Element-wise work runs in float32 (float64 for float64 inputs); every reduction
+    accumulates in float64.
+    """
+    f64 = torch.float64
+    dtype = f64 if old_log_probs.dtype == f64 or rollout_log_probs.dtype == f64 else torch.float32
+    a = old_log_probs.to(dtype).clamp(min=LOG_PROB_FLOOR)
+    b = rollout_log_probs.to(dtype).clamp(min=LOG_PROB_FLOOR)
+    masked = mask != 0
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    counting = masked & finite
+    a = torch.where(counting, a, 0.0)
+    b = torch.where(counting, b, 0.0)
+    weight = counting.to(f64)
+    row_count = weight.sum(1)
+    count = row_count.sum()
+    scale = 1.0 / count.clamp(min=1.0)
+    r = a - b  # zero where a token does not count
+
+    values: dict[str, Tensor] = {}
+    sums: dict[str, Tensor] = {"nonfinite": (masked & ~finite).sum(dtype=f64)}
+    maxes: dict[str, Tensor] = {}
+    mins: dict[str, Tensor] = {}
+    if "seed" in groups:
+        prob_rollout = torch.exp(b)
+        # pa - pb = pb * expm1(a - b): no cancellation when the two are close.
+        values["prob_diff"] = (prob_rollout * torch.expm1(r)).abs()
+        values["prob_actor"] = torch.exp(a)
+        values["prob_rollout"] = prob_rollout
+        maxes["prob_diff"] = _masked_max(values["prob_diff"], counting)
+    if "log_space" in groups:
+        values["log_diff"] = r.abs()
+        maxes["log_diff"] = _masked_max(values["log_diff"], counting)
+    means, comoments = _centred_moments(values, weight, scale, _COMOMENTS)
+    if "kl" in groups or "importance_ratio" in groups:
+        clamped = r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        ratio_m1 = torch.expm1(clamped)
+        sums["log_ratio"] = r.sum(dtype=f64)
+    if "kl" in groups:
+        sums["kl_k3"] = _expm1_minus(ratio_m1, r).sum(dtype=f64)
+        sums["mult_error_m1"] = torch.expm1(r.abs()).sum(dtype=f64)
+    if "importance_ratio" in groups:
+        sums["ratio_m1"] = ratio_m1.sum(dtype=f64)
+        sums["ratio_sq_m1"] = torch.expm1(2.0 * clamped).sum(dtype=f64)
+        sums["ratio_high"] = (counting & (ratio_m1 > is_threshold - 1.0)).sum(dtype=f64)
+        sums["ratio_low"] = (counting & (ratio_m1 < 1.0 / is_threshold - 1.0)).sum(dtype=f64)
+        maxes["log_ratio"] = _masked_max(clamped, counting)
+        mins["log_ratio"] = -_masked_max(-clamped, counting)
+    if "health" in groups or "sequence" in groups:
+        has_tokens = row_count > 0
+        sums["sequences"] = has_tokens.sum(dtype=f64)
+    if "sequence" in groups:
+        _sequence_sums(a, b, r, row_count, has_tokens, seq_ratio_bounds, sums, maxes, mins)
+    if "token_ids" in groups and rollout_token_ids is not None and trainer_token_ids is not None:
+        differs = masked & (rollout_token_ids != trainer_token_ids)
+        sums["id_updates"] = torch.ones((), dtype=f64, device=mask.device)
+        sums["id_rows"] = masked.any(1).sum(dtype=f64)
+        sums["id_diff"] = differs.sum(dtype=f64)
+        sums["id_diff_rows"] = differs.any(1).sum(dtype=f64)
+    return _pack(count, means, comoments, sums, maxes, mins)
+
+
+def _sequence_sums(
+    a: Tensor,
+    b: Tensor,
+    r: Tensor,
+    row_count: Tensor,
+    has_tokens: Tensor,
+    bounds: tuple[float, float],
+    sums: dict[str, Tensor],
+    maxes: dict[str, Tensor],
+    mins: dict[str, Tensor],
+) -> None:
+    f64 = torch.float64
+    per_row = row_count.clamp(min=1.0)
+    mean_a = a.sum(1, dtype=f64) / per_row
+    mean_b = b.sum(1, dtype=f64) / per_row
+    mean_r = r.sum(1, dtype=f64) / per_row  # log of the geometric-mean ratio
+    zero = torch.zeros((), dtype=f64, device=a.device)
+    sums["seq_ppl_actor"] = torch.where(has_tokens, torch.exp(-mean_a), zero).sum()
+    sums["seq_ppl_rollout"] = torch.where(has_tokens, torch.exp(-mean_b), zero).sum()
+    sums["seq_log_ratio"] = mean_r.sum()  # zero for rows without tokens
+    geo = torch.exp(mean_r)
+    outside = has_tokens & ((geo < bounds[0]) | (geo > bounds[1]))
+    sums["seq_outside"] = outside.sum(dtype=f64)
+    maxes["seq_abs_log_ratio"] = _masked_max(mean_r.abs(), has_tokens)
+    maxes["seq_log_ratio"] = _masked_max(mean_r, has_tokens)
+    mins["seq_log_ratio"] = -_masked_max(-mean_r, has_tokens)
+
+
+def _expm1_minus(expm1_clamped: Tensor, r: Tensor) -> Tensor:
+    """``expm1(clamp(r)) - r`` without the cancellation of the two near ``r = 0``.
+
+    For ``|r| < 1/2`` (where the clamp is inactive) the Taylor series of ``e^r - 1 - r``
+    to the ninth power, whose truncation error is below 1e-8 relative; elsewhere the
+    plain difference, which does not cancel.
+    """
+    series = torch.zeros_like(r)
+    for order in range(9, 1, -1):
+        series = (series + 1.0 / math.factorial(order)) * r
+    series = series * r
+    return torch.where(r.abs() < 0.5, series, expm1_clamped - r)
+
+
+def _masked_max(values: Tensor, keep: Tensor) -> Tensor:
+    return torch.where(keep, values, -math.inf).amax().to(torch.float64)
+
+
+def _pack(
+    count: Tensor,
+    means: dict[str, Tensor],
+    comoments: dict[tuple[str, str], Tensor],
+    sums: dict[str, Tensor],
+    maxes: dict[str, Tensor],
+    mins: dict[str, Tensor],
+) -> Tensor:
+    slots = list(identity_state(count.device).unbind())
+    slots[_COUNT] = count
+    for table, offsets in (
+        (means, _MEAN_AT),
+        (comoments, _COMOMENT_AT),
+        (sums, _SUM_AT),
+        (maxes, _MAX_AT),
+        (mins, _MIN_AT),
+    ):
+        for name, value in table.items():
+            slots[offsets[name]] = value
+    return torch.stack(slots)
+
+
+# ------------------------------------------------------------------- the metrics
+def _metrics_from_state(
+    state: list[float], is_threshold: float, bounds: tuple[float, float]
+) -> dict[str, float]:
+    """Every metric of every group from a packed state on the host (NaN if undefined)."""
+    nan = math.nan
+    n = state[_COUNT]
+
+    def mean(name: str) -> float:
+        return state[_MEAN_AT[name]] if n >= 1 else nan
+
+    def std(name: str) -> float:
+        return math.sqrt(max(state[_COMOMENT_AT[(name, name)]], 0.0) / (n - 1)) if n >= 2 else nan
+
+    def total(name: str) -> float:
+        return state[_SUM_AT[name]]
+
+    def per_token(name: str) -> float:
+        return total(name) / n if n >= 1 else nan
+
+    def extreme(value: float) -> float:
+        return value if n >= 1 and math.isfinite(value) else nan
+
+    seqs = total("sequences")
+    id_rows = total("id_rows")
+    sum_ratio = n + total("ratio_m1")
+    sum_ratio_sq = n + total("ratio_sq_m1")
+    max_log_ratio = state[_MAX_AT["log_ratio"]]
+    min_log_ratio = state[_MIN_AT["log_ratio"]]
+    seq_max = state[_MAX_AT["seq_log_ratio"]]
+    seq_min = state[_MIN_AT["seq_log_ratio"]]
+    has_seqs = seqs >= 1
+    return {
+        "rollout_probs_diff_valid": 1.0 if n >= 1 else 0.0,
+        "rollout_probs_diff_max": extreme(state[_MAX_AT["prob_diff"]]),
+        "rollout_probs_diff_mean": mean("prob_diff"),
+        "rollout_probs_diff_std": std("prob_diff"),
+        "rollout_actor_probs_pearson_corr": _pearson(state, n),
+        "rollout_log_probs_diff_max": extreme(state[_MAX_AT["log_diff"]]),
+        "rollout_log_probs_diff_mean": mean("log_diff"),
+        "rollout_log_probs_diff_std": std("log_diff"),
+        "rollout_actor_kl_k1": -per_token("log_ratio"),
+        "rollout_actor_kl_k3": per_token("kl_k3"),
+        "rollout_actor_mult_prob_error": 1.0 + per_token("mult_error_m1"),
+        "rollout_is_ratio_mean": 1.0 + per_token("ratio_m1"),
+        "rollout_is_ratio_min": math.exp(min_log_ratio) if n >= 1 else nan,
+        "rollout_is_ratio_max": math.exp(max_log_ratio) if n >= 1 else nan,
+        "rollout_is_ratio_frac_high": per_token("ratio_high"),
+        "rollout_is_ratio_frac_low": per_token("ratio_low"),
+        "rollout_is_chi2": per_token("ratio_sq_m1"),
+        "rollout_is_ess": sum_ratio**2 / (n * sum_ratio_sq) if n >= 1 else nan,
+        "actor_ppl": total("seq_ppl_actor") / seqs if has_seqs else nan,
+        "rollout_ppl": total("seq_ppl_rollout") / seqs if has_seqs else nan,
+        "rollout_actor_log_ppl_diff": -total("seq_log_ratio") / seqs if has_seqs else nan,
+        "rollout_actor_log_ppl_abs_diff_max": state[_MAX_AT["seq_abs_log_ratio"]]
+        if has_seqs
+        else nan,
+        "rollout_seq_geo_ratio_min": math.exp(seq_min) if has_seqs else nan,
+        "rollout_seq_geo_ratio_max": math.exp(seq_max) if has_seqs else nan,
+        "rollout_seq_frac_outside": total("seq_outside") / seqs if has_seqs else nan,
+        "rollout_tokens": n,
+        "rollout_sequences": seqs,
+        "rollout_nonfinite_tokens": total("nonfinite"),
+        "rollout_token_diff_count": total("id_diff") if total("id_updates") >= 1 else nan,
+        "rollout_token_diff_seq_frac": total("id_diff_rows") / id_rows if id_rows >= 1 else nan,
+    }
+
+
+def _pearson(state: list[float], n: float) -> float:
+    return pearson_from_moments(
+        n,
+        state[_MEAN_AT["prob_actor"]],
+        state[_MEAN_AT["prob_rollout"]],
+        state[_COMOMENT_AT[("prob_actor", "prob_actor")]],
+        state[_COMOMENT_AT[("prob_rollout", "prob_rollout")]],
+        state[_COMOMENT_AT[("prob_actor", "prob_rollout")]],
+    )
+
+
+def pearson_from_moments(
+    n: float, mean_x: float, mean_y: float, m_xx: float, m_yy: float, m_xy: float
+) -> float:
+    """Pearson correlation from a count, two means and the centred co-moments.
+
+    NaN when ``n < 2`` or when either side is constant: its standard deviation is
+    below what float32 arithmetic resolves relative to its mean.
+    """
+    if n < 2:
+        return math.nan
+    for m_self, center in ((m_xx, mean_x), (m_yy, mean_y)):
+        if math.sqrt(max(m_self, 0.0) / n) <= _CONSTANT_RELATIVE_STD * abs(center):
+            return math.nan
+        if m_self <= 0.0:
+            return math.nan
+    return max(-1.0, min(1.0, m_xy / math.sqrt(m_xx * m_yy)))
+
+
+def paired_moments(x: Tensor, y: Tensor, keep: Tensor) -> Tensor:
+    """``[n, mean_x, mean_y, M_xx, M_yy, M_xy]`` of the pairs where ``keep`` holds, in float64.
+
+    The same masked two-pass arithmetic as the window statistics; no host
+    synchronisation.
+    """
+    weight = keep.to(torch.float64)
+    count = weight.sum()
+    values = {"x": torch.where(keep, x, 0), "y": torch.where(keep, y, 0)}
+    pairs = (("x", "x"), ("y", "y"), ("x", "y"))
+    means, comoments = _centred_moments(values, weight, 1.0 / count.clamp(min=1.0), pairs)
+    return torch.stack([count, means["x"], means["y"], *(comoments[pair] for pair in pairs)])
+
+
+def _centred_moments(
+    values: dict[str, Tensor],
+    weight: Tensor,
+    scale: Tensor,
+    pairs: Iterable[tuple[str, str]],
+) -> tuple[dict[str, Tensor], dict[tuple[str, str], Tensor]]:
+    """Weighted means and centred co-moments (two passes, float64) of the given values.
+
+    Pairs whose variables are not in ``values`` are skipped.
+    """
+    centred = {}
+    means = {}
+    for name, value in values.items():
+        value = value.to(torch.float64)
+        means[name] = (weight * value).sum() * scale
+        centred[name] = weight * (value - means[name])
+    comoments = {
+        (left, right): (centred[left] * centred[right]).sum()
+        for left, right in pairs
+        if left in centred and right in centred
+    }
+    return means, comoments

@@ -1,0 +1,89 @@
+"""Run examples/grpo_mismatch.py for a few steps and read its TensorBoard logs back."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_mismatch.py"
+
+PROBS_DIFF = "training/rollout_probs_diff_mean"
+KL_K3 = "training/rollout_actor_kl_k3"
+REWARD = "train/reward"
+
+
+@pytest.fixture(scope="module")
+def example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("grpo_mismatch", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
+    """All scalar series of a run, as ``{tag: {step: value}}``."""
+    accumulator = EventAccumulator(str(log_dir))
+    accumulator.Reload()
+    return {
+        tag: {event.step: event.value for event in accumulator.Scalars(tag)}
+        for tag in accumulator.Tags()["scalars"]
+    }
+
+
+def test_short_run_logs_mismatch_metrics(example: ModuleType, tmp_path: Path) -> None:
+    log_dir = example.main(["--max-steps", "3", "--logdir", str(tmp_path)])
+
+    assert log_dir.is_dir() and log_dir.is_relative_to(tmp_path)
+    assert list(log_dir.glob("events.out.tfevents.*"))
+    scalars = read_scalars(log_dir)
+    for tag in (PROBS_DIFF, KL_K3, REWARD):
+        assert tag in scalars, f"{tag} missing; logged: {sorted(scalars)}"
+        assert sorted(scalars[tag]) == [0, 1, 2], (tag, scalars[tag])
+        assert all(math.isfinite(value) for value in scalars[tag].values()), scalars[tag]
+    # The default rollout engine runs in bfloat16, so it disagrees with the trainer a little.
+    assert all(value > 0 for value in scalars[PROBS_DIFF].values())
+
+
+SETTINGS = {
+    "fp32": ["--rollout-dtype", "float32", "--weight-sync-every", "1"],
+    "bf16": ["--rollout-dtype", "bfloat16", "--weight-sync-every", "1"],
+    "bf16-stale": ["--rollout-dtype", "bfloat16", "--weight-sync-every", "4"],
+}
+
+
+@pytest.fixture(scope="module")
+def mismatch(example: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Mean of each logged scalar over an 8-step run of each setting (seed 0)."""
+    means = {}
+    for name, flags in SETTINGS.items():
+        logdir = tmp_path_factory.mktemp(name)
+        log_dir = example.main([*flags, "--max-steps", "8", "--seed", "0", "--logdir", str(logdir)])
+        scalars = read_scalars(log_dir)
+        means[name] = {tag: sum(series.values()) / len(series) for tag, series in scalars.items()}
+    return means
+
+
+@pytest.mark.parametrize(
+    ("tag", "smaller", "larger"),
+    [
+        (PROBS_DIFF, "fp32", "bf16"),  # bfloat16 rounding in the engine shows up
+        (KL_K3, "fp32", "bf16"),
+        (PROBS_DIFF, "bf16", "bf16-stale"),  # stale weights are worse than rounding
+        (KL_K3, "bf16", "bf16-stale"),
+    ],
+)
+def test_mismatch_ordering(mismatch: dict, tag: str, smaller: str, larger: str) -> None:
+    assert mismatch[smaller][tag] < mismatch[larger][tag], {k: v[tag] for k, v in mismatch.items()}
+
+
+def test_fp32_in_sync_engine_matches_trainer(mismatch: dict) -> None:
+    assert mismatch["fp32"][PROBS_DIFF] < 1e-6
+    assert abs(mismatch["fp32"][KL_K3]) < 1e-6
