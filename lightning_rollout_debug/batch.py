@@ -123,6 +123,55 @@ def select_mask(
     )
 
 
+def extract_inputs(
+    sources: Sequence[Any],
+    *,
+    rollout_log_probs_key: str = "rollout_log_probs",
+    old_log_probs_key: str = "old_log_probs",
+    response_mask_key: str = "response_mask",
+    token_ids_keys: tuple[str, str] | None = None,
+) -> tuple[MismatchInputs, str | None]:
+    """Look the tensors up in ``sources`` (first source wins), pick the mask, validate.
+
+    Returns the inputs and, when neither mask key is present and every position
+    counts, the reason to warn about; ``None`` otherwise.
+
+    Raises:
+        BatchError: a key is missing, or a tensor has the wrong type, shape or dtype.
+    """
+    if not sources:
+        raise BatchError(
+            "type:batch",
+            "The batch is not a mapping of tensors, a TensorDict, or an object whose `.batch` "
+            f"is one; expected `{rollout_log_probs_key}` and `{old_log_probs_key}` under those "
+            "keys.",
+        )
+    rollout = require(sources, rollout_log_probs_key)
+    old = require(sources, old_log_probs_key)
+    mask, mask_name = select_mask(sources, response_mask_key, _width(rollout))
+    fallback = None
+    if mask is None:
+        fallback, mask_name = mask_name, response_mask_key
+        if isinstance(rollout, Tensor):
+            mask = torch.ones(rollout.shape, dtype=torch.bool, device=rollout.device)
+    ids: tuple[Any, Any] = (None, None)
+    if token_ids_keys is not None:
+        ids = (require(sources, token_ids_keys[0]), require(sources, token_ids_keys[1]))
+    inputs = check_inputs(
+        rollout,
+        old,
+        mask,
+        *ids,
+        names=(rollout_log_probs_key, old_log_probs_key, mask_name),
+        id_names=token_ids_keys or ("rollout_token_ids", "trainer_token_ids"),
+    )
+    return inputs, fallback
+
+
+def _width(value: Any) -> int | str:
+    return value.shape[-1] if isinstance(value, Tensor) and value.dim() > 0 else "unknown"
+
+
 def _is_matrix(value: Any) -> bool:
     return isinstance(value, Tensor) and value.dim() == 2
 

@@ -7,7 +7,6 @@ The first four keep the names and call shapes of the original debug-metrics modu
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 
@@ -15,11 +14,9 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.batch import (
-    BatchError,
     check_inputs,
     check_token_ids,
-    require,
-    select_mask,
+    extract_inputs,
     tensor_sources,
 )
 from lightning_rollout_debug.stats import (
@@ -110,21 +107,10 @@ def calculate_debug_metrics(data: Any, prefix: str = DEFAULT_PREFIX) -> dict[str
         >>> {name: round(value, 4) for name, value in calculate_debug_metrics(batch).items()}
         {'training/rollout_probs_diff_valid': 1.0, 'training/rollout_probs_diff_max': 0.1, 'training/rollout_probs_diff_mean': 0.0667, 'training/rollout_probs_diff_std': 0.0577, 'training/rollout_actor_probs_pearson_corr': 0.9972}
     """  # noqa: E501
-    sources = tensor_sources(data)
-    if not sources:
-        raise BatchError(
-            "type:batch",
-            f"`data` is a {type(data).__name__}; expected a mapping of tensors, a TensorDict, "
-            f"or an object whose `.batch` is one.",
-        )
-    rollout = require(sources, "rollout_log_probs")
-    old = require(sources, "old_log_probs")
-    mask, reason = select_mask(sources, "response_mask", _width(rollout))
-    if mask is None:
-        warnings.warn(reason, UserWarning, stacklevel=2)
-        mask = torch.ones_like(rollout, dtype=torch.bool)
+    inputs, fallback = extract_inputs(tensor_sources(data))
+    if fallback is not None:
+        warnings.warn(fallback, UserWarning, stacklevel=2)
     stats = MismatchStats(groups=["seed"])
-    inputs = check_inputs(rollout, old, mask, names=("rollout_log_probs", "old_log_probs", "mask"))
     stats.update(inputs.rollout_log_probs, inputs.old_log_probs, inputs.mask)
     return _prefixed(stats.compute(), prefix)
 
@@ -166,7 +152,3 @@ def mismatch_metrics(
 
 def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
     return {f"{prefix}{name}": value for name, value in metrics.items()}
-
-
-def _width(tensor: Any) -> int | float:
-    return tensor.shape[-1] if isinstance(tensor, Tensor) and tensor.dim() > 0 else math.nan

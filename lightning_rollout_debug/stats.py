@@ -10,6 +10,7 @@ vector to the host once and derives every metric of ``docs/metrics.md`` from it.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -267,23 +268,24 @@ class MismatchStats:
             self._state = merge_states(torch.stack([self._state, incoming]))
         return self
 
-    def sync(
+    def synced(
         self,
         all_gather: Callable[[Tensor], Tensor],
         device: torch.device | str | None = None,
     ) -> MismatchStats:
-        """Merge the windows of all processes, in place, with one collective.
+        """Return the window of all processes merged, with one collective; ``self`` is unchanged.
 
         ``all_gather`` maps this process's packed state to the ``[world_size,
         STATE_SIZE]`` stack of every process's (for example
-        ``trainer.strategy.all_gather``). Every process must call it, empty or not.
-        ``device`` is where the collective runs (the strategy's root device); by default
-        the device of the window.
+        ``trainer.strategy.all_gather``). Every process must call it, empty window or
+        not, so the shapes agree. ``device`` is where the collective runs (the
+        strategy's root device); by default the device of the window.
         """
         local = self.state if device is None else self.state.to(device)
-        gathered = all_gather(local)
-        self._state = merge_states(gathered.reshape(-1, STATE_SIZE).to(torch.float64))
-        return self
+        gathered = all_gather(local).reshape(-1, STATE_SIZE).to(torch.float64)
+        merged = copy.copy(self)
+        merged._state = merge_states(gathered)
+        return merged
 
     # ----------------------------------------------------------------- update
     @torch.no_grad()
