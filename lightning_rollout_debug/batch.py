@@ -90,7 +90,8 @@ def require(sources: Sequence[Any], key: str) -> Any:
     """Return the value of ``key`` from the sources, or raise a :class:`BatchError`."""
     value = lookup(sources, key)
     if value is None:
-        found = sorted({str(k) for source in sources for k in source})
+        # `.keys()`: iterating a TensorDict yields its rows, not its keys.
+        found = sorted({str(k) for source in sources for k in source.keys()})  # noqa: SIM118
         raise BatchError(
             f"missing:{key}",
             f"The batch has no `{key}`; expected a [batch, response_length] tensor under that "

@@ -2,25 +2,51 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_rollout_debug.batch import BatchError, extract_inputs, tensor_sources
+from lightning_rollout_debug.alerts import (
+    AlertMonitor,
+    RolloutAlertError,
+    RolloutAlertWarning,
+    alert_problems,
+    enabled_metric_names,
+    resolve_alert_ranges,
+)
+from lightning_rollout_debug.batch import (
+    RESPONSES_KEY,
+    BatchError,
+    MismatchInputs,
+    extract_inputs,
+    lookup,
+    tensor_sources,
+)
 from lightning_rollout_debug.stats import (
     GROUPS,
     METRIC_NAMES,
     MismatchStats,
+    merge_states,
     validate_groups,
     validate_is_threshold,
     validate_seq_ratio_bounds,
+)
+from lightning_rollout_debug.tensorboard import (
+    ExtrasSummary,
+    TokenExtras,
+    dashboard_layout,
+    extras_problems,
+    token_ids_for,
+    write_extras,
 )
 
 
@@ -58,8 +84,27 @@ class RolloutDebugCallback(Callback):
             on the token-id group.
         groups: metric groups to log, from ``GROUPS``; ``None`` logs all that the
             configuration allows (the token-id group needs ``token_ids_keys``).
-        process_group: the process group to reduce over (for example the
-            data-parallel group under tensor parallelism); ``None`` means all ranks.
+        process_group: the process group to reduce over; ``None`` means all ranks. Pass
+            the data-parallel group when several ranks hold the same tokens (tensor,
+            sequence or pipeline parallelism), or they are counted several times. Either a
+            group, or a picklable callable ``(trainer) -> group | None`` that every rank
+            calls once in ``setup("fit")``, where it may create the group with
+            ``torch.distributed.new_group`` (needed under ``ddp_spawn``, or whenever the
+            group does not exist yet when the callback is built). A rank outside the group
+            takes part in no collective and keeps its own window.
+        histograms: with a ``TensorBoardLogger``, write histograms of the log ratio
+            ``r = a - b`` and of ``abs(pa - pb)`` over the window's tokens at each logged
+            step (``{prefix}rollout_log_ratio_hist``, ``{prefix}rollout_probs_diff_hist``).
+        worst_tokens_k: with a ``TensorBoardLogger``, write a table of the ``k`` tokens
+            with the largest ``abs(r)`` of each window (``{prefix}rollout_worst_tokens``);
+            0 turns it off. The token ids come from ``token_ids_keys[0]`` or ``responses``.
+        dashboard_layout: with a ``TensorBoardLogger``, write a custom-scalars layout
+            grouping the charts (agreement, divergence, sequences, health) once per run.
+        alert_ranges: allowed ``(low, high)`` per un-prefixed metric name (either bound
+            ``None``); ``None`` uses ``DEFAULT_ALERT_RANGES`` and ``{}`` turns alerts off.
+        on_alert: what a value outside its range does: ``"warn"`` (a warning once per
+            crossing), ``"stop"`` (also sets ``trainer.should_stop``) or ``"raise"``
+            (:class:`RolloutAlertError`). See ``docs/tensorboard.md``.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -84,6 +129,11 @@ class RolloutDebugCallback(Callback):
         token_ids_keys: tuple[str, str] | None = None,
         groups: Sequence[str] | None = None,
         process_group: Any | None = None,
+        histograms: bool = True,
+        worst_tokens_k: int = 10,
+        dashboard_layout: bool = True,
+        alert_ranges: Mapping[str, tuple[float | None, float | None]] | None = None,
+        on_alert: Literal["warn", "stop", "raise"] = "warn",
     ) -> None:
         problems = _argument_problems(
             rollout_log_probs_key=rollout_log_probs_key,
@@ -107,6 +157,10 @@ class RolloutDebugCallback(Callback):
             problems.append(
                 "The `token_ids` group needs `token_ids_keys=(rollout_key, trainer_key)`."
             )
+        problems += extras_problems(
+            histograms=histograms, worst_tokens_k=worst_tokens_k, dashboard_layout=dashboard_layout
+        )
+        problems += alert_problems(alert_ranges, on_alert, _enabled_groups(groups, token_ids_keys))
         if problems:
             raise ValueError("Invalid RolloutDebugCallback arguments:\n- " + "\n- ".join(problems))
 
@@ -117,19 +171,34 @@ class RolloutDebugCallback(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.strict = strict
         self.token_ids_keys = None if token_ids_keys is None else tuple(token_ids_keys)
+        chosen = validate_groups(groups)
         self.groups = tuple(
             group
             for group in GROUPS
-            if (group in groups if groups is not None else True)
-            and (group != "token_ids" or token_ids_keys is not None)
+            if group in chosen and (group != "token_ids" or token_ids_keys is not None)
         )
         self.process_group = process_group
+        self._group = None if callable(process_group) else process_group  # resolved in setup
         self._stats = MismatchStats(
             is_threshold=is_threshold, seq_ratio_bounds=seq_ratio_bounds, groups=self.groups
         )
         self._batches_in_window = 0
         self._warned: set[str] = set()
         self._restored_window: torch.Tensor | None = None
+        self.histograms = histograms
+        self.worst_tokens_k = worst_tokens_k
+        self.dashboard_layout = dashboard_layout
+        self.on_alert = on_alert
+        self.alert_ranges = resolve_alert_ranges(alert_ranges, self.groups)
+        self._alerts = AlertMonitor(self.alert_ranges)
+        self._extras = (
+            TokenExtras(histograms=histograms, worst_tokens_k=worst_tokens_k)
+            if histograms or worst_tokens_k
+            else None
+        )
+        self._restored_extras: torch.Tensor | None = None
+        self._layouts_written: set[str] = set()
+        self._rank = 0
 
     @property
     @override
@@ -139,6 +208,9 @@ class RolloutDebugCallback(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._rank = trainer.global_rank
+        if stage == "fit" and callable(self.process_group):
+            self._group = self.process_group(trainer)
         if stage == "fit" and not trainer.loggers:
             rank_zero_warn(
                 "RolloutDebugCallback: the Trainer has no logger, so the rollout metrics only "
@@ -150,10 +222,19 @@ class RolloutDebugCallback(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stats.reset()
-        if self._restored_window is not None and trainer.global_rank == 0:
-            # The checkpoint holds the window of all ranks merged: rank 0 alone carries it on.
+        if self._extras is not None:
+            self._extras.reset()
+        self._alerts.reset()
+        if self._restored_window is not None and _rank_in(self._group, trainer) == 0:
+            # The checkpoint holds the window of all ranks (of the process group) merged: the
+            # first rank (of each group: they hold the same tokens) alone carries it on.
             self._stats.load_state(self._restored_window.to(pl_module.device))
+            if self._extras is not None and self._restored_extras is not None:
+                restored = self._restored_extras
+                if restored.shape == (self._extras.size,):
+                    self._extras.load_state(restored.to(pl_module.device))
         self._restored_window = None
+        self._restored_extras = None
 
     @override
     def on_train_batch_end(
@@ -180,13 +261,19 @@ class RolloutDebugCallback(Callback):
     ) -> None:
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if state is not None and trainer.world_size > 1:
-            state["window"] = self._all_ranks(trainer).state.cpu()
+            stats, extras = self._all_ranks(trainer)
+            state["window"] = stats.state.cpu()
+            if extras is not None:
+                state["extras_window"] = extras.cpu()
 
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
             "window": self._stats.state.detach().cpu().clone(),
             "batches_in_window": self._batches_in_window,
+            "extras_window": None
+            if self._extras is None
+            else self._extras.state.detach().cpu().clone(),
             "config": self._config(),
         }
 
@@ -200,13 +287,15 @@ class RolloutDebugCallback(Callback):
                 category=RolloutDebugWarning,
             )
         self._restored_window = state_dict["window"]
+        self._restored_extras = state_dict.get("extras_window")
         self._batches_in_window = int(state_dict.get("batches_in_window", 0))
 
     # --------------------------------------------------------------- helpers
     def _update(self, outputs: Any, batch: Any) -> None:
         try:
+            sources = tensor_sources(outputs, batch)
             inputs, fallback = extract_inputs(
-                tensor_sources(outputs, batch),
+                sources,
                 rollout_log_probs_key=self.rollout_log_probs_key,
                 old_log_probs_key=self.old_log_probs_key,
                 response_mask_key=self.response_mask_key,
@@ -221,6 +310,15 @@ class RolloutDebugCallback(Callback):
                 inputs.rollout_token_ids,
                 inputs.trainer_token_ids,
             )
+            if self._extras is not None:
+                self._extras.update(
+                    inputs.rollout_log_probs,
+                    inputs.old_log_probs,
+                    inputs.mask,
+                    _token_ids(sources, inputs),
+                    batch_index=self._batches_in_window - 1,
+                    rank=self._rank,
+                )
         except BatchError as error:
             if self.strict:
                 raise
@@ -240,18 +338,48 @@ class RolloutDebugCallback(Callback):
         step = trainer.fit_loop.epoch_loop._batches_that_stepped + 1
         return step % self.log_every_n_steps == 0 or trainer.should_stop
 
-    def _all_ranks(self, trainer: pl.Trainer) -> MismatchStats:
-        """The window merged over every rank of the process group: one collective."""
-        if trainer.world_size == 1:
-            return self._stats
-        return self._stats.synced(
-            lambda state: trainer.strategy.all_gather(state, group=self.process_group),
-            device=trainer.strategy.root_device,
-        )
+    def _all_ranks(self, trainer: pl.Trainer) -> tuple[MismatchStats, torch.Tensor | None]:
+        """The window merged over every rank of the process group: one collective.
+
+        The packed statistics and the packed TensorBoard extras (histogram bins, worst-token
+        candidates) travel as one float64 vector, the same length on every rank, empty
+        window or not. Returns the merged statistics and the merged extras state (``None``
+        without extras), both on the device.
+        """
+        extras = None if self._extras is None else self._extras.state
+        if trainer.world_size == 1 or _rank_in(self._group, trainer) < 0:
+            return self._stats, extras
+        device = trainer.strategy.root_device
+        parts = [self._stats.state.to(device)]
+        if extras is not None:
+            parts.append(extras.to(device))
+        width = parts[0].numel()
+        local = torch.cat(parts)
+        gathered = trainer.strategy.all_gather(local, group=self._group)
+        gathered = gathered.reshape(-1, local.numel()).to(torch.float64)
+        stats = copy.copy(self._stats)
+        stats.load_state(merge_states(gathered[:, :width]))
+        if self._extras is not None:
+            extras = self._extras.merge_states(gathered[:, width:])
+        return stats, extras
+
+    def _host_window(self, trainer: pl.Trainer) -> tuple[MismatchStats, ExtrasSummary | None]:
+        """The merged window, copied to the host in one transfer: statistics and extras."""
+        stats, extras = self._all_ranks(trainer)
+        if extras is None or self._extras is None:
+            return stats, None
+        state = stats.state
+        host = torch.cat([state, extras.to(state.device)]).cpu()
+        on_host = copy.copy(stats)
+        on_host.load_state(host[: state.numel()])
+        return on_host, self._extras.summary(host[state.numel() :])
 
     def _log_window(self, trainer: pl.Trainer) -> None:
-        metrics = self._all_ranks(trainer).compute()
+        stats, extras = self._host_window(trainer)
+        metrics = stats.compute()
         self._stats.reset()
+        if self._extras is not None:
+            self._extras.reset()
         self._batches_in_window = 0
         scalars = {
             f"{self.prefix}{name}": value
@@ -259,6 +387,8 @@ class RolloutDebugCallback(Callback):
             if not math.isnan(value)
         }
         self._publish(trainer, scalars)
+        self._write_tensorboard(trainer, extras)
+        self._check_alerts(trainer, metrics)
 
     def _publish(self, trainer: pl.Trainer, scalars: Mapping[str, float]) -> None:
         names = {f"{self.prefix}{name}" for group in self.groups for name in METRIC_NAMES[group]}
@@ -272,6 +402,45 @@ class RolloutDebugCallback(Callback):
             step = trainer.fit_loop.epoch_loop._batches_that_stepped
             for logger in trainer.loggers:
                 logger.log_metrics(dict(scalars), step=step)
+
+    def _write_tensorboard(self, trainer: pl.Trainer, extras: ExtrasSummary | None) -> None:
+        """Histograms, worst tokens and (once per run) the layout, to TensorBoard loggers."""
+        if not trainer.is_global_zero:
+            return
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        for logger in trainer.loggers:
+            if not isinstance(logger, TensorBoardLogger):
+                continue
+            writer = logger.experiment
+            if self.dashboard_layout and logger.log_dir not in self._layouts_written:
+                self._layouts_written.add(logger.log_dir)
+                names = enabled_metric_names(self.groups)
+                writer.add_custom_scalars(dashboard_layout(self.prefix, names))
+            if extras is not None:
+                write_extras(writer, self.prefix, extras, step, show_rank=trainer.world_size > 1)
+
+    def _check_alerts(self, trainer: pl.Trainer, metrics: Mapping[str, float]) -> None:
+        """Act on the metrics outside their allowed range (the same on every rank)."""
+        result = self._alerts.check(metrics)
+        if not result.outside:
+            return
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        if self.on_alert == "raise":
+            found = "; ".join(alert.describe(self.prefix) for alert in result.outside)
+            raise RolloutAlertError(f"RolloutDebugCallback at step {step}: {found}.")
+        stop = self.on_alert == "stop"
+        if stop:
+            trainer.should_stop = True
+        for alert in result.new:
+            then = (
+                "stopping the training (on_alert='stop')"
+                if stop
+                else "warning again only after it is back in range"
+            )
+            rank_zero_warn(
+                f"RolloutDebugCallback at step {step}: {alert.describe(self.prefix)}; {then}.",
+                category=RolloutAlertWarning,
+            )
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
@@ -290,6 +459,30 @@ class RolloutDebugCallback(Callback):
             "token_ids_keys": self.token_ids_keys,
             "groups": self.groups,
         }
+
+
+def _rank_in(group: Any, trainer: pl.Trainer) -> int:
+    """This process's rank in ``group`` (``None``: all ranks); -1 when outside it."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if group is None or not distributed:
+        return trainer.global_rank
+    return torch.distributed.get_rank(group)
+
+
+def _enabled_groups(groups: Any, token_ids_keys: Any) -> frozenset[str]:
+    """The groups the callback will log (all of them if ``groups`` is invalid)."""
+    try:
+        chosen = validate_groups(groups)
+    except (TypeError, ValueError):
+        chosen = frozenset(GROUPS)
+    return chosen if token_ids_keys is not None else chosen - {"token_ids"}
+
+
+def _token_ids(sources: Sequence[Any], inputs: MismatchInputs) -> torch.Tensor | None:
+    """Ids of the sampled tokens for the worst-tokens table: rollout ids, else ``responses``."""
+    if inputs.rollout_token_ids is not None:
+        return inputs.rollout_token_ids
+    return token_ids_for(lookup(sources, RESPONSES_KEY), inputs.mask)
 
 
 def _argument_problems(

@@ -91,6 +91,8 @@ _SUMS = (
     "mult_error_m1",
     "ratio_m1",
     "ratio_sq_m1",
+    "ratio",
+    "ratio_sq",
     "ratio_high",
     "ratio_low",
     "sequences",
@@ -320,6 +322,11 @@ class MismatchStats:
             for start in range(0, batch, rows):
                 stop = min(batch, start + rows)
                 parts.append(self._chunk_state(inputs, start, stop))
+        elif "token_ids" in self.groups and inputs.rollout_token_ids is not None:
+            # An empty batch with token ids still compared ids: zero differences, not NaN.
+            empty = identity_state(device)
+            empty[_SUM_AT["id_updates"]] = 1.0
+            parts.append(empty)
         if not parts:
             parts.append(identity_state(device))
         self._state = parts[0] if len(parts) == 1 else merge_states(torch.stack(parts))
@@ -444,9 +451,13 @@ def _batch_state(
     mins: dict[str, Tensor] = {}
     if "seed" in groups:
         prob_rollout = torch.exp(b)
-        # pa - pb = pb * expm1(a - b): no cancellation when the two are close.
-        values["prob_diff"] = (prob_rollout * torch.expm1(r)).abs()
-        values["prob_actor"] = torch.exp(a)
+        prob_actor = torch.exp(a)
+        # pa - pb = pb * expm1(a - b): no cancellation when the two are close. Far apart,
+        # the rounding of r (up to 1e-6 at |r| = 20) would cost digits; subtract there.
+        close = r.abs() < 1.0
+        diff = torch.where(close, prob_rollout * torch.expm1(r), prob_actor - prob_rollout)
+        values["prob_diff"] = diff.abs()
+        values["prob_actor"] = prob_actor
         values["prob_rollout"] = prob_rollout
         maxes["prob_diff"] = _masked_max(values["prob_diff"], counting)
     if "log_space" in groups:
@@ -463,6 +474,9 @@ def _batch_state(
     if "importance_ratio" in groups:
         sums["ratio_m1"] = ratio_m1.sum(dtype=f64)
         sums["ratio_sq_m1"] = torch.expm1(2.0 * clamped).sum(dtype=f64)
+        # Plain sums for the ESS: n + sum(rho - 1) loses every digit when rho << 1.
+        sums["ratio"] = torch.where(counting, torch.exp(clamped), 0.0).sum(dtype=f64)
+        sums["ratio_sq"] = torch.where(counting, torch.exp(2.0 * clamped), 0.0).sum(dtype=f64)
         sums["ratio_high"] = (counting & (ratio_m1 > is_threshold - 1.0)).sum(dtype=f64)
         sums["ratio_low"] = (counting & (ratio_m1 < 1.0 / is_threshold - 1.0)).sum(dtype=f64)
         maxes["log_ratio"] = _masked_max(clamped, counting)
@@ -574,8 +588,8 @@ def _metrics_from_state(
 
     seqs = total("sequences")
     id_rows = total("id_rows")
-    sum_ratio = n + total("ratio_m1")
-    sum_ratio_sq = n + total("ratio_sq_m1")
+    sum_ratio = total("ratio")
+    sum_ratio_sq = total("ratio_sq")
     max_log_ratio = state[_MAX_AT["log_ratio"]]
     min_log_ratio = state[_MIN_AT["log_ratio"]]
     seq_max = state[_MAX_AT["seq_log_ratio"]]
@@ -599,7 +613,7 @@ def _metrics_from_state(
         "rollout_is_ratio_frac_high": per_token("ratio_high"),
         "rollout_is_ratio_frac_low": per_token("ratio_low"),
         "rollout_is_chi2": per_token("ratio_sq_m1"),
-        "rollout_is_ess": sum_ratio**2 / (n * sum_ratio_sq) if n >= 1 else nan,
+        "rollout_is_ess": sum_ratio**2 / (n * sum_ratio_sq) if sum_ratio_sq > 0 else nan,
         "actor_ppl": total("seq_ppl_actor") / seqs if has_seqs else nan,
         "rollout_ppl": total("seq_ppl_rollout") / seqs if has_seqs else nan,
         "rollout_actor_log_ppl_diff": -total("seq_log_ratio") / seqs if has_seqs else nan,

@@ -1,0 +1,186 @@
+"""Time and memory of the mismatch metrics, side by side with the original algorithm.
+
+Run ``python benchmarks/bench_metrics.py`` (add ``--quick`` for a smaller run). For each
+batch shape and dtype, on the CPU and on CUDA when present, it times interleaved, in one
+process:
+
+- ``seed``: the original algorithm (``seed_baseline.py``);
+- ``ours``: ``calculate_debug_metrics`` (the same five metrics, through the statistics);
+- ``catalog``: ``mismatch_metrics`` (every metric);
+- ``read``: summing the three input tensors once, the floor any method must pay;
+
+and prints medians and the ratios. Peak extra memory is measured in fresh subprocesses
+(CPU: peak resident memory above the inputs; CUDA: the allocator's peak above the inputs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from seed_baseline import seed_calculate_debug_metrics
+
+from lightning_rollout_debug.functional import (
+    calculate_debug_metrics,
+    mismatch_metrics,
+)
+
+SHAPES = ((256, 4096), (512, 8192))
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def make_batch(shape: tuple[int, int], dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    """A realistic batch: log-probs of sampled tokens, a small mismatch, padded rows."""
+    generator = torch.Generator().manual_seed(0)
+    rows, width = shape
+    rollout = torch.log(torch.rand(shape, generator=generator).clamp(min=1e-6))
+    old = rollout + 1e-2 * torch.randn(shape, generator=generator)
+    lengths = torch.randint(width // 4, width + 1, (rows, 1), generator=generator)
+    mask = (torch.arange(width).unsqueeze(0) < lengths).to(torch.int64)
+    return {
+        "rollout_log_probs": rollout.to(device=device, dtype=dtype),
+        "old_log_probs": old.clamp(max=0.0).to(device=device, dtype=dtype),
+        "response_mask": mask.to(device),
+    }
+
+
+def methods(batch: dict[str, torch.Tensor]) -> dict[str, Callable[[], object]]:
+    """The functions to time, each a closure over ``batch``."""
+    tensors = (batch["rollout_log_probs"], batch["old_log_probs"], batch["response_mask"])
+    return {
+        "read": lambda: torch.stack([t.sum().double() for t in tensors]).sum().item(),
+        "seed": lambda: seed_calculate_debug_metrics(batch),
+        "ours": lambda: calculate_debug_metrics(batch),
+        "catalog": lambda: mismatch_metrics(*tensors),
+    }
+
+
+def time_interleaved(
+    calls: dict[str, Callable[[], object]], repeats: int, device: str
+) -> dict[str, float]:
+    """Median milliseconds of each call, taking turns so machine noise hits all alike."""
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    for call in calls.values():  # warm-up (and compilation, where it happens)
+        call()
+        call()
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            sync()
+            start = time.perf_counter()
+            call()
+            sync()
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def peak_memory_mb(method: str, shape: tuple[int, int], dtype: str, device: str) -> float:
+    """Peak extra memory of one call of ``method``, measured in a fresh subprocess."""
+    result = subprocess.run(
+        [sys.executable, __file__, "--memory-probe", method, *map(str, shape), dtype, device],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(result.stdout.strip().splitlines()[-1])
+
+
+def memory_probe(method: str, rows: int, width: int, dtype: str, device: str) -> None:
+    """Print the peak extra memory (MB) of ``method``; run in a fresh process."""
+    import resource
+
+    methods(make_batch((8, 256), DTYPES[dtype], device))[method]()  # load and warm up the code
+    batch = make_batch((rows, width), DTYPES[dtype], device)
+    call = methods(batch)[method]
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        call()
+        torch.cuda.synchronize()
+        print((torch.cuda.max_memory_allocated() - base) / 2**20)
+        return
+    # The high-water mark of resident memory, before and after the one call on the big batch.
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    call()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(max(after - before, 0) / 1024)
+
+
+def input_megabytes(batch: dict[str, torch.Tensor]) -> float:
+    """Bytes of the three input tensors, in MB."""
+    return sum(t.numel() * t.element_size() for t in batch.values()) / 2**20
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark and print a table of medians and ratios."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes, few repeats")
+    parser.add_argument("--repeats", type=int, default=7, help="timed rounds per method")
+    parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory probes")
+    parser.add_argument("--memory-probe", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_probe:
+        method, rows, width, dtype, device = args.memory_probe
+        memory_probe(method, int(rows), int(width), dtype, device)
+        return
+
+    shapes = ((64, 1024), (128, 2048)) if args.quick else SHAPES
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    rows_out = []
+    header = (
+        f"{'device':6} {'shape':>10} {'dtype':9} {'read ms':>8} {'seed ms':>8} {'ours ms':>8} "
+        f"{'catalog':>8} {'seed/ours':>9} {'ours/read':>9} {'cat/ours':>8} {'mem ours/in':>11} "
+        f"{'mem seed/in':>11}"
+    )
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(header)
+    for device in devices:
+        for shape in shapes:
+            for dtype_name, dtype in DTYPES.items():
+                batch = make_batch(shape, dtype, device)
+                ms = time_interleaved(methods(batch), args.repeats, device)
+                inputs_mb = input_megabytes(batch)
+                mem = {}
+                if not args.no_memory:
+                    for method in ("seed", "ours"):
+                        mem[method] = peak_memory_mb(method, shape, dtype_name, device) / inputs_mb
+                row = {
+                    "device": device,
+                    "shape": list(shape),
+                    "dtype": dtype_name,
+                    "ms": ms,
+                    "seed_over_ours": ms["seed"] / ms["ours"],
+                    "ours_over_read": ms["ours"] / ms["read"],
+                    "catalog_over_ours": ms["catalog"] / ms["ours"],
+                    "memory_over_inputs": mem,
+                }
+                rows_out.append(row)
+                print(
+                    f"{device:6} {shape[0]:>4}x{shape[1]:<5} {dtype_name:9} {ms['read']:8.2f} "
+                    f"{ms['seed']:8.2f} {ms['ours']:8.2f} {ms['catalog']:8.2f} "
+                    f"{row['seed_over_ours']:9.1f} {row['ours_over_read']:9.2f} "
+                    f"{row['catalog_over_ours']:8.2f} {mem.get('ours', float('nan')):11.3f} "
+                    f"{mem.get('seed', float('nan')):11.3f}"
+                )
+    if args.json:
+        args.json.write_text(json.dumps(rows_out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

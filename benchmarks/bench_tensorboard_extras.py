@@ -1,0 +1,136 @@
+"""What the TensorBoard extras (histograms, worst tokens, layout) add to a logged step.
+
+A real Trainer logs every step to a TensorBoardLogger; the batch is ``[256, 4096]``
+float32 log-probs with a random response mask. The callback's ``on_train_batch_end``
+(update + reduce + compute + write, i.e. a whole logged step of the callback) is timed
+with the extras on (defaults) and off, alternating runs, and the median is reported.
+Also timed: the update alone of the statistics and of the extras.
+
+    python benchmarks/bench_tensorboard_extras.py [--rows 256 --width 4096 --steps 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import TensorBoardLogger
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_rollout_debug import MismatchStats, RolloutDebugCallback
+from lightning_rollout_debug.tensorboard import TokenExtras
+
+
+class Timed(RolloutDebugCallback):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.seconds: list[float] = []
+
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        super().on_train_batch_end(*args, **kwargs)
+        self.seconds.append(time.perf_counter() - start)
+
+
+class Module(pl.LightningModule):
+    def __init__(self, batch: dict[str, torch.Tensor], steps: int) -> None:
+        super().__init__()
+        self.layer = nn.Linear(1, 1)
+        self.batch, self.steps = batch, steps
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader([self.batch] * self.steps, batch_size=None)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.layer(torch.ones(1, 1)).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def make_batch(rows: int, width: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    rollout = torch.log(torch.rand(rows, width, generator=generator) * 0.99 + 0.005)
+    old = (rollout + 0.01 * torch.randn(rows, width, generator=generator)).clamp(max=0.0)
+    lengths = torch.randint(width // 4, width + 1, (rows, 1), generator=generator)
+    return {
+        "rollout_log_probs": rollout,
+        "old_log_probs": old,
+        "response_mask": (torch.arange(width) < lengths).long(),
+        "responses": torch.randint(0, 150_000, (rows, width), generator=generator),
+    }
+
+
+def logged_step_seconds(batch: dict[str, torch.Tensor], steps: int, extras: bool) -> list[float]:
+    options: dict[str, Any] = {"alert_ranges": {}}
+    if not extras:
+        options.update(histograms=False, worst_tokens_k=0, dashboard_layout=False)
+    callback = Timed(**options)
+    with tempfile.TemporaryDirectory() as logdir:
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=steps,
+            log_every_n_steps=1,
+            logger=TensorBoardLogger(logdir, name="bench"),
+            callbacks=[callback],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
+        trainer.fit(Module(batch, steps))
+    return callback.seconds[1:]  # the first step also creates the writer
+
+
+def update_seconds(batch: dict[str, torch.Tensor], target: Any, repeats: int) -> float:
+    args = (batch["rollout_log_probs"], batch["old_log_probs"], batch["response_mask"])
+    if isinstance(target, TokenExtras):
+        args = (*args, batch["responses"])
+    target.update(*args)
+    times = []
+    for _ in range(repeats):
+        target.reset()
+        start = time.perf_counter()
+        target.update(*args)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    batch = make_batch(args.rows, args.width)
+    tokens = int(batch["response_mask"].sum())
+    print(
+        f"batch [{args.rows}, {args.width}], {tokens} counting tokens, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    on: list[float] = []
+    off: list[float] = []
+    for _ in range(args.rounds):
+        off += logged_step_seconds(batch, args.steps, extras=False)
+        on += logged_step_seconds(batch, args.steps, extras=True)
+    base, full = statistics.median(off), statistics.median(on)
+    print(f"logged step, extras off: {base * 1e3:8.1f} ms (median of {len(off)})")
+    print(f"logged step, extras on : {full * 1e3:8.1f} ms (median of {len(on)})")
+    print(f"extras add             : {(full - base) * 1e3:8.1f} ms ({full / base - 1:+.0%})")
+    stats_update = update_seconds(batch, MismatchStats(), 5)
+    extras_update = update_seconds(batch, TokenExtras(), 5)
+    print(f"update alone, MismatchStats: {stats_update * 1e3:8.1f} ms")
+    print(f"update alone, TokenExtras  : {extras_update * 1e3:8.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""Alerts: an allowed range per metric, and what happens when a logged value leaves it.
+
+The callback checks the metrics of every logged window against ``alert_ranges`` (allowed
+``(low, high)`` per un-prefixed metric name, either bound ``None`` for open, both
+inclusive). A value outside its range is a *crossing*; what happens then is ``on_alert``:
+
+* ``"warn"``: a rank-zero :class:`RolloutAlertWarning` naming the metric, its value and
+  its range, once per crossing *episode*: the metric warns again only after a window in
+  which it was back inside its range, so a metric that stays out does not warn on every
+  step. A window where the metric is undefined (not logged) does not end an episode.
+* ``"stop"``: the same warnings, and ``trainer.should_stop = True`` on every rank at every
+  window with a value out of range (the values are identical on every rank after the
+  window's reduction, so every rank decides the same).
+* ``"raise"``: :class:`RolloutAlertError` naming every metric out of range, on every rank.
+
+The defaults (:data:`DEFAULT_ALERT_RANGES`) come from public reference points; see
+``docs/tensorboard.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from lightning_rollout_debug.stats import GROUPS, METRIC_NAMES
+
+AlertAction = Literal["warn", "stop", "raise"]
+"""What to do when a metric leaves its range."""
+
+ALERT_ACTIONS: tuple[str, ...] = ("warn", "stop", "raise")
+"""The valid values of ``on_alert``."""
+
+Bound = float | None
+
+DEFAULT_ALERT_RANGES: dict[str, tuple[Bound, Bound]] = {
+    # verl's FAQ: below about 0.005 is normal, above 0.01 points to an engine precision bug.
+    "rollout_probs_diff_mean": (None, 0.01),
+    # MiniMax-M1: about 0.987 with the bf16 LM head (the bug), about 0.997 after the FP32
+    # fix. 0.99 sits between the two: a fixed setup passes, the reported bug is flagged.
+    "rollout_actor_probs_pearson_corr": (0.99, None),
+    # NeMo-RL: near 1.0 is healthy, above about 1.05 is worth investigating.
+    "rollout_actor_mult_prob_error": (None, 1.05),
+    # NeMo-RL: a generation KL below about 1e-3 is typical. 1e-2 is ten times that, about
+    # what a token-level |r| of 0.1-0.15 gives (k3 ~ r^2 / 2): flags real drift (stale
+    # weights, a wrong sampler setting) without firing on bf16 noise.
+    "rollout_actor_kl_k3": (None, 0.01),
+}
+"""The ranges used when ``alert_ranges=None`` (metrics of disabled groups are left out)."""
+
+
+class RolloutAlertError(RuntimeError):
+    """A rollout metric left its allowed range and ``on_alert="raise"``."""
+
+
+class RolloutAlertWarning(UserWarning):
+    """A rollout metric left its allowed range."""
+
+
+@dataclass(frozen=True)
+class Alert:
+    """A metric of a logged window whose value is outside its allowed range."""
+
+    name: str
+    value: float
+    low: Bound
+    high: Bound
+
+    def describe(self, prefix: str = "") -> str:
+        """E.g. ``training/rollout_probs_diff_mean = 0.02 is outside [-inf, 0.01]``."""
+        allowed = format_range(self.low, self.high)
+        return f"`{prefix}{self.name}` = {self.value:.6g} is outside {allowed}"
+
+
+def format_range(low: Bound, high: Bound) -> str:
+    """``[low, high]`` with an open side written as infinity."""
+    return f"[{'-inf' if low is None else f'{low:g}'}, {'inf' if high is None else f'{high:g}'}]"
+
+
+def enabled_metric_names(groups: Collection[str]) -> list[str]:
+    """The un-prefixed metric names of ``groups``, in catalog order."""
+    return [name for group in GROUPS if group in groups for name in METRIC_NAMES[group]]
+
+
+def alert_problems(alert_ranges: Any, on_alert: Any, groups: Collection[str]) -> list[str]:
+    """Return what is wrong with ``alert_ranges`` and ``on_alert`` (empty if nothing).
+
+    ``groups`` are the enabled metric groups: a range on a metric that is not logged
+    would never fire, so it is refused too.
+    """
+    problems = []
+    if not isinstance(on_alert, str) or on_alert not in ALERT_ACTIONS:
+        problems.append(f"`on_alert` must be one of {list(ALERT_ACTIONS)}, got {on_alert!r}.")
+    if alert_ranges is None:
+        return problems
+    if not isinstance(alert_ranges, Mapping):
+        problems.append(
+            "`alert_ranges` must be None (the defaults), {} (no alerts) or a dict "
+            f"{{metric_name: (low, high)}}, got {alert_ranges!r}."
+        )
+        return problems
+    valid = enabled_metric_names(groups)
+    group_of = {name: group for group, names in METRIC_NAMES.items() for name in names}
+    unknown = []
+    for name, bounds in alert_ranges.items():
+        if name not in group_of:
+            unknown.append(name)
+        elif name not in valid:
+            problems.append(
+                f"`alert_ranges` has a range for `{name}`, but its group `{group_of[name]}` is "
+                f"not logged (enabled groups: {[g for g in GROUPS if g in groups]})."
+            )
+        if _parse_range(bounds) is None:
+            problems.append(
+                f"`alert_ranges[{name!r}]` must be (low, high) with each a number or None, at "
+                f"least one a number, and low <= high; got {bounds!r}."
+            )
+    if unknown:
+        problems.append(
+            f"`alert_ranges` names unknown metrics {unknown}; use un-prefixed names, valid "
+            f"names are {valid}."
+        )
+    return problems
+
+
+def resolve_alert_ranges(
+    alert_ranges: Mapping[str, Any] | None, groups: Collection[str]
+) -> dict[str, tuple[Bound, Bound]]:
+    """The ranges to check: the defaults of the enabled groups for ``None``, else as given.
+
+    Call :func:`alert_problems` first; this assumes valid input.
+    """
+    if alert_ranges is None:
+        names = set(enabled_metric_names(groups))
+        return {name: bounds for name, bounds in DEFAULT_ALERT_RANGES.items() if name in names}
+    parsed = {name: _parse_range(bounds) for name, bounds in alert_ranges.items()}
+    return {name: bounds for name, bounds in parsed.items() if bounds is not None}
+
+
+def _parse_range(bounds: Any) -> tuple[Bound, Bound] | None:
+    if isinstance(bounds, (str, bytes, Mapping)):
+        return None
+    try:
+        low, high = bounds
+    except (TypeError, ValueError):
+        return None
+    parsed = []
+    for bound in (low, high):
+        if bound is None:
+            parsed.append(None)
+        elif isinstance(bound, bool) or not isinstance(bound, (int, float)) or math.isnan(bound):
+            return None
+        else:
+            parsed.append(float(bound))
+    if parsed == [None, None]:
+        return None
+    if parsed[0] is not None and parsed[1] is not None and parsed[0] > parsed[1]:
+        return None
+    return parsed[0], parsed[1]
+
+
+class AlertMonitor:
+    """Checks each logged window's metrics against allowed ranges, tracking crossing episodes.
+
+    Args:
+        ranges: allowed ``(low, high)`` per un-prefixed metric name (see
+            :func:`resolve_alert_ranges`).
+
+    Example:
+        >>> monitor = AlertMonitor({"rollout_probs_diff_mean": (None, 0.01)})
+        >>> [a.value for a in monitor.check({"rollout_probs_diff_mean": 0.02}).new]
+        [0.02]
+        >>> monitor.check({"rollout_probs_diff_mean": 0.03}).new  # same episode
+        []
+        >>> monitor.check({"rollout_probs_diff_mean": 0.001}).outside
+        []
+        >>> len(monitor.check({"rollout_probs_diff_mean": 0.02}).new)  # a new episode
+        1
+    """
+
+    @dataclass(frozen=True)
+    class Result:
+        """The alerts of one window: all metrics out of range, and those newly out."""
+
+        outside: list[Alert]
+        new: list[Alert]
+
+    def __init__(self, ranges: Mapping[str, tuple[Bound, Bound]]) -> None:
+        self.ranges = dict(ranges)
+        self._active: set[str] = set()
+
+    def reset(self) -> None:
+        """Forget the open episodes (the next crossing of every metric alerts again)."""
+        self._active.clear()
+
+    def check(self, metrics: Mapping[str, float]) -> AlertMonitor.Result:
+        """Compare a window's metrics (un-prefixed names) with the ranges.
+
+        A metric missing from ``metrics`` or NaN (undefined for the window) is skipped
+        and keeps its episode state.
+        """
+        outside, new = [], []
+        for name, (low, high) in self.ranges.items():
+            value = metrics.get(name, math.nan)
+            if math.isnan(value):
+                continue
+            if (low is not None and value < low) or (high is not None and value > high):
+                alert = Alert(name, value, low, high)
+                outside.append(alert)
+                if name not in self._active:
+                    self._active.add(name)
+                    new.append(alert)
+            else:
+                self._active.discard(name)
+        return AlertMonitor.Result(outside, new)

@@ -1,0 +1,189 @@
+"""Shared test data: random ``[B, T]`` batches of log-probs, masks and token ids.
+
+Hypothesis draws the structure (shape, dtypes, value regime, mask kind, how many
+special values); a NumPy generator seeded by Hypothesis fills in the values, which
+keeps each example cheap. The log-probs are built in their target dtype first, so the
+reference sees exactly the (upcast) values the package sees.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import strategies as st
+from torch import Tensor
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+MASK_DTYPES = (
+    torch.bool,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+)
+ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+REGIMES = ("near_zero", "near_floor", "unrelated", "matched", "mixed")
+MASK_KINDS = ("bool", "binary", "counts", "zeros", "ones", "single", "prefix")
+SPECIALS = np.array([np.nan, np.inf, -np.inf, 0.0, -20.0, -1e4, -1e30])
+
+
+EXAMPLES_SCALE = float(os.environ.get("ROLLOUT_DEBUG_EXAMPLES_SCALE", "1"))
+
+
+def examples(count: int) -> int:
+    """``count`` Hypothesis examples, times ``$ROLLOUT_DEBUG_EXAMPLES_SCALE`` for stress runs."""
+    return max(1, round(count * EXAMPLES_SCALE))
+
+
+@dataclass
+class Batch:
+    """One batch as the statistics take it."""
+
+    rollout: Tensor
+    old: Tensor
+    mask: Tensor
+    rollout_ids: Tensor | None = None
+    trainer_ids: Tensor | None = None
+
+    def args(self) -> tuple[Tensor | None, ...]:
+        return (self.rollout, self.old, self.mask, self.rollout_ids, self.trainer_ids)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.mask.shape)  # type: ignore[return-value]
+
+
+def _near_floor(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
+    below = -20.0 - rng.exponential(3.0, shape)
+    above = -20.0 + rng.uniform(0.0, 0.5, shape)
+    return np.where(rng.random(shape) < 0.5, below, above)
+
+
+def _pair(rng: np.random.Generator, shape: tuple[int, int], regime: str) -> tuple[np.ndarray, ...]:
+    if regime == "near_zero":
+        return -rng.uniform(0.0, 1e-6, shape), -rng.uniform(0.0, 1e-6, shape)
+    if regime == "near_floor":
+        return _near_floor(rng, shape), _near_floor(rng, shape)
+    if regime == "unrelated":
+        scale = rng.choice([0.1, 1.0, 5.0])
+        return -rng.exponential(scale, shape), -rng.exponential(scale, shape)
+    if regime == "matched":
+        x = -rng.exponential(rng.choice([0.01, 1.0, 4.0]), shape)
+        noise = rng.normal(0.0, rng.choice([1e-7, 1e-5, 1e-3, 1e-1]), shape)
+        return x, x + noise
+    # mixed: every element from a regime of its own
+    pairs = [_pair(rng, shape, name) for name in REGIMES[:-1]]
+    pick = rng.integers(0, len(pairs), shape)
+    first = np.choose(pick, [p[0] for p in pairs])
+    second = np.choose(pick, [p[1] for p in pairs])
+    return first, second
+
+
+def _specials(rng: np.random.Generator, x: np.ndarray, rate: float) -> np.ndarray:
+    hit = rng.random(x.shape) < rate
+    return np.where(hit, rng.choice(SPECIALS, x.shape), x)
+
+
+def _mask(
+    rng: np.random.Generator, shape: tuple[int, int], kind: str, dtype: torch.dtype
+) -> Tensor:
+    p = rng.uniform(0.0, 1.0)
+    if kind == "bool":
+        values = rng.random(shape) < p
+        dtype = torch.bool
+    elif kind == "binary":
+        values = (rng.random(shape) < p).astype(np.float64)
+    elif kind == "counts":  # any non-zero value counts
+        choices = [0.0, 1.0, 2.0, 3.0] if dtype in (torch.bool, torch.uint8) else [0, 1, 2, -1]
+        if dtype.is_floating_point:
+            choices = [0.0, 0.5, 1.0, 2.0, -1.0]
+        values = rng.choice(choices, shape)
+    elif kind == "zeros":
+        values = np.zeros(shape)
+    elif kind == "ones":
+        values = np.ones(shape)
+    elif kind == "single":
+        values = np.zeros(shape)
+        if values.size:
+            values[tuple(int(rng.integers(0, n)) for n in shape)] = 1.0
+    else:  # prefix: a right-padded response mask
+        lengths = rng.integers(0, shape[1] + 1, shape[0])
+        values = (np.arange(shape[1])[None, :] < lengths[:, None]).astype(np.float64)
+    if dtype == torch.bool:
+        return torch.from_numpy(np.asarray(values) != 0)
+    return torch.from_numpy(np.asarray(values, dtype=np.float64)).to(dtype)
+
+
+def make_batch(
+    rng: np.random.Generator,
+    shape: tuple[int, int],
+    *,
+    dtype: torch.dtype = torch.float32,
+    old_dtype: torch.dtype | None = None,
+    regime: str = "mixed",
+    mask_kind: str = "bool",
+    mask_dtype: torch.dtype = torch.bool,
+    special_rate: float = 0.0,
+    with_ids: bool = False,
+    id_dtype: torch.dtype = torch.int64,
+) -> Batch:
+    """A random batch; the log-probs are rounded to their dtype before anyone sees them."""
+    first, second = _pair(rng, shape, regime)
+    if rng.random() < 0.5:
+        first, second = second, first
+    first, second = _specials(rng, first, special_rate), _specials(rng, second, special_rate)
+    rollout = torch.from_numpy(first).to(dtype)
+    old = torch.from_numpy(second).to(old_dtype or dtype)
+    mask = _mask(rng, shape, mask_kind, mask_dtype)
+    if not with_ids:
+        return Batch(rollout, old, mask)
+    high = 100 if id_dtype == torch.uint8 else 50_000
+    rollout_ids = rng.integers(0, high, shape)
+    changed = rng.random(shape) < rng.choice([0.0, 0.05, 0.5])
+    trainer_ids = np.where(changed, rng.integers(0, high, shape), rollout_ids)
+    return Batch(
+        rollout,
+        old,
+        mask,
+        torch.from_numpy(rollout_ids).to(id_dtype),
+        torch.from_numpy(trainer_ids).to(id_dtype),
+    )
+
+
+@st.composite
+def batches(
+    draw: st.DrawFn,
+    *,
+    width: int | None = None,
+    with_ids: bool | None = None,
+    max_rows: int = 6,
+    max_width: int = 40,
+) -> Batch:
+    """A Hypothesis strategy of :class:`Batch`: B in 0..6, T in 0..40, every dtype and kind."""
+    rows = draw(st.integers(0, max_rows))
+    cols = draw(st.integers(0, max_width)) if width is None else width
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    old_dtype = draw(st.one_of(st.just(dtype), st.sampled_from(FLOAT_DTYPES)))
+    return make_batch(
+        np.random.default_rng(draw(st.integers(0, 2**32 - 1))),
+        (rows, cols),
+        dtype=dtype,
+        old_dtype=old_dtype,
+        regime=draw(st.sampled_from(REGIMES)),
+        mask_kind=draw(st.sampled_from(MASK_KINDS)),
+        mask_dtype=draw(st.sampled_from(MASK_DTYPES)),
+        special_rate=draw(st.sampled_from([0.0, 0.0, 0.03, 0.3])),
+        with_ids=draw(st.booleans()) if with_ids is None else with_ids,
+        id_dtype=draw(st.sampled_from(ID_DTYPES)),
+    )
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(20240601)

@@ -1,0 +1,354 @@
+"""An independent float64 NumPy reference of the metric catalog (docs: METRICS.md).
+
+Written straight from the definitions, token by token: the counting tokens are
+gathered with boolean indexing and every statistic is the textbook formula in
+float64. Nothing here is imported from the package under test.
+
+:func:`reference_metrics` returns a :class:`Reference`: a plain ``dict`` of the
+un-prefixed metric names (NaN where a value is undefined) that also carries the
+magnitudes :func:`assert_metrics_close` needs to choose its tolerances.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+FLOOR = -20.0
+CLAMP = 20.0
+EPS32 = float(np.finfo(np.float32).eps)
+RTOL = 1e-5
+ATOL = 5e-7
+
+PEARSON = "rollout_actor_probs_pearson_corr"
+
+NAMES: dict[str, tuple[str, ...]] = {
+    "seed": (
+        "rollout_probs_diff_valid",
+        "rollout_probs_diff_max",
+        "rollout_probs_diff_mean",
+        "rollout_probs_diff_std",
+        PEARSON,
+    ),
+    "log_space": (
+        "rollout_log_probs_diff_max",
+        "rollout_log_probs_diff_mean",
+        "rollout_log_probs_diff_std",
+    ),
+    "kl": ("rollout_actor_kl_k1", "rollout_actor_kl_k3", "rollout_actor_mult_prob_error"),
+    "importance_ratio": (
+        "rollout_is_ratio_mean",
+        "rollout_is_ratio_min",
+        "rollout_is_ratio_max",
+        "rollout_is_ratio_frac_high",
+        "rollout_is_ratio_frac_low",
+        "rollout_is_chi2",
+        "rollout_is_ess",
+    ),
+    "sequence": (
+        "actor_ppl",
+        "rollout_ppl",
+        "rollout_actor_log_ppl_diff",
+        "rollout_actor_log_ppl_abs_diff_max",
+        "rollout_seq_geo_ratio_min",
+        "rollout_seq_geo_ratio_max",
+        "rollout_seq_frac_outside",
+    ),
+    "health": ("rollout_tokens", "rollout_sequences", "rollout_nonfinite_tokens"),
+    "token_ids": ("rollout_token_diff_count", "rollout_token_diff_seq_frac"),
+}
+"""The catalog, group by group, copied from METRICS.md."""
+
+ALL_NAMES: tuple[str, ...] = tuple(name for names in NAMES.values() for name in names)
+
+# Statistics in probability space: errors scale with the largest probability involved.
+_PROB_SPACE = frozenset(NAMES["seed"][1:4])
+# Statistics of log-ratios (terms up to ~20 nats): errors scale with max |r|.
+_LOG_SPACE = frozenset(
+    (
+        *NAMES["log_space"],
+        "rollout_actor_kl_k1",
+        "rollout_actor_log_ppl_diff",
+        "rollout_actor_log_ppl_abs_diff_max",
+    )
+)
+
+
+class Reference(dict):
+    """Reference metric values plus what the comparison needs to know about the data.
+
+    Attributes:
+        log_scale: ``max(1, max |r|)`` over the counting tokens.
+        prob_scale: the largest ``pa`` or ``pb`` over the counting tokens (1 when none).
+        pearson_sides: ``[(mean, population std), ...]`` of the two Pearson inputs, or
+            ``None`` when fewer than two values count.
+    """
+
+    log_scale: float = 1.0
+    prob_scale: float = 1.0
+    pearson_sides: list[tuple[float, float]] | None = None
+
+    def select(self, names: Iterable[str]) -> Reference:
+        """The same reference restricted to ``names`` (in that order)."""
+        out = Reference({name: self[name] for name in names})
+        out.log_scale, out.prob_scale = self.log_scale, self.prob_scale
+        out.pearson_sides = self.pearson_sides
+        return out
+
+
+def to_numpy(value: Any) -> np.ndarray:
+    """A float64 copy of a tensor (exact upcast from any float dtype) or array-like."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().double().numpy()
+    return np.asarray(value, dtype=np.float64)
+
+
+def _ids_numpy(value: Any) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().to(torch.int64).numpy()
+    return np.asarray(value, dtype=np.int64)
+
+
+def _as_list(value: Any, length: int | None = None) -> list[Any]:
+    if value is None:
+        return [None] * (length or 0)
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def _mean(x: np.ndarray) -> float:
+    return float(np.mean(x)) if x.size >= 1 else math.nan
+
+
+def _max(x: np.ndarray) -> float:
+    return float(np.max(x)) if x.size >= 1 else math.nan
+
+
+def _min(x: np.ndarray) -> float:
+    return float(np.min(x)) if x.size >= 1 else math.nan
+
+
+def _std(x: np.ndarray) -> float:
+    return float(np.std(x, ddof=1)) if x.size >= 2 else math.nan
+
+
+def pearson(x: np.ndarray, y: np.ndarray) -> float:
+    """Pearson correlation of two 1-D float64 samples; NaN if ``n < 2`` or a side is constant."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    if x.size < 2:
+        return math.nan
+    dx, dy = x - x.mean(), y - y.mean()
+    sxx, syy = float(np.sum(dx * dx)), float(np.sum(dy * dy))
+    if sxx == 0.0 or syy == 0.0:
+        return math.nan
+    return float(np.sum(dx * dy) / math.sqrt(sxx * syy))
+
+
+def pearson_sides(x: np.ndarray, y: np.ndarray) -> list[tuple[float, float]] | None:
+    """``(mean, population std)`` of both Pearson inputs, ``None`` when fewer than two."""
+    if np.asarray(x).size < 2:
+        return None
+    return [(float(np.mean(v)), float(np.std(v))) for v in (x, y)]
+
+
+def reference_metrics(
+    rollout_log_probs: Any,
+    old_log_probs: Any,
+    mask: Any,
+    *,
+    is_threshold: float = 2.0,
+    seq_ratio_bounds: tuple[float, float] = (0.99, 1.01),
+    rollout_ids: Any = None,
+    trainer_ids: Any = None,
+) -> Reference:
+    """Every metric of the catalog over a window of one or several ``[B, T]`` batches.
+
+    Each argument is one batch or a list of batches (widths may differ between
+    batches); the statistics are exact over the concatenation of all their counting
+    tokens, and sequences are the rows of each batch. Token ids may be ``None`` for the
+    whole window or for single batches (those batches then add nothing to the token-id
+    group, which is NaN when no batch had ids).
+    """
+    rollouts = _as_list(rollout_log_probs)
+    olds = _as_list(old_log_probs)
+    masks = _as_list(mask)
+    r_ids = _as_list(rollout_ids, len(rollouts))
+    t_ids = _as_list(trainer_ids, len(rollouts))
+    assert len(rollouts) == len(olds) == len(masks) == len(r_ids) == len(t_ids)
+
+    token_a: list[np.ndarray] = []
+    token_b: list[np.ndarray] = []
+    seq_mean_a: list[float] = []
+    seq_mean_b: list[float] = []
+    seq_mean_r: list[float] = []
+    nonfinite = 0
+    ids_seen = False
+    id_diff = 0
+    id_rows = 0
+    id_diff_rows = 0
+    for rollout, old, m, rid, tid in zip(rollouts, olds, masks, r_ids, t_ids, strict=True):
+        b = np.maximum(to_numpy(rollout), FLOOR)  # NaN stays NaN, -inf becomes -20
+        a = np.maximum(to_numpy(old), FLOOR)
+        masked = to_numpy(m) != 0
+        assert a.ndim == 2 and a.shape == b.shape == masked.shape
+        finite = np.isfinite(a) & np.isfinite(b)
+        counts = masked & finite
+        nonfinite += int(np.sum(masked & ~finite))
+        token_a.append(a[counts])
+        token_b.append(b[counts])
+        for row in range(a.shape[0]):
+            keep = counts[row]
+            if keep.any():
+                seq_mean_a.append(float(np.mean(a[row][keep])))
+                seq_mean_b.append(float(np.mean(b[row][keep])))
+                seq_mean_r.append(float(np.mean(a[row][keep] - b[row][keep])))
+        if rid is not None and tid is not None:
+            ids_seen = True
+            differs = masked & (_ids_numpy(rid) != _ids_numpy(tid))
+            id_diff += int(np.sum(differs))
+            id_rows += int(np.sum(masked.any(axis=1)))
+            id_diff_rows += int(np.sum(differs.any(axis=1)))
+
+    a = np.concatenate(token_a) if token_a else np.zeros(0)
+    b = np.concatenate(token_b) if token_b else np.zeros(0)
+    n = a.size
+    pa, pb = np.exp(a), np.exp(b)
+    prob_diff = np.abs(pa - pb)
+    r = a - b
+    abs_r = np.abs(r)
+    rho = np.exp(np.clip(r, -CLAMP, CLAMP))
+    c = float(is_threshold)
+    lo, hi = seq_ratio_bounds
+
+    mean_a, mean_b, mean_r = np.array(seq_mean_a), np.array(seq_mean_b), np.array(seq_mean_r)
+    seqs = mean_a.size
+    geo = np.exp(mean_r)
+    nan = math.nan
+
+    values = {
+        # seed group
+        "rollout_probs_diff_valid": 1.0 if n >= 1 else 0.0,
+        "rollout_probs_diff_max": _max(prob_diff),
+        "rollout_probs_diff_mean": _mean(prob_diff),
+        "rollout_probs_diff_std": _std(prob_diff),
+        PEARSON: pearson(pa, pb),
+        # log-space group
+        "rollout_log_probs_diff_max": _max(abs_r),
+        "rollout_log_probs_diff_mean": _mean(abs_r),
+        "rollout_log_probs_diff_std": _std(abs_r),
+        # KL group; rho - 1 is evaluated as expm1 so that k3 keeps its digits near r = 0
+        "rollout_actor_kl_k1": _mean(-r),
+        "rollout_actor_kl_k3": _mean(np.expm1(np.clip(r, -CLAMP, CLAMP)) - r),
+        "rollout_actor_mult_prob_error": _mean(np.exp(abs_r)),
+        # importance-ratio group
+        "rollout_is_ratio_mean": _mean(rho),
+        "rollout_is_ratio_min": _min(rho),
+        "rollout_is_ratio_max": _max(rho),
+        "rollout_is_ratio_frac_high": _mean((rho > c).astype(np.float64)),
+        "rollout_is_ratio_frac_low": _mean((rho < 1.0 / c).astype(np.float64)),
+        "rollout_is_chi2": _mean(rho**2) - 1.0,
+        "rollout_is_ess": float(np.sum(rho) ** 2 / (n * np.sum(rho**2))) if n >= 1 else nan,
+        # sequence group
+        "actor_ppl": _mean(np.exp(-mean_a)),
+        "rollout_ppl": _mean(np.exp(-mean_b)),
+        "rollout_actor_log_ppl_diff": _mean(mean_b - mean_a),
+        "rollout_actor_log_ppl_abs_diff_max": _max(np.abs(mean_b - mean_a)),
+        "rollout_seq_geo_ratio_min": _min(geo),
+        "rollout_seq_geo_ratio_max": _max(geo),
+        "rollout_seq_frac_outside": _mean(((geo < lo) | (geo > hi)).astype(np.float64)),
+        # health group
+        "rollout_tokens": float(n),
+        "rollout_sequences": float(seqs),
+        "rollout_nonfinite_tokens": float(nonfinite),
+        # token-id group
+        "rollout_token_diff_count": float(id_diff) if ids_seen else nan,
+        "rollout_token_diff_seq_frac": id_diff_rows / id_rows if ids_seen and id_rows else nan,
+    }
+    assert tuple(values) == ALL_NAMES
+    out = Reference(values)
+    out.log_scale = max(1.0, _max(abs_r)) if n else 1.0
+    out.prob_scale = max(_max(pa), _max(pb)) if n else 1.0
+    out.pearson_sides = pearson_sides(pa, pb)
+    return out
+
+
+def pearson_tolerance(sides: Sequence[tuple[float, float]] | None) -> float | None:
+    """Absolute tolerance of a Pearson value, or ``None`` when a side is nearly constant.
+
+    float32 rounding of the inputs perturbs a correlation by about
+    ``eps32 * |mean| / std`` per side, so the tolerance grows with that condition
+    number. A side whose spread is within ``16 * eps32`` of its mean is nearly constant:
+    the package may report NaN or any correlation there.
+    """
+    if sides is None:
+        return 0.0
+    if any(std <= 16 * EPS32 * abs(mean) for mean, std in sides):
+        return None
+    return 1e-5 + 64 * EPS32 * sum(abs(mean) / std for mean, std in sides)
+
+
+def assert_pearson_close(
+    got: float, want: float, sides: Sequence[tuple[float, float]] | None, name: str = PEARSON
+) -> None:
+    """Check one Pearson value against the reference, condition-aware (see above)."""
+    assert isinstance(got, float), f"{name}: expected a float, got {type(got).__name__}"
+    atol = pearson_tolerance(sides)
+    if atol is None:
+        assert math.isnan(got) or -1.0 <= got <= 1.0, f"{name}: {got!r} (nearly constant side)"
+        return
+    if math.isnan(want):
+        assert math.isnan(got), f"{name}: got {got!r}, want NaN"
+        return
+    assert -1.0 <= got <= 1.0, f"{name}: {got!r} outside [-1, 1]"
+    assert abs(got - want) <= atol, f"{name}: got {got!r}, want {want!r} (atol {atol:.3g})"
+
+
+def metric_atol(name: str, want: Reference) -> float:
+    """Absolute tolerance of one metric: ``ATOL`` times its natural magnitude."""
+    if name in _PROB_SPACE:
+        return ATOL * want.prob_scale
+    if name in _LOG_SPACE:
+        return ATOL * want.log_scale
+    return ATOL
+
+
+def assert_metrics_close(got: Mapping[str, float], want: Reference, *, prefix: str = "") -> None:
+    """Assert ``got`` has exactly the (prefixed) names of ``want``, each value close to it.
+
+    NaN must match NaN; Pearson uses :func:`assert_pearson_close`; everything else
+    ``|got - want| <= metric_atol + RTOL * |want|``.
+    """
+    expected = [prefix + name for name in want]
+    assert sorted(got) == sorted(expected), (
+        f"names differ: extra {sorted(set(got) - set(expected))}, "
+        f"missing {sorted(set(expected) - set(got))}"
+    )
+    failures = []
+    for name, value in want.items():
+        key = prefix + name
+        actual = got[key]
+        if not isinstance(actual, float):
+            failures.append(f"{key}: expected a Python float, got {type(actual).__name__}")
+            continue
+        if name == PEARSON:
+            try:
+                assert_pearson_close(actual, value, want.pearson_sides, key)
+            except AssertionError as error:
+                failures.append(str(error))
+            continue
+        if math.isnan(value) or math.isnan(actual):
+            if not (math.isnan(value) and math.isnan(actual)):
+                failures.append(f"{key}: got {actual!r}, want {value!r}")
+            continue
+        atol = metric_atol(name, want)
+        if not abs(actual - value) <= atol + RTOL * abs(value):
+            failures.append(
+                f"{key}: got {actual!r}, want {value!r} "
+                f"(diff {abs(actual - value):.3g}, atol {atol:.3g}, rtol {RTOL})"
+            )
+    assert not failures, "metrics differ from the reference:\n  " + "\n  ".join(failures)

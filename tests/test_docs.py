@@ -1,0 +1,143 @@
+"""Keep the documentation in step with the code.
+
+- every metric name of ``METRIC_NAMES`` is documented in ``docs/metrics.md``;
+- every constructor parameter of ``RolloutDebugCallback`` is in the argument table of
+  ``docs/usage.md``, with the default the code has;
+- the code blocks of ``docs/usage.md`` marked ``<!-- test: run -->`` run, and the YAML
+  block marked ``<!-- test: lightningcli -->`` configures the callback through
+  LightningCLI;
+- every page in ``docs/`` is in the ``mkdocs.yml`` navigation.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_rollout_debug import GROUPS, METRIC_NAMES, RolloutDebugCallback
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+MARKED_BLOCK = re.compile(
+    r"<!-- test: (?P<kind>[\w-]+) -->\s*\n```(?P<lang>\w+)\n(?P<code>.*?)\n```", re.DOTALL
+)
+TABLE_ROW = re.compile(r"^\| `(?P<name>\w+)` \| (?P<type>[^|]+) \| (?P<default>[^|]+) \|", re.M)
+
+
+def read(page: str) -> str:
+    return (DOCS / page).read_text(encoding="utf-8")
+
+
+def marked_blocks(page: str, kind: str) -> list[str]:
+    return [m["code"] for m in MARKED_BLOCK.finditer(read(page)) if m["kind"] == kind]
+
+
+def constructor_parameters() -> list[inspect.Parameter]:
+    parameters = inspect.signature(RolloutDebugCallback.__init__).parameters.values()
+    return [
+        p
+        for p in parameters
+        if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+
+
+ALL_METRICS = [name for group in GROUPS for name in METRIC_NAMES[group]]
+
+
+@pytest.mark.parametrize("name", ALL_METRICS)
+def test_metric_is_documented(name: str) -> None:
+    assert f"`{name}`" in read("metrics.md"), f"docs/metrics.md does not mention `{name}`"
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_group_is_documented(group: str) -> None:
+    assert f"`{group}`" in read("metrics.md")
+    assert f"`{group}`" in read("usage.md")
+
+
+@pytest.mark.parametrize("parameter", constructor_parameters(), ids=lambda p: p.name)
+def test_constructor_parameter_is_documented(parameter: inspect.Parameter) -> None:
+    rows = {m["name"]: m for m in TABLE_ROW.finditer(read("usage.md"))}
+    assert parameter.name in rows, (
+        f"docs/usage.md has no row `| `{parameter.name}` | type | default | meaning |` in its "
+        "table of constructor arguments"
+    )
+    documented = rows[parameter.name]["default"].strip().strip("`")
+    try:
+        value = ast.literal_eval(documented)
+    except (ValueError, SyntaxError):
+        return  # a default that is not a literal is only checked for presence
+    assert value == parameter.default, (
+        f"docs/usage.md gives `{parameter.name}` the default {documented}; "
+        f"the code has {parameter.default!r}"
+    )
+
+
+def test_usage_has_runnable_blocks() -> None:
+    assert len(marked_blocks("usage.md", "run")) >= 3
+
+
+@pytest.mark.parametrize("index", range(len(marked_blocks("usage.md", "run"))))
+def test_usage_block_runs(index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    code = marked_blocks("usage.md", "run")[index]
+    monkeypatch.chdir(tmp_path)  # the blocks may write logs to the working directory
+    with torch.random.fork_rng():  # the blocks seed the global generator
+        exec(compile(code, f"docs/usage.md (runnable block {index})", "exec"), {"__name__": "docs"})
+
+
+def test_lightningcli_yaml_configures_the_callback() -> None:
+    pytest.importorskip("jsonargparse")
+    from pytorch_lightning.cli import LightningCLI
+    from pytorch_lightning.demos.boring_classes import BoringModel
+
+    (block,) = marked_blocks("usage.md", "lightningcli")
+    config = yaml.safe_load(block)
+    cli = LightningCLI(
+        BoringModel,
+        args=config,
+        run=False,
+        save_config_callback=None,
+        seed_everything_default=False,
+    )
+    (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, RolloutDebugCallback)]
+    init_args = config["trainer"]["callbacks"][0]["init_args"]
+    assert callback.prefix == init_args["prefix"]
+    assert callback.log_every_n_steps == init_args["log_every_n_steps"]
+    assert list(callback.groups) == init_args["groups"]
+
+
+def test_every_page_is_in_the_navigation() -> None:
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+    in_nav = {page for entry in config["nav"] for page in entry.values()}
+    for page in ("index.md", "usage.md", "metrics.md", "troubleshooting.md"):
+        assert page in in_nav
+    missing = sorted(p.name for p in DOCS.glob("*.md") if p.name not in in_nav)
+    assert not missing, f"pages missing from the mkdocs.yml nav: {missing}"
+
+
+def test_default_alerts_are_documented() -> None:
+    from lightning_rollout_debug.alerts import DEFAULT_ALERT_RANGES
+
+    text = read("metrics.md")
+    table = text[text.index("## Reference points at a glance") :]
+    table = table[: table.index("\n\n", table.index("| metric |"))]
+    cells = {
+        row.split("|")[1].strip().strip("`"): row.split("|")[5].strip()
+        for row in table.splitlines()
+        if row.startswith("| `")
+    }
+    for name, (low, high) in DEFAULT_ALERT_RANGES.items():
+        assert name in cells, f"`{name}` has a default alert but no row in docs/metrics.md"
+        expected = [f"below {low:g}"] if low is not None else []
+        expected += [f"above {high:g}"] if high is not None else []
+        for part in expected:
+            assert part in cells[name], f"docs/metrics.md: `{name}` alerts {part}"
+    for name, cell in cells.items():
+        if name not in DEFAULT_ALERT_RANGES:
+            assert cell == "-", f"docs/metrics.md lists a default alert for `{name}`"

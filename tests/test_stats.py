@@ -1,0 +1,520 @@
+"""MismatchStats against the independent NumPy reference, plus its contracts."""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from conftest import Batch, batches, examples, make_batch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import ALL_NAMES, NAMES, assert_metrics_close, reference_metrics
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_rollout_debug.stats import (
+    GROUPS,
+    METRIC_NAMES,
+    STATE_SIZE,
+    MismatchStats,
+    identity_state,
+    merge_states,
+)
+
+C_VALUES = st.sampled_from([2.0, 1.5, 1.01, 5.0, 3])
+BOUNDS = st.sampled_from([(0.99, 1.01), (0.5, 2.0), (1.0, 1.0), (0.9, 1.0), (0.999999, 1.5)])
+
+
+def reference_for(window: list[Batch], **kwargs: object) -> dict[str, float]:
+    """The reference over every token of ``window`` (token ids only where a batch has them)."""
+    return reference_metrics(
+        [b.rollout for b in window],
+        [b.old for b in window],
+        [b.mask for b in window],
+        rollout_ids=[b.rollout_ids for b in window],
+        trainer_ids=[b.trainer_ids for b in window],
+        **kwargs,
+    )
+
+
+def fed(window: list[Batch], **kwargs: object) -> MismatchStats:
+    stats = MismatchStats(**kwargs)
+    for batch in window:
+        stats.update(*batch.args())
+    return stats
+
+
+# ------------------------------------------------------------------ vs the reference
+def test_catalog_names_match_the_design() -> None:
+    assert tuple(GROUPS) == tuple(NAMES)
+    assert {group: tuple(names) for group, names in METRIC_NAMES.items()} == NAMES
+
+
+@settings(max_examples=examples(600), deadline=None)
+@given(batch=batches(), c=C_VALUES, bounds=BOUNDS)
+def test_one_batch_matches_reference(batch: Batch, c: float, bounds: tuple[float, float]) -> None:
+    stats = MismatchStats(is_threshold=c, seq_ratio_bounds=bounds)
+    stats.update(*batch.args())
+    want = reference_for([batch], is_threshold=c, seq_ratio_bounds=bounds)
+    assert_metrics_close(stats.compute(), want)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(window=st.lists(batches(), max_size=4))
+def test_window_of_batches_of_different_shapes(window: list[Batch]) -> None:
+    assert_metrics_close(fed(window).compute(), reference_for(window))
+
+
+def test_empty_window() -> None:
+    got = MismatchStats().compute()
+    want = reference_metrics(torch.zeros(0, 0), torch.zeros(0, 0), torch.zeros(0, 0))
+    assert_metrics_close(got, want)
+    assert got["rollout_probs_diff_valid"] == 0.0
+    assert got["rollout_tokens"] == got["rollout_sequences"] == 0.0
+    assert got["rollout_nonfinite_tokens"] == 0.0
+    undefined = set(ALL_NAMES) - {
+        "rollout_probs_diff_valid",
+        "rollout_tokens",
+        "rollout_sequences",
+        "rollout_nonfinite_tokens",
+    }
+    assert all(math.isnan(got[name]) for name in undefined)
+
+
+def test_hand_computed_values() -> None:
+    """A tiny example worked out by hand, independent of both implementations."""
+    rollout = torch.log(torch.tensor([[0.5, 0.25, 0.9], [0.2, 0.1, 0.3]], dtype=torch.float64))
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.9], [0.1, 0.1, 0.3]], dtype=torch.float64))
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    stats = MismatchStats(is_threshold=1.5)
+    stats.update(rollout, old, mask)
+    got = stats.compute()
+    # counting pairs (pa, pb): (0.5, 0.5), (0.5, 0.25), (0.1, 0.2); rho = 1, 2, 0.5
+    log2 = math.log(2.0)
+    want = {
+        "rollout_tokens": 3.0,
+        "rollout_sequences": 2.0,
+        "rollout_nonfinite_tokens": 0.0,
+        "rollout_probs_diff_valid": 1.0,
+        "rollout_probs_diff_max": 0.25,
+        "rollout_probs_diff_mean": 0.35 / 3,
+        "rollout_probs_diff_std": math.sqrt(
+            ((0 - 0.35 / 3) ** 2 + (0.25 - 0.35 / 3) ** 2 + (0.1 - 0.35 / 3) ** 2) / 2
+        ),
+        "rollout_actor_probs_pearson_corr": (0.14 / 3) / math.sqrt((0.32 / 3) * (0.155 / 3)),
+        "rollout_log_probs_diff_max": log2,
+        "rollout_log_probs_diff_mean": 2 * log2 / 3,
+        "rollout_log_probs_diff_std": log2 / math.sqrt(3.0),
+        "rollout_actor_kl_k1": 0.0,
+        "rollout_actor_kl_k3": (0.0 + (1.0 - log2) + (-0.5 + log2)) / 3,
+        "rollout_actor_mult_prob_error": 5 / 3,
+        "rollout_is_ratio_mean": 3.5 / 3,
+        "rollout_is_ratio_min": 0.5,
+        "rollout_is_ratio_max": 2.0,
+        "rollout_is_ratio_frac_high": 1 / 3,
+        "rollout_is_ratio_frac_low": 1 / 3,
+        "rollout_is_chi2": 5.25 / 3 - 1.0,
+        "rollout_is_ess": 3.5**2 / (3 * 5.25),
+        "actor_ppl": (2.0 + 10.0) / 2,
+        "rollout_ppl": (math.sqrt(8.0) + 5.0) / 2,
+        "rollout_actor_log_ppl_diff": (-log2 / 2 + log2) / 2,
+        "rollout_actor_log_ppl_abs_diff_max": log2,
+        "rollout_seq_geo_ratio_min": 0.5,
+        "rollout_seq_geo_ratio_max": math.sqrt(2.0),
+        "rollout_seq_frac_outside": 1.0,
+    }
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, rel=1e-12, abs=1e-15), name
+    assert math.isnan(got["rollout_token_diff_count"])
+
+
+# ------------------------------------------------------------------------ merging
+@settings(max_examples=examples(150), deadline=None)
+@given(
+    width=st.integers(0, 12),
+    with_ids=st.booleans(),
+    data=st.data(),
+    order_seed=st.integers(0, 2**32 - 1),
+)
+def test_merge_is_associative(
+    width: int, with_ids: bool, data: st.DataObject, order_seed: int
+) -> None:
+    window = data.draw(st.lists(batches(width=width, with_ids=with_ids), max_size=4))
+    want = reference_for(window)
+    order = random.Random(order_seed)
+
+    # (a) one instance, updated batch after batch
+    assert_metrics_close(fed(window).compute(), want)
+
+    # (b) one update on the concatenation (same width)
+    if window:
+        whole = MismatchStats()
+        cat = [
+            torch.cat(parts) if parts[0] is not None else None
+            for parts in zip(*(b.args() for b in window), strict=True)
+        ]
+        whole.update(*cat)
+        assert_metrics_close(whole.compute(), want)
+
+    # (c) separate instances, plus empty ones, merged pairwise in a random order/grouping
+    parts = [fed([b]) for b in window] + [MismatchStats() for _ in range(order.randint(0, 2))]
+    order.shuffle(parts)
+    while len(parts) > 1:
+        i = order.randrange(len(parts) - 1)
+        left, right = parts[i], parts.pop(i + 1)
+        parts[i] = left.merge(right if order.random() < 0.5 else right.state)
+    merged = parts[0] if parts else MismatchStats()
+    assert_metrics_close(merged.compute(), want)
+
+    # (d) merge_states of the stacked states, in any order, with identity states mixed in
+    states = [fed([b]).state for b in window] + [identity_state()] * order.randint(0, 2)
+    order.shuffle(states)
+    if states:
+        stacked = MismatchStats.from_state(merge_states(torch.stack(states)))
+        assert_metrics_close(stacked.compute(), want)
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_sixteen_ranks_merge_to_the_statistics_of_all_tokens(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    ranks = []
+    for _ in range(16):
+        ranks.append(
+            make_batch(
+                rng,
+                (int(rng.integers(0, 5)), int(rng.integers(0, 30))),
+                dtype=torch.float32,
+                regime=str(rng.choice(["matched", "mixed", "near_zero", "unrelated"])),
+                mask_kind=str(rng.choice(["bool", "prefix", "zeros"])),
+                special_rate=float(rng.choice([0.0, 0.05])),
+                with_ids=True,
+            )
+        )
+    states = torch.stack([fed([batch]).state for batch in ranks])
+    want = reference_for(ranks)
+    assert_metrics_close(MismatchStats.from_state(merge_states(states)).compute(), want)
+
+    # the same through `synced`, with a fake all_gather handing back every rank's state
+    local = fed([ranks[0]])
+    before = local.state.clone()
+    merged = local.synced(lambda state: torch.cat([state.unsqueeze(0), states[1:]]))
+    assert_metrics_close(merged.compute(), want)
+    assert torch.equal(local.state, before)
+
+
+def test_merge_of_two_empty_windows_is_empty() -> None:
+    merged = MismatchStats().merge(MismatchStats())
+    assert torch.equal(merged.state, identity_state())
+    assert merge_states(torch.stack([identity_state()] * 3)).equal(identity_state())
+
+
+# ---------------------------------------------------------------------- chunking
+@settings(max_examples=examples(100), deadline=None)
+@given(batch=batches(), chunk=st.integers(1, 9))
+def test_small_chunks_give_the_same_result(batch: Batch, chunk: int) -> None:
+    small = MismatchStats(chunk_tokens=chunk)
+    small.update(*batch.args())
+    large = MismatchStats()
+    large.update(*batch.args())
+    want = reference_for([batch])
+    assert_metrics_close(small.compute(), want)
+    assert_metrics_close(large.compute(), want)
+
+
+# ------------------------------------------------------- reset, persistence, groups
+def test_reset_starts_an_empty_window(rng: np.random.Generator) -> None:
+    first, second = (make_batch(rng, (3, 7), special_rate=0.1) for _ in range(2))
+    stats = fed([first])
+    stats.reset()
+    assert stats.device is None
+    assert torch.equal(stats.state, identity_state())
+    assert_metrics_close(stats.compute(), reference_for([]))
+    stats.update(*second.args())
+    assert_metrics_close(stats.compute(), reference_for([second]))
+
+
+def test_state_dict_round_trip(rng: np.random.Generator) -> None:
+    window = [make_batch(rng, (4, 9), special_rate=0.05, with_ids=True) for _ in range(3)]
+    stats = fed(window[:2], is_threshold=3.0)
+    saved = stats.state_dict()
+    assert saved["state"].device.type == "cpu" and saved["state"].dtype == torch.float64
+    assert saved["is_threshold"] == 3.0 and saved["seq_ratio_bounds"] == (0.99, 1.01)
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    restored = MismatchStats(is_threshold=3.0)
+    restored.load_state_dict(torch.load(buffer))
+    assert restored.compute() == stats.compute()
+    # the restored window keeps growing like the original
+    restored.update(*window[2].args())
+    assert_metrics_close(restored.compute(), reference_for(window, is_threshold=3.0))
+    with pytest.raises(ValueError, match=str(STATE_SIZE)):
+        restored.load_state(torch.zeros(STATE_SIZE + 1, dtype=torch.float64))
+
+
+def test_state_dict_is_a_copy(rng: np.random.Generator) -> None:
+    batch = make_batch(rng, (2, 5))
+    stats = fed([batch])
+    saved = stats.state_dict()["state"].clone()
+    snapshot = stats.state_dict()["state"]
+    stats.update(*batch.args())
+    assert torch.equal(snapshot, saved)
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(
+    groups=st.lists(st.sampled_from(GROUPS), unique=True, min_size=1),
+    batch=batches(),
+)
+def test_groups_selection(groups: list[str], batch: Batch) -> None:
+    stats = MismatchStats(groups=groups)
+    stats.update(*batch.args())
+    got = stats.compute()
+    names = [name for group in GROUPS if group in groups for name in NAMES[group]]
+    assert list(got) == names
+    assert_metrics_close(got, reference_for([batch]).select(names))
+
+
+def test_groups_accepts_one_name_as_a_string() -> None:
+    assert list(MismatchStats(groups="health").compute()) == list(NAMES["health"])
+
+
+@pytest.mark.parametrize("value", [1.0, 1, 0.5, 0.0, -2.0, math.inf, math.nan, True, "2", None])
+def test_is_threshold_is_validated(value: object) -> None:
+    message = r"`is_threshold` must be a finite number greater than 1"
+    with pytest.raises(ValueError, match=message) as info:
+        MismatchStats(is_threshold=value)  # type: ignore[arg-type]
+    assert repr(value) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        (1.01, 0.99),
+        (0.0, 1.01),
+        (0.9, 0.95),
+        (1.05, 1.1),
+        (0.99, math.inf),
+        (0.99,),
+        (0.9, 1, 2),
+        "ab",
+        None,
+        (math.nan, 1.0),
+    ],
+)
+def test_seq_ratio_bounds_are_validated(value: object) -> None:
+    with pytest.raises(ValueError, match=r"`seq_ratio_bounds` must be \(lo, hi\) with 0 < lo <= 1"):
+        MismatchStats(seq_ratio_bounds=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("groups", [["nope"], ["seed", "bogus"], "sed", []])
+def test_groups_are_validated(groups: object) -> None:
+    if groups == []:  # an empty selection is allowed: only counts are kept, nothing reported
+        assert MismatchStats(groups=groups).compute() == {}  # type: ignore[arg-type]
+        return
+    with pytest.raises(ValueError, match="valid groups are") as info:
+        MismatchStats(groups=groups)  # type: ignore[arg-type]
+    for group in GROUPS:
+        assert repr(group) in str(info.value)
+
+
+@pytest.mark.parametrize("chunk", [0, -1, 1.5, "8"])
+def test_chunk_tokens_is_validated(chunk: object) -> None:
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        MismatchStats(chunk_tokens=chunk)  # type: ignore[arg-type]
+
+
+def test_valid_arguments_are_kept() -> None:
+    stats = MismatchStats(is_threshold=3, seq_ratio_bounds=np.array([0.9, 1.1]), groups=("kl",))
+    assert stats.is_threshold == 3.0 and isinstance(stats.is_threshold, float)
+    assert stats.seq_ratio_bounds == (0.9, 1.1)
+    assert stats.groups == frozenset({"kl"})
+
+
+# --------------------------------------------------------- inputs and autograd
+@settings(max_examples=examples(60), deadline=None)
+@given(batch=batches(with_ids=True))
+def test_inputs_are_not_modified(batch: Batch) -> None:
+    before = [t.clone() for t in batch.args()]
+    stats = MismatchStats(chunk_tokens=5)
+    stats.update(*batch.args())
+    stats.compute()
+    for now, then in zip(batch.args(), before, strict=True):
+        torch.testing.assert_close(now, then, rtol=0, atol=0, equal_nan=True)
+
+
+def test_no_autograd_graph_is_kept(rng: np.random.Generator) -> None:
+    batch = make_batch(rng, (3, 6), dtype=torch.float32)
+    rollout = batch.rollout.clone().requires_grad_()
+    old = batch.old.clone().requires_grad_() * 1.0  # a non-leaf with a graph behind it
+    stats = MismatchStats()
+    stats.update(rollout, old, batch.mask)
+    assert stats.state.grad_fn is None and not stats.state.requires_grad
+    other = MismatchStats()
+    other.update(rollout, old, batch.mask)
+    stats.merge(other)
+    assert stats.state.grad_fn is None and not stats.state.requires_grad
+    loaded = MismatchStats.from_state(rollout.new_zeros(STATE_SIZE, dtype=torch.float64) + 0)
+    assert loaded.state.grad_fn is None
+    assert_metrics_close(
+        stats.compute(),
+        reference_for([Batch(rollout.detach(), old.detach(), batch.mask)] * 2),
+    )
+
+
+# --------------------------------------------------------------- host synchronisation
+class OpRecorder(TorchDispatchMode):
+    """Records every aten op that reaches the dispatcher, with its arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.calls.append((func._schema.name, args, kwargs))
+        return func(*args, **kwargs)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _, _ in self.calls]
+
+
+SYNCING_OPS = {
+    "aten::_local_scalar_dense",
+    "aten::item",
+    "aten::nonzero",
+    "aten::nonzero_static",
+    "aten::masked_select",
+    "aten::equal",
+    "aten::is_nonzero",
+    "aten::unique",
+    "aten::_unique2",
+}
+
+
+def host_syncs(calls: list[tuple[str, tuple, dict]]) -> list[str]:
+    """The recorded calls that wait for the device or move data between devices."""
+    found = []
+    for name, args, kwargs in calls:
+        if name in SYNCING_OPS:
+            found.append(name)
+        elif name == "aten::index" and any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1]
+        ):
+            found.append(f"{name} with a boolean mask")
+        elif name == "aten::_to_copy" and kwargs.get("device") not in (None, args[0].device):
+            found.append(f"{name} {args[0].device} -> {kwargs['device']}")
+        elif name == "aten::copy_" and args[0].device != args[1].device:
+            found.append(f"{name} {args[1].device} -> {args[0].device}")
+        elif name in ("aten::_copy_from", "aten::_copy_from_and_resize"):
+            found.append(name)
+    return found
+
+
+def test_the_recorder_sees_host_syncs() -> None:
+    x = torch.randn(3, 4)
+    with OpRecorder() as recorder:
+        x[0, 0].item()
+        _ = x[x > 0]
+        bool(x.sum() > 0)
+        x.to("meta")
+    found = host_syncs(recorder.calls)
+    assert "aten::_local_scalar_dense" in found
+    assert "aten::index with a boolean mask" in found
+    assert "aten::_to_copy cpu -> meta" in found
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_update_never_waits_for_the_device(
+    device: str, dtype: torch.dtype, rng: np.random.Generator
+) -> None:
+    """No op of an update reads data back to the host or moves it between devices.
+
+    On ``meta`` tensors (shapes only, no data) any data-dependent step would fail outright,
+    so an update that completes there cannot depend on tensor values on the host.
+    """
+    stats = MismatchStats(chunk_tokens=8)
+    for _ in range(2):
+        batch = make_batch(rng, (4, 6), dtype=dtype, special_rate=0.1, with_ids=True)
+        args = [t.to(device) for t in batch.args()]
+        with OpRecorder() as recorder:
+            stats.update(*args)
+        assert recorder.calls, "the recorder saw nothing"
+        assert host_syncs(recorder.calls) == []
+        assert stats.state.device.type == device
+    with OpRecorder() as recorder:
+        stats.merge(MismatchStats.from_state(stats.state))
+    assert host_syncs(recorder.calls) == []
+
+
+def test_compute_copies_the_state_to_the_host_once(
+    monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator
+) -> None:
+    """One device-to-host transfer per compute.
+
+    On a GPU the transfer would show up as a dispatcher op; on the CPU ``tolist`` reads
+    memory directly and dispatches nothing, so we count ``Tensor.tolist`` calls and check
+    that no per-value ``.item()`` (``_local_scalar_dense``) or other sync happens besides.
+    """
+    stats = fed([make_batch(rng, (3, 5), with_ids=True)])
+    calls: list[torch.Tensor] = []
+    original: Callable[[torch.Tensor], list] = torch.Tensor.tolist
+
+    def counting_tolist(self: torch.Tensor) -> list:
+        calls.append(self)
+        return original(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    with OpRecorder() as recorder:
+        metrics = stats.compute()
+    assert len(calls) == 1 and calls[0].shape == (STATE_SIZE,)
+    assert host_syncs(recorder.calls) == []
+    assert len(metrics) == len(ALL_NAMES)
+
+
+# ------------------------------------------------------------ regressions found here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_ess_when_every_ratio_is_tiny(dtype: torch.dtype) -> None:
+    """rho << 1 everywhere: n + sum(rho - 1) in float32 was 0 (ZeroDivisionError in compute)."""
+    rollout = torch.tensor([[0.0, -0.5, -1e-3]], dtype=dtype)
+    old = torch.tensor([[-19.0, -12.0, -30.0]], dtype=dtype)
+    stats = MismatchStats()
+    stats.update(rollout, old, torch.ones(1, 3))
+    got = stats.compute()
+    assert_metrics_close(got, reference_metrics(rollout, old, torch.ones(1, 3)))
+    assert 0.0 < got["rollout_is_ess"] <= 1.0
+
+
+def test_ess_of_one_token_is_one() -> None:
+    stats = MismatchStats()
+    stats.update(torch.tensor([[-0.099]]), torch.tensor([[-5.098]]), torch.ones(1, 1))
+    assert stats.compute()["rollout_is_ess"] == pytest.approx(1.0, rel=1e-6)
+
+
+def test_probs_diff_of_far_apart_pairs_keeps_float32_accuracy() -> None:
+    """pa ~ 1 against pb ~ 2e-9: r ~ 20 rounds by up to 1e-6 in float32; subtract instead."""
+    old = torch.tensor([[-7.376e-7, -9.909e-7, -3.1e-7]])
+    rollout = torch.tensor([[-20.0, -math.inf, -9984.0]])
+    stats = MismatchStats(groups=["seed"])
+    stats.update(rollout, old, torch.ones(1, 3))
+    assert_metrics_close(
+        stats.compute(), reference_metrics(rollout, old, torch.ones(1, 3)).select(NAMES["seed"])
+    )
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (3, 0), (0, 0)])
+def test_empty_batch_with_token_ids_counts_zero_differences(shape: tuple[int, int]) -> None:
+    stats = MismatchStats()
+    empty_ids = torch.zeros(shape, dtype=torch.int64)
+    stats.update(torch.zeros(shape), torch.zeros(shape), torch.ones(shape), empty_ids, empty_ids)
+    got = stats.compute()
+    assert got["rollout_token_diff_count"] == 0.0
+    assert math.isnan(got["rollout_token_diff_seq_frac"])
+    assert math.isnan(MismatchStats().compute()["rollout_token_diff_count"])

@@ -1,0 +1,479 @@
+"""TensorBoard extras: histograms, worst-token table, dashboard layout.
+
+Real CPU Trainer runs write event files, which are read back with ``EventAccumulator``
+and compared with NumPy references computed from the batches of each window.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from lightning_helpers import TRAINER_DEFAULTS, RolloutModule, make_batch, read_csv_metrics
+from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_rollout_debug import RolloutDebugCallback
+from lightning_rollout_debug.stats import LOG_PROB_FLOOR
+from lightning_rollout_debug.tensorboard import (
+    DASHBOARD,
+    HISTOGRAMS,
+    LOG_RATIO_EDGES,
+    PROBS_DIFF_EDGES,
+    WORST_FIELDS,
+    TokenExtras,
+    dashboard_layout,
+)
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),
+    pytest.mark.filterwarnings("ignore:`isinstance.treespec, LeafSpec.` is deprecated"),
+    pytest.mark.filterwarnings("ignore:RolloutDebugCallback at step .* is outside"),
+]
+
+PREFIX = "training/"
+LOG_RATIO_TAG = f"{PREFIX}rollout_log_ratio_hist"
+PROBS_DIFF_TAG = f"{PREFIX}rollout_probs_diff_hist"
+TEXT_TAG = f"{PREFIX}rollout_worst_tokens/text_summary"  # torch's add_text appends the suffix
+LAYOUT_TAG = "custom_scalars__config__"
+
+
+# ---------------------------------------------------------------------- data
+def batch(seed: int, rows: int = 4, width: int = 7) -> dict[str, torch.Tensor]:
+    """A batch with every kind of token: masked out, non-finite, floored, exactly equal."""
+    data = make_batch(rows, width, seed=seed, noise=0.05)
+    old, rollout, mask = data["old_log_probs"], data["rollout_log_probs"], data["response_mask"]
+    generator = torch.Generator().manual_seed(seed)
+    old[0, 1] = rollout[0, 1]  # r == 0 exactly
+    rollout[1, 2] = -30.0  # below the floor: counts as -20
+    old[1, 3] = math.nan  # dropped (non-finite)
+    rollout[2, 0] = math.inf  # dropped (non-finite)
+    old[2, 1] = -math.inf  # floored to -20: counts
+    rollout[3, 4] = 0.0  # a dummy rollout log-prob ...
+    mask[3, 4] = 0  # ... masked out
+    mask[:, 0] = 1
+    mask[0, 1] = mask[1, 2] = mask[1, 3] = mask[2, 1] = 1
+    data["responses"] = torch.randint(0, 50_000, (rows, width), generator=generator)
+    data["tool_ids"] = torch.randint(0, 50_000, (rows, width), generator=generator)
+    return data
+
+
+def counting(data: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """The counting tokens of a batch, in row-major order, computed with NumPy (float32)."""
+    a = np.maximum(data["old_log_probs"].numpy().astype(np.float32), np.float32(LOG_PROB_FLOOR))
+    b = np.maximum(data["rollout_log_probs"].numpy().astype(np.float32), np.float32(LOG_PROB_FLOOR))
+    keep = (data["response_mask"].numpy() != 0) & np.isfinite(a) & np.isfinite(b)
+    rows, positions = np.nonzero(keep)
+    a, b = a[keep], b[keep]
+    r = a - b
+    return {
+        "r": r.astype(np.float64),
+        "dp": np.abs(np.exp(b) * np.expm1(r)).astype(np.float64),
+        "pa": np.exp(a.astype(np.float64)),
+        "pb": np.exp(b.astype(np.float64)),
+        "row": rows,
+        "position": positions,
+        "responses": data["responses"].numpy()[keep],
+        "tool_ids": data["tool_ids"].numpy()[keep],
+    }
+
+
+def reference_counts(values: np.ndarray, edges: Sequence[float]) -> np.ndarray:
+    bins = np.searchsorted(np.asarray(edges), values, side="right")
+    return np.bincount(bins, minlength=len(edges) + 1)
+
+
+def fit(
+    batches: list[dict[str, torch.Tensor]],
+    callback: RolloutDebugCallback,
+    logger: Any,
+    **trainer_kwargs: Any,
+) -> pl.Trainer:
+    options = {**TRAINER_DEFAULTS, "max_steps": len(batches), "log_every_n_steps": 2}
+    trainer = pl.Trainer(**{**options, **trainer_kwargs}, logger=logger, callbacks=[callback])
+    trainer.fit(RolloutModule(batches))
+    return trainer
+
+
+def accumulator(log_dir: str | Path) -> EventAccumulator:
+    guidance = {"histograms": 0, "tensors": 0, "scalars": 0}
+    ea = EventAccumulator(str(log_dir), size_guidance=guidance)
+    ea.Reload()
+    return ea
+
+
+def parse_table(text: str) -> list[dict[str, str]]:
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    return [
+        dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")), strict=True))
+        for line in lines[2:]
+    ]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Four batches, logged every two steps: two windows of two batches each."""
+    batches = [batch(seed) for seed in range(4)]
+    logger = TensorBoardLogger(tmp_path_factory.mktemp("tb"), name="tb", version=0)
+    fit(batches, RolloutDebugCallback(worst_tokens_k=5), logger)
+    return {
+        "batches": batches,
+        "windows": [batches[:2], batches[2:]],
+        "ea": accumulator(logger.log_dir),
+    }
+
+
+# ---------------------------------------------------------------------- histograms
+@pytest.mark.parametrize(
+    ("tag", "key", "edges"),
+    [
+        (LOG_RATIO_TAG, "r", LOG_RATIO_EDGES),
+        (PROBS_DIFF_TAG, "dp", PROBS_DIFF_EDGES),
+    ],
+)
+def test_histograms_match_numpy_binning(
+    run: dict[str, Any], tag: str, key: str, edges: tuple[float, ...]
+) -> None:
+    events = sorted(run["ea"].Histograms(tag), key=lambda event: event.step)
+    assert len(events) == len(run["windows"])
+    tokens = {event.step: event.value for event in run["ea"].Scalars(f"{PREFIX}rollout_tokens")}
+    total = 0
+    for event, window in zip(events, run["windows"], strict=True):
+        values = np.concatenate([counting(data)[key] for data in window])
+        histogram = event.histogram_value
+        want = reference_counts(values, edges)
+        filled = np.flatnonzero(want)
+        first, last = filled[0], filled[-1]
+        # Written from the first to the last non-empty bin, with the fixed edges as limits.
+        limits = [*edges, sys.float_info.max][first : last + 1]
+        assert list(histogram.bucket_limit) == limits
+        np.testing.assert_array_equal(histogram.bucket, want[first : last + 1])
+        assert histogram.num == len(values) == tokens[event.step]
+        assert histogram.min == pytest.approx(values.min(), rel=1e-6)
+        assert histogram.max == pytest.approx(values.max(), rel=1e-6)
+        assert histogram.sum == pytest.approx(values.sum(), rel=1e-6, abs=1e-9)
+        assert histogram.sum_squares == pytest.approx((values**2).sum(), rel=1e-6)
+        total += histogram.num
+    # Both windows together: every counting token once.
+    assert total == sum(len(counting(data)["r"]) for data in run["batches"])
+
+
+def test_exact_zero_and_floored_tokens_land_in_the_edge_bins(run: dict[str, Any]) -> None:
+    first = min(run["ea"].Histograms(LOG_RATIO_TAG), key=lambda event: event.step)
+    histogram = first.histogram_value
+    counts = dict(zip(histogram.bucket_limit, histogram.bucket, strict=True))
+    middle = len(LOG_RATIO_EDGES) // 2
+    assert LOG_RATIO_EDGES[middle - 1] == -1e-6 and LOG_RATIO_EDGES[middle] == 1e-6
+    assert counts[LOG_RATIO_EDGES[middle]] >= 1  # [-1e-6, 1e-6) holds old[0, 1] == rollout[0, 1]
+    # rollout[1, 2] = -30 floors to -20, so r = a + 20 > 10: the bin [10**1.2, 10**1.4)
+    assert histogram.bucket_limit[-1] == LOG_RATIO_EDGES[-1] and histogram.bucket[-1] >= 1
+    assert histogram.max > 10
+
+
+def test_bins_are_symmetric_and_log_spaced() -> None:
+    edges = np.asarray(LOG_RATIO_EDGES)
+    np.testing.assert_allclose(edges, -edges[::-1])
+    positive = edges[edges > 0]
+    assert positive[0] == pytest.approx(1e-6) and positive[-1] > 20.0
+    np.testing.assert_allclose(np.diff(np.log10(positive)), 0.2)
+    np.testing.assert_allclose(np.diff(np.log10(PROBS_DIFF_EDGES)), 0.2)
+    assert PROBS_DIFF_EDGES[0] == pytest.approx(1e-8) and PROBS_DIFF_EDGES[-1] == 1.0
+
+
+# ---------------------------------------------------------------------- worst tokens
+def reference_worst(
+    window: Sequence[dict[str, torch.Tensor]], k: int, ids: str | None
+) -> list[dict[str, Any]]:
+    tokens = []
+    for index, data in enumerate(window):
+        values = counting(data)
+        for i in range(len(values["r"])):
+            tokens.append(
+                {
+                    "batch": index,
+                    "row": int(values["row"][i]),
+                    "position": int(values["position"][i]),
+                    "token": None if ids is None else int(values[ids][i]),
+                    "rollout prob": values["pb"][i],
+                    "actor prob": values["pa"][i],
+                    "r": values["r"][i],
+                }
+            )
+    return sorted(tokens, key=lambda token: -abs(token["r"]))[:k]
+
+
+@pytest.mark.parametrize(
+    ("token_ids_keys", "ids"),
+    [(None, "responses"), (("tool_ids", "tool_ids"), "tool_ids")],
+)
+def test_worst_tokens_match_numpy(
+    tmp_path: Path, token_ids_keys: tuple[str, str] | None, ids: str
+) -> None:
+    k = 6
+    batches = [batch(seed, rows=5, width=9) for seed in range(10, 14)]
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    fit(batches, RolloutDebugCallback(worst_tokens_k=k, token_ids_keys=token_ids_keys), logger)
+    events = sorted(accumulator(logger.log_dir).Tensors(TEXT_TAG), key=lambda event: event.step)
+    assert len(events) == 2
+    for event, window in zip(events, [batches[:2], batches[2:]], strict=True):
+        text = event.tensor_proto.string_val[0].decode()
+        assert "largest |r|" in text
+        rows = parse_table(text)
+        want = reference_worst(window, k, ids)
+        assert len(rows) == k
+        assert "rank" not in rows[0]  # single process
+        for got, expected in zip(rows, want, strict=True):
+            assert int(got["batch"]) == expected["batch"]
+            assert int(got["row"]) == expected["row"]
+            assert int(got["position"]) == expected["position"]
+            assert int(got["token"]) == expected["token"]
+            for column in ("rollout prob", "actor prob"):
+                assert float(got[column]) == pytest.approx(expected[column], rel=1e-5)
+            assert float(got["r = log(actor/rollout)"]) == pytest.approx(expected["r"], rel=1e-5)
+
+
+def test_worst_tokens_without_ids_have_no_token_column(tmp_path: Path) -> None:
+    batches = [batch(seed) for seed in range(2)]
+    for data in batches:
+        del data["responses"]
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    fit(batches, RolloutDebugCallback(worst_tokens_k=3), logger)
+    (event,) = accumulator(logger.log_dir).Tensors(TEXT_TAG)
+    rows = parse_table(event.tensor_proto.string_val[0].decode())
+    assert len(rows) == 3 and "token" not in rows[0]
+
+
+# ---------------------------------------------------------------------- layout
+def test_layout_written_once_and_matches_logged_tags(run: dict[str, Any]) -> None:
+    (event,) = run["ea"].Tensors(LAYOUT_TAG)
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(event.tensor_proto.string_val[0])
+    titles = [category.title for category in layout.category]
+    assert titles == [
+        f"{PREFIX}{name}" for name in ("agreement", "divergence", "sequences", "health")
+    ]
+    scalars = run["ea"].Tags()["scalars"]
+    charted = set()
+    for category in layout.category:
+        for chart in category.chart:
+            for pattern in chart.multiline.tag:
+                matches = [tag for tag in scalars if re.match(pattern, tag)]
+                assert len(matches) == 1, (chart.title, pattern, matches)
+                charted.update(matches)
+    # Every metric is on the dashboard (token-id charts only appear with token ids).
+    assert charted == {tag for tag in scalars if tag.startswith(PREFIX)}
+
+
+def test_layout_follows_groups_and_prefix() -> None:
+    layout = dashboard_layout("rl.v2/", ["rollout_probs_diff_mean", "rollout_tokens"])
+    assert list(layout) == ["rl.v2/agreement", "rl.v2/health"]
+    (chart,) = layout["rl.v2/agreement"].values()
+    assert chart == ["Multiline", [r"^rl\.v2/rollout_probs_diff_mean$"]]
+    every = [name for _, charts in DASHBOARD for _, names in charts for name in names]
+    assert len(every) == len(set(every))
+
+
+# ---------------------------------------------------------------------- loggers, flags
+def test_csv_logger_only_gets_scalars_and_nothing_fails(tmp_path: Path) -> None:
+    batches = [batch(seed) for seed in range(4)]
+    logger = CSVLogger(tmp_path, name="csv", version=0)
+    fit(batches, RolloutDebugCallback(), logger)
+    series = read_csv_metrics(Path(logger.log_dir) / "metrics.csv")
+    assert sorted(series[f"{PREFIX}rollout_tokens"]) == [1, 3]
+    assert not list(tmp_path.rglob("events.out.tfevents.*"))
+
+
+def test_csv_and_tensorboard_together(tmp_path: Path) -> None:
+    batches = [batch(seed) for seed in range(2)]
+    csv = CSVLogger(tmp_path, name="csv", version=0)
+    tb = TensorBoardLogger(tmp_path, name="tb", version=0)
+    fit(batches, RolloutDebugCallback(), [csv, tb])
+    assert f"{PREFIX}rollout_tokens" in read_csv_metrics(Path(csv.log_dir) / "metrics.csv")
+    tags = accumulator(tb.log_dir).Tags()
+    assert LOG_RATIO_TAG in tags["histograms"] and TEXT_TAG in tags["tensors"]
+
+
+def test_extras_can_be_turned_off(tmp_path: Path) -> None:
+    batches = [batch(seed) for seed in range(2)]
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    callback = RolloutDebugCallback(histograms=False, worst_tokens_k=0, dashboard_layout=False)
+    fit(batches, callback, logger)
+    tags = accumulator(logger.log_dir).Tags()
+    assert tags["histograms"] == [] and tags["tensors"] == []
+    assert f"{PREFIX}rollout_tokens" in tags["scalars"]
+
+
+def test_only_histograms(tmp_path: Path) -> None:
+    batches = [batch(seed) for seed in range(2)]
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    fit(batches, RolloutDebugCallback(worst_tokens_k=0, dashboard_layout=False), logger)
+    tags = accumulator(logger.log_dir).Tags()
+    assert sorted(tags["histograms"]) == sorted([LOG_RATIO_TAG, PROBS_DIFF_TAG])
+    assert tags["tensors"] == []
+
+
+def test_invalid_extras_arguments_are_all_reported() -> None:
+    with pytest.raises(ValueError) as error:
+        RolloutDebugCallback(histograms="yes", worst_tokens_k=-1, dashboard_layout=None, prefix=3)
+    message = str(error.value)
+    for name in ("histograms", "worst_tokens_k", "dashboard_layout", "prefix"):
+        assert f"`{name}`" in message
+
+
+# ---------------------------------------------------------------------- the state
+def tensors(data: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return data["rollout_log_probs"], data["old_log_probs"], data["response_mask"]
+
+
+def test_merge_of_ranks_equals_one_window_of_all_tokens() -> None:
+    first, second = batch(20, rows=6, width=11), batch(21, rows=4, width=11)
+    ranks = []
+    for rank, data in enumerate((first, second)):
+        extras = TokenExtras(worst_tokens_k=8)
+        extras.update(*tensors(data), data["responses"], rank=rank)
+        ranks.append(extras)
+    merged = ranks[0].summary(ranks[0].merge_states(torch.stack([e.state for e in ranks])))
+    values = [counting(first), counting(second)]
+    for name, key in (("rollout_log_ratio_hist", "r"), ("rollout_probs_diff_hist", "dp")):
+        edges = dict(HISTOGRAMS)[name]
+        both = np.concatenate([v[key] for v in values])
+        np.testing.assert_array_equal(merged.histograms[name].counts, reference_counts(both, edges))
+        assert merged.histograms[name].num == len(both)
+        assert merged.histograms[name].max == pytest.approx(both.max(), rel=1e-6)
+    everyone = sorted(
+        ((abs(r), rank) for rank, v in enumerate(values) for r in v["r"]), reverse=True
+    )[:8]
+    assert [token.rank for token in merged.worst_tokens] == [rank for _, rank in everyone]
+    assert [abs(token.log_ratio) for token in merged.worst_tokens] == pytest.approx(
+        [value for value, _ in everyone], rel=1e-6
+    )
+
+
+def test_chunks_and_batches_do_not_change_the_result() -> None:
+    data = batch(30, rows=9, width=13)
+    whole = TokenExtras(worst_tokens_k=7)
+    whole.update(*tensors(data), data["responses"])
+    chunked = TokenExtras(worst_tokens_k=7, chunk_tokens=20)
+    chunked.update(*tensors(data), data["responses"])
+    size = len(WORST_FIELDS) * 7
+    torch.testing.assert_close(whole.state[:-size], chunked.state[:-size], rtol=1e-12, atol=0)
+    a, b = whole.summary(whole.state), chunked.summary(chunked.state)
+    assert a.worst_tokens == b.worst_tokens
+
+
+def test_empty_windows_and_tiny_batches() -> None:
+    extras = TokenExtras(worst_tokens_k=4)
+    empty = extras.summary(extras.state)
+    assert all(h.num == 0 for h in empty.histograms.values()) and empty.worst_tokens == []
+    extras.update(torch.zeros(0, 5), torch.zeros(0, 5), torch.ones(0, 5))
+    assert extras.summary(extras.state).worst_tokens == []
+    extras.update(
+        torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -2.0]]), torch.tensor([[1, 0]])
+    )
+    summary = extras.summary(extras.state)
+    assert len(summary.worst_tokens) == 1  # fewer tokens than k: only the real ones
+    assert summary.worst_tokens[0].log_ratio == pytest.approx(-0.5)
+    assert summary.worst_tokens[0].token_id is None
+    assert extras.state.shape == (extras.size,)
+
+
+def test_all_ranks_sends_stats_and_extras_in_one_collective() -> None:
+    """Two simulated ranks: one ``all_gather`` of one vector, split and merged per part."""
+    batches = [batch(40), batch(41, rows=5)]
+    callbacks = [RolloutDebugCallback(worst_tokens_k=4) for _ in batches]
+    for rank, (callback, data) in enumerate(zip(callbacks, batches, strict=True)):
+        callback._rank = rank
+        callback._batches_in_window = 1
+        callback._update(data, data)
+    sent = []
+
+    def all_gather(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+        sent.append(tensor)
+        other = torch.cat([callbacks[1]._stats.state, callbacks[1]._extras.state])
+        return torch.stack([tensor, other])
+
+    strategy = SimpleNamespace(all_gather=all_gather, root_device=torch.device("cpu"))
+    trainer = SimpleNamespace(world_size=2, global_rank=0, strategy=strategy)
+    stats, extras = callbacks[0]._host_window(trainer)
+    assert len(sent) == 1 and sent[0].dtype == torch.float64
+    tokens = sum(len(counting(data)["r"]) for data in batches)
+    assert stats.compute()["rollout_tokens"] == tokens
+    assert extras.histograms["rollout_log_ratio_hist"].num == tokens
+    assert {token.rank for token in extras.worst_tokens} <= {0, 1}
+    want = sorted((abs(r) for data in batches for r in counting(data)["r"]), reverse=True)[:4]
+    assert [abs(t.log_ratio) for t in extras.worst_tokens] == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_update_does_not_synchronize_on_cuda() -> None:
+    data = {key: value.cuda() for key, value in batch(50, rows=64, width=128).items()}
+    extras = TokenExtras(worst_tokens_k=10, chunk_tokens=1024)
+    extras.update(*tensors(data), data["responses"])  # first update copies the bin edges
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for index in range(3):
+            extras.update(*tensors(data), data["responses"], batch_index=index)
+        merged = extras.merge_states(torch.stack([extras.state, extras.state]))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert merged.device.type == "cuda"
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records the name of every aten op that reaches the dispatcher."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+WAITING_OPS = {
+    "aten::_local_scalar_dense",
+    "aten::item",
+    "aten::nonzero",
+    "aten::masked_select",
+    "aten::is_nonzero",
+    "aten::bincount",  # sizes its output from the data's maximum
+    "aten::histc",
+    "aten::unique",
+    "aten::_unique2",
+    "aten::_copy_from",
+}
+
+
+def test_update_and_merge_use_no_op_that_waits_for_the_device() -> None:
+    data = batch(60)
+    extras = TokenExtras(worst_tokens_k=5, chunk_tokens=8)
+    extras.update(*tensors(data), data["responses"])  # the first update places the bin edges
+    with OpRecorder() as recorder:
+        extras.update(*tensors(data), data["responses"], batch_index=1)
+        extras.merge_states(torch.stack([extras.state, extras.state]))
+    assert "aten::bucketize" in recorder.names and "aten::scatter_add_" in recorder.names
+    assert not WAITING_OPS & set(recorder.names)
+
+
+def test_update_runs_on_the_meta_device() -> None:
+    """Nothing data-dependent reaches the host: a meta tensor has no data to read."""
+    extras = TokenExtras(worst_tokens_k=5)
+    values = torch.randn(4, 8, device="meta")
+    ids = torch.zeros(4, 8, dtype=torch.long, device="meta")
+    extras.update(values, values, torch.ones(4, 8, device="meta"), ids)
+    extras.update(values, values, torch.ones(4, 8, device="meta"), ids)
+    assert extras.state.device.type == "meta" and extras.state.shape == (extras.size,)
