@@ -3,10 +3,11 @@
 A real Trainer logs every step to a TensorBoardLogger; the batch is ``[256, 4096]``
 float32 log-probs with a random response mask. The callback's ``on_train_batch_end``
 (update + reduce + compute + write, i.e. a whole logged step of the callback) is timed
-with the extras on (defaults) and off, alternating runs, and the median is reported.
-Also timed: the update alone of the statistics and of the extras.
+with the extras on (defaults) and off, alternating runs, and the medians of the process
+CPU time (robust to other load on the machine) and of the wall time are reported. Also
+timed: the update alone of the statistics and of the extras.
 
-    python benchmarks/bench_tensorboard_extras.py [--rows 256 --width 4096 --steps 12]
+    python benchmarks/bench_tensorboard_extras.py [--rows 256 --width 4096 --steps 12 --threads 1]
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from lightning_rollout_debug.tensorboard import TokenExtras
 class Timed(RolloutDebugCallback):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.seconds: list[float] = []
+        self.seconds: list[tuple[float, float]] = []
 
     def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         super().on_train_batch_end(*args, **kwargs)
-        self.seconds.append(time.perf_counter() - start)
+        self.seconds.append((time.perf_counter() - wall, time.process_time() - cpu))
 
 
 class Module(pl.LightningModule):
@@ -68,7 +69,9 @@ def make_batch(rows: int, width: int) -> dict[str, torch.Tensor]:
     }
 
 
-def logged_step_seconds(batch: dict[str, torch.Tensor], steps: int, extras: bool) -> list[float]:
+def logged_step_seconds(
+    batch: dict[str, torch.Tensor], steps: int, extras: bool
+) -> list[tuple[float, float]]:
     options: dict[str, Any] = {"alert_ranges": {}}
     if not extras:
         options.update(histograms=False, worst_tokens_k=0, dashboard_layout=False)
@@ -89,6 +92,7 @@ def logged_step_seconds(batch: dict[str, torch.Tensor], steps: int, extras: bool
 
 
 def update_seconds(batch: dict[str, torch.Tensor], target: Any, repeats: int) -> float:
+    """Median CPU time of one update of ``target`` with the batch."""
     args = (batch["rollout_log_probs"], batch["old_log_probs"], batch["response_mask"])
     if isinstance(target, TokenExtras):
         args = (*args, batch["responses"])
@@ -96,9 +100,9 @@ def update_seconds(batch: dict[str, torch.Tensor], target: Any, repeats: int) ->
     times = []
     for _ in range(repeats):
         target.reset()
-        start = time.perf_counter()
+        start = time.process_time()
         target.update(*args)
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     return statistics.median(times)
 
 
@@ -108,28 +112,31 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
     batch = make_batch(args.rows, args.width)
     tokens = int(batch["response_mask"].sum())
     print(
         f"batch [{args.rows}, {args.width}], {tokens} counting tokens, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
-    on: list[float] = []
-    off: list[float] = []
+    times: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     for _ in range(args.rounds):
-        off += logged_step_seconds(batch, args.steps, extras=False)
-        on += logged_step_seconds(batch, args.steps, extras=True)
-    base, full = statistics.median(off), statistics.median(on)
-    print(f"logged step, extras off: {base * 1e3:8.1f} ms (median of {len(off)})")
-    print(f"logged step, extras on : {full * 1e3:8.1f} ms (median of {len(on)})")
-    print(f"extras add             : {(full - base) * 1e3:8.1f} ms ({full / base - 1:+.0%})")
+        for extras in (False, True):
+            times[extras] += logged_step_seconds(batch, args.steps, extras)
+    for column, label in ((1, "CPU time"), (0, "wall time")):
+        off = statistics.median(t[column] for t in times[False])
+        on = statistics.median(t[column] for t in times[True])
+        print(
+            f"logged step ({label}, median of {len(times[True])}): extras off {off * 1e3:.0f} ms, "
+            f"on {on * 1e3:.0f} ms, extras add {(on - off) * 1e3:.0f} ms ({on / off - 1:+.0%})"
+        )
     stats_update = update_seconds(batch, MismatchStats(), 5)
     extras_update = update_seconds(batch, TokenExtras(), 5)
-    print(f"update alone, MismatchStats: {stats_update * 1e3:8.1f} ms")
-    print(f"update alone, TokenExtras  : {extras_update * 1e3:8.1f} ms")
+    print(f"update alone (CPU time): MismatchStats {stats_update * 1e3:.0f} ms, ", end="")
+    print(f"TokenExtras {extras_update * 1e3:.0f} ms")
 
 
 if __name__ == "__main__":

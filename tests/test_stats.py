@@ -518,3 +518,14 @@ def test_empty_batch_with_token_ids_counts_zero_differences(shape: tuple[int, in
     assert got["rollout_token_diff_count"] == 0.0
     assert math.isnan(got["rollout_token_diff_seq_frac"])
     assert math.isnan(MismatchStats().compute()["rollout_token_diff_count"])
+
+
+def test_sequence_ratio_on_a_tight_bound_is_not_moved_by_float32_rounding() -> None:
+    """g_i = exp(-3.4e-7) lies outside [1, 1]; a float32 r of about +-20 rounds that away."""
+    rollout = torch.tensor([[-2.5621e-07, -20.0]])
+    old = torch.tensor([[-math.inf, -9.4024e-07]])
+    stats = MismatchStats(seq_ratio_bounds=(1.0, 1.0), groups=["sequence"])
+    stats.update(rollout, old, torch.ones(1, 2))
+    want = reference_metrics(rollout, old, torch.ones(1, 2), seq_ratio_bounds=(1.0, 1.0))
+    assert want["rollout_seq_frac_outside"] == 1.0
+    assert_metrics_close(stats.compute(), want.select(NAMES["sequence"]))

@@ -1,0 +1,43 @@
+"""The compiled (fused) update gives the same statistics as the eager one."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_rollout_debug import GROUPS, METRIC_NAMES, MismatchStats
+from tests.reference import assert_metrics_close, reference_metrics
+
+
+def _batch(dtype: torch.dtype, rows: int = 96, width: int = 1024) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(7)
+    rollout = torch.log(torch.rand(rows, width, generator=generator).clamp(min=1e-9))
+    old = (rollout + 0.05 * torch.randn(rows, width, generator=generator)).clamp(max=0.0)
+    old[3, :7] = -math.inf
+    rollout[5, 2] = math.nan
+    mask = torch.rand(rows, width, generator=generator) > 0.3
+    mask[9] = False
+    ids = torch.randint(0, 5, (2, rows, width), generator=generator)
+    return rollout.to(dtype), old.to(dtype), mask, ids[0], ids[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_update_matches_eager_and_reference(dtype: torch.dtype) -> None:
+    tensors = _batch(dtype)
+    assert tensors[2].numel() >= 1 << 16  # large enough for the automatic fusion
+    fused, eager = MismatchStats(compile=True), MismatchStats(compile=False, chunk_tokens=4096)
+    for stats in (fused, eager):
+        stats.update(*tensors)
+        stats.update(*(t[:40, :300] for t in tensors))
+    want = reference_metrics(
+        [tensors[0], tensors[0][:40, :300]],
+        [tensors[1], tensors[1][:40, :300]],
+        [tensors[2], tensors[2][:40, :300]],
+        rollout_ids=[tensors[3], tensors[3][:40, :300]],
+        trainer_ids=[tensors[4], tensors[4][:40, :300]],
+    )
+    assert set(fused.compute()) == {name for group in GROUPS for name in METRIC_NAMES[group]}
+    assert_metrics_close(fused.compute(), want)
+    assert_metrics_close(eager.compute(), want)
