@@ -67,6 +67,25 @@ def tensor_sources(*objects: Any) -> list[Any]:
     return sources
 
 
+def batch_type_error(batch: Any, error: BatchError) -> BatchError:
+    """``error``, or a ``type:batch`` error when a key is missing because ``batch`` is unsearchable.
+
+    A batch that is a list, a tuple or a bare tensor is not searched for keys, only the
+    output of ``training_step`` is; a missing key then blames the batch's type instead of
+    listing the keys of that output alone.
+    """
+    if not error.kind.startswith("missing:") or tensor_sources(batch):
+        return error
+    converted = BatchError(
+        "type:batch",
+        f"The batch is a {type(batch).__name__}, not a mapping of tensors, a TensorDict or an "
+        "object whose `.batch` is one, so only the output of `training_step` was searched. "
+        f"{error}",
+    )
+    converted.__cause__ = error
+    return converted
+
+
 def _is_lookup(obj: Any) -> bool:
     if isinstance(obj, Mapping):
         return True

@@ -27,6 +27,7 @@ from lightning_rollout_debug.batch import (
     RESPONSES_KEY,
     BatchError,
     MismatchInputs,
+    batch_type_error,
     extract_inputs,
     lookup,
     tensor_sources,
@@ -319,9 +320,10 @@ class RolloutDebugCallback(Callback):
                     batch_index=self._batches_in_window - 1,
                     rank=self._rank,
                 )
-        except BatchError as error:
+        except BatchError as caught:
+            error = batch_type_error(batch, caught)  # a list or tuple batch: say so
             if self.strict:
-                raise
+                raise error from error.__cause__
             self._warn_once(error.kind, f"{error} The batch is skipped.")
         except Exception as error:
             if self.strict:
@@ -376,11 +378,28 @@ class RolloutDebugCallback(Callback):
 
     def _log_window(self, trainer: pl.Trainer) -> None:
         stats, extras = self._host_window(trainer)
-        metrics = stats.compute()
+        try:
+            metrics: Mapping[str, float] | None = stats.compute()
+        except ArithmeticError as error:
+            # Only absurd input gets here: log-probs hundreds of nats above 0 overflow `exp`.
+            step = trainer.fit_loop.epoch_loop._batches_that_stepped
+            problem = BatchError(
+                f"compute:{type(error).__name__}",
+                f"Could not compute the metrics of the window ending at step {step} ({error!r}): "
+                "its log-probs are far above 0, which no log-probability is (logits, or "
+                "negative log-likelihoods?).",
+            )
+            if self.strict:
+                raise problem from error
+            self._warn_once(problem.kind, f"{problem} The window is dropped.")
+            metrics = None
         self._stats.reset()
         if self._extras is not None:
             self._extras.reset()
         self._batches_in_window = 0
+        if metrics is None:
+            self._publish(trainer, {})  # no stale values of the previous window either
+            return
         scalars = {
             f"{self.prefix}{name}": value
             for name, value in metrics.items()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -236,7 +237,9 @@ class MismatchStats:
         self.groups = validate_groups(groups)
         if compile not in (None, True, False):
             raise ValueError(f"`compile` must be None (auto), True or False, got {compile!r}.")
-        if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
+        if chunk_tokens is not None and (
+            isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1
+        ):
             raise ValueError(
                 f"`chunk_tokens` must be None (auto) or a positive int, got {chunk_tokens!r}."
             )
@@ -405,8 +408,8 @@ def validate_is_threshold(value: float) -> float:
     """Return ``value`` as a float if it is a finite number greater than 1."""
     if (
         isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not (1.0 < value < math.inf)
+        or not isinstance(value, numbers.Real)
+        or not (1.0 < float(value) < math.inf)
     ):
         raise ValueError(f"`is_threshold` must be a finite number greater than 1, got {value!r}.")
     return float(value)

@@ -29,9 +29,12 @@ from lightning_rollout_debug.stats import LOG_PROB_FLOOR
 from lightning_rollout_debug.tensorboard import (
     DASHBOARD,
     HISTOGRAMS,
+    LOG_RATIO_BINS,
     LOG_RATIO_EDGES,
+    PROBS_DIFF_BINS,
     PROBS_DIFF_EDGES,
     WORST_FIELDS,
+    QuarterOctaveBins,
     TokenExtras,
     dashboard_layout,
 )
@@ -94,6 +97,15 @@ def reference_counts(values: np.ndarray, edges: Sequence[float]) -> np.ndarray:
     return np.bincount(bins, minlength=len(edges) + 1)
 
 
+def assert_histogram(histogram: Any, values: np.ndarray, edges: Sequence[float]) -> None:
+    """The written buckets are the NumPy binning, from the first to the last non-empty bin."""
+    want = reference_counts(values, edges)
+    filled = np.flatnonzero(want)
+    first, last = filled[0], filled[-1]
+    assert list(histogram.bucket_limit) == [*edges, sys.float_info.max][first : last + 1]
+    np.testing.assert_array_equal(histogram.bucket, want[first : last + 1])
+
+
 def fit(
     batches: list[dict[str, torch.Tensor]],
     callback: RolloutDebugCallback,
@@ -153,13 +165,7 @@ def test_histograms_match_numpy_binning(
     for event, window in zip(events, run["windows"], strict=True):
         values = np.concatenate([counting(data)[key] for data in window])
         histogram = event.histogram_value
-        want = reference_counts(values, edges)
-        filled = np.flatnonzero(want)
-        first, last = filled[0], filled[-1]
-        # Written from the first to the last non-empty bin, with the fixed edges as limits.
-        limits = [*edges, sys.float_info.max][first : last + 1]
-        assert list(histogram.bucket_limit) == limits
-        np.testing.assert_array_equal(histogram.bucket, want[first : last + 1])
+        assert_histogram(histogram, values, edges)
         assert histogram.num == len(values) == tokens[event.step]
         assert histogram.min == pytest.approx(values.min(), rel=1e-6)
         assert histogram.max == pytest.approx(values.max(), rel=1e-6)
@@ -175,21 +181,50 @@ def test_exact_zero_and_floored_tokens_land_in_the_edge_bins(run: dict[str, Any]
     histogram = first.histogram_value
     counts = dict(zip(histogram.bucket_limit, histogram.bucket, strict=True))
     middle = len(LOG_RATIO_EDGES) // 2
-    assert LOG_RATIO_EDGES[middle - 1] == -1e-6 and LOG_RATIO_EDGES[middle] == 1e-6
-    assert counts[LOG_RATIO_EDGES[middle]] >= 1  # [-1e-6, 1e-6) holds old[0, 1] == rollout[0, 1]
-    # rollout[1, 2] = -30 floors to -20, so r = a + 20 > 10: the bin [10**1.2, 10**1.4)
-    assert histogram.bucket_limit[-1] == LOG_RATIO_EDGES[-1] and histogram.bucket[-1] >= 1
-    assert histogram.max > 10
+    assert LOG_RATIO_EDGES[middle - 1] == -(2.0**-20) and LOG_RATIO_EDGES[middle] == 2.0**-20
+    assert counts[LOG_RATIO_EDGES[middle]] >= 1  # old[0, 1] == rollout[0, 1]: r == 0
+    # rollout[1, 2] = -30 floors to -20, so r = a + 20 > 10: the last non-empty bin.
+    assert histogram.max > 10 and histogram.bucket[-1] >= 1
+    assert histogram.bucket_limit[-2] <= histogram.max < histogram.bucket_limit[-1]
 
 
-def test_bins_are_symmetric_and_log_spaced() -> None:
+@pytest.mark.parametrize("bins", [LOG_RATIO_BINS, PROBS_DIFF_BINS], ids=["signed", "unsigned"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bit_binning_equals_bucketize(bins: QuarterOctaveBins, dtype: torch.dtype) -> None:
+    edges = torch.tensor(bins.edges, dtype=dtype)
+    up, down = torch.full_like(edges, math.inf), torch.full_like(edges, -math.inf)
+    tiny = torch.finfo(dtype).tiny
+    special = [0.0, -0.0, tiny, -tiny, tiny / 4, -tiny / 4, 1e-30, -1e-30, 40.0, -40.0, 1.0]
+    generator = torch.Generator().manual_seed(0)
+    spread = torch.randn(20_000, generator=generator, dtype=dtype)
+    spread = spread * torch.exp(5 * torch.randn(20_000, generator=generator, dtype=dtype))
+    values = torch.cat(
+        [
+            edges,
+            torch.nextafter(edges, up),
+            torch.nextafter(edges, down),
+            torch.tensor(special, dtype=dtype),
+            spread,
+        ]
+    )
+    if not bins.signed:
+        values = values.abs()
+    want = torch.bucketize(
+        values.double(), torch.tensor(bins.edges, dtype=torch.float64), right=True
+    )
+    assert torch.equal(bins.index(values), want)
+
+
+def test_bins_are_symmetric_and_quarter_octaves() -> None:
     edges = np.asarray(LOG_RATIO_EDGES)
-    np.testing.assert_allclose(edges, -edges[::-1])
+    np.testing.assert_array_equal(edges, -edges[::-1])
     positive = edges[edges > 0]
-    assert positive[0] == pytest.approx(1e-6) and positive[-1] > 20.0
-    np.testing.assert_allclose(np.diff(np.log10(positive)), 0.2)
-    np.testing.assert_allclose(np.diff(np.log10(PROBS_DIFF_EDGES)), 0.2)
-    assert PROBS_DIFF_EDGES[0] == pytest.approx(1e-8) and PROBS_DIFF_EDGES[-1] == 1.0
+    assert positive[0] == 2.0**-20 and positive[-1] == 32.0 > 20.0
+    for magnitudes in (positive, np.asarray(PROBS_DIFF_EDGES)):
+        ratios = magnitudes[1:] / magnitudes[:-1]
+        assert set(np.round(ratios, 12)) == {1.25, 1.2, round(1.75 / 1.5, 12), round(2 / 1.75, 12)}
+        assert np.all(np.float32(magnitudes) == magnitudes)  # exact in float32
+    assert PROBS_DIFF_EDGES[0] == 2.0**-27 and PROBS_DIFF_EDGES[-1] == 1.0
 
 
 # ---------------------------------------------------------------------- worst tokens
@@ -347,7 +382,7 @@ def test_merge_of_ranks_equals_one_window_of_all_tokens() -> None:
     merged = ranks[0].summary(ranks[0].merge_states(torch.stack([e.state for e in ranks])))
     values = [counting(first), counting(second)]
     for name, key in (("rollout_log_ratio_hist", "r"), ("rollout_probs_diff_hist", "dp")):
-        edges = dict(HISTOGRAMS)[name]
+        edges = dict(HISTOGRAMS)[name].edges
         both = np.concatenate([v[key] for v in values])
         np.testing.assert_array_equal(merged.histograms[name].counts, reference_counts(both, edges))
         assert merged.histograms[name].num == len(both)
@@ -420,7 +455,7 @@ def test_all_ranks_sends_stats_and_extras_in_one_collective() -> None:
 def test_update_does_not_synchronize_on_cuda() -> None:
     data = {key: value.cuda() for key, value in batch(50, rows=64, width=128).items()}
     extras = TokenExtras(worst_tokens_k=10, chunk_tokens=1024)
-    extras.update(*tensors(data), data["responses"])  # first update copies the bin edges
+    extras.update(*tensors(data), data["responses"])  # warm-up: CUDA context, kernels
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -461,11 +496,10 @@ WAITING_OPS = {
 def test_update_and_merge_use_no_op_that_waits_for_the_device() -> None:
     data = batch(60)
     extras = TokenExtras(worst_tokens_k=5, chunk_tokens=8)
-    extras.update(*tensors(data), data["responses"])  # the first update places the bin edges
     with OpRecorder() as recorder:
         extras.update(*tensors(data), data["responses"], batch_index=1)
         extras.merge_states(torch.stack([extras.state, extras.state]))
-    assert "aten::bucketize" in recorder.names and "aten::scatter_add_" in recorder.names
+    assert "aten::scatter_add_" in recorder.names
     assert not WAITING_OPS & set(recorder.names)
 
 
@@ -477,3 +511,57 @@ def test_update_runs_on_the_meta_device() -> None:
     extras.update(values, values, torch.ones(4, 8, device="meta"), ids)
     extras.update(values, values, torch.ones(4, 8, device="meta"), ids)
     assert extras.state.device.type == "meta" and extras.state.shape == (extras.size,)
+
+
+PLACE = ("row", "position", "responses")
+
+
+def rows_match(rows: list[dict[str, str]], places: list[set], assignment: tuple[int, ...]) -> bool:
+    """Every table row is a token of the batch that ``assignment`` gives its rank."""
+    return all(
+        (int(row["row"]), int(row["position"]), int(row["token"]))
+        in places[assignment[int(row["rank"])]]
+        for row in rows
+    )
+
+
+@pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="needs torch.distributed with the gloo backend",
+)
+def test_two_ranks_histograms_and_worst_tokens_cover_both(tmp_path: Path) -> None:
+    """A real ``ddp_spawn`` run on two CPU processes: rank 0 writes every rank's tokens."""
+    batches = [batch(seed, rows=4 + seed % 2, width=8) for seed in range(70, 74)]
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    trainer = pl.Trainer(
+        **{**TRAINER_DEFAULTS, "devices": 2},
+        strategy="ddp_spawn",
+        max_steps=2,
+        log_every_n_steps=1,
+        logger=logger,
+        callbacks=[RolloutDebugCallback(worst_tokens_k=5)],
+    )
+    trainer.fit(RolloutModule(batches))
+    ea = accumulator(logger.log_dir)
+    # Step s merges batches 2s and 2s + 1, one per rank (which rank has which is the
+    # sampler's business: the table must match one of the two assignments).
+    windows = {0: batches[0:2], 1: batches[2:4]}
+    histograms = {event.step: event.histogram_value for event in ea.Histograms(LOG_RATIO_TAG)}
+    texts = {e.step: e.tensor_proto.string_val[0].decode() for e in ea.Tensors(TEXT_TAG)}
+    assert sorted(histograms) == sorted(texts) == [0, 1]
+    ranks_seen = set()
+    for step, window in windows.items():
+        values = np.concatenate([counting(data)["r"] for data in window])
+        assert_histogram(histograms[step], values, LOG_RATIO_EDGES)
+        assert histograms[step].num == len(values)
+        rows = parse_table(texts[step])
+        want = sorted((abs(r) for data in window for r in counting(data)["r"]), reverse=True)[:5]
+        got = [abs(float(row["r = log(actor/rollout)"])) for row in rows]
+        assert got == pytest.approx(want, rel=1e-5)
+        places = [
+            set(zip(*(counting(data)[key].tolist() for key in PLACE), strict=True))
+            for data in window
+        ]
+        assert rows_match(rows, places, (0, 1)) != rows_match(rows, places, (1, 0))
+        ranks_seen |= {int(row["rank"]) for row in rows}
+    assert ranks_seen == {0, 1}
