@@ -1,14 +1,22 @@
 """See the mismatch between rollout-engine and trainer log-probabilities in RL fine-tuning."""
 
+from lightning_rollout_debug.alerts import (
+    DEFAULT_ALERT_RANGES,
+    RolloutAlertError,
+    RolloutAlertWarning,
+)
 from lightning_rollout_debug.batch import BatchError
 from lightning_rollout_debug.callback import RolloutDebugCallback, RolloutDebugWarning
 from lightning_rollout_debug.stats import GROUPS, METRIC_NAMES, MismatchStats
 
 __all__ = [
+    "DEFAULT_ALERT_RANGES",
     "GROUPS",
     "METRIC_NAMES",
     "BatchError",
     "MismatchStats",
+    "RolloutAlertError",
+    "RolloutAlertWarning",
     "RolloutDebugCallback",
     "RolloutDebugWarning",
 ]

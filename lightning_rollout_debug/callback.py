@@ -50,6 +50,9 @@ from lightning_rollout_debug.tensorboard import (
     write_extras,
 )
 
+POSITIVE_LOG_PROB_TOLERANCE = 1e-3
+"""Log-probs above this (nats) are reported: no log-probability is above 0."""
+
 
 class RolloutDebugWarning(UserWarning):
     """A batch the callback skipped, or a setting it cannot honour."""
@@ -184,6 +187,7 @@ class RolloutDebugCallback(Callback):
             is_threshold=is_threshold, seq_ratio_bounds=seq_ratio_bounds, groups=self.groups
         )
         self._batches_in_window = 0
+        self._ended = False
         self._warned: set[str] = set()
         self._restored_window: torch.Tensor | None = None
         self.histograms = histograms
@@ -253,8 +257,17 @@ class RolloutDebugCallback(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._batches_in_window:
-            self._log_window(trainer)
+        if self._batches_in_window:  # the last, partial window: at the step of its last batch
+            self._ended = True
+            try:
+                self._log_window(trainer)
+            finally:
+                self._ended = False
+
+    def _log_step(self, trainer: pl.Trainer) -> int:
+        """The step ``self.log`` uses for the batch that just ended."""
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        return max(step - 1, 0) if self._ended else step
 
     @override
     def on_save_checkpoint(
@@ -320,11 +333,10 @@ class RolloutDebugCallback(Callback):
                     batch_index=self._batches_in_window - 1,
                     rank=self._rank,
                 )
-        except BatchError as caught:
-            error = batch_type_error(batch, caught)  # a list or tuple batch: say so
-            if self.strict:
-                raise error from error.__cause__
-            self._warn_once(error.kind, f"{error} The batch is skipped.")
+        except BatchError as error:
+            # A list or tuple batch: say so. No local may hold the error (its traceback holds
+            # this frame, and with it the batch and any autograd graph, until a gc cycle).
+            self._skip_batch(batch_type_error(batch, error))
         except Exception as error:
             if self.strict:
                 raise
@@ -368,38 +380,22 @@ class RolloutDebugCallback(Callback):
     def _host_window(self, trainer: pl.Trainer) -> tuple[MismatchStats, ExtrasSummary | None]:
         """The merged window, copied to the host in one transfer: statistics and extras."""
         stats, extras = self._all_ranks(trainer)
-        if extras is None or self._extras is None:
-            return stats, None
         state = stats.state
-        host = torch.cat([state, extras.to(state.device)]).cpu()
+        host = torch.cat([state] if extras is None else [state, extras.to(state.device)]).cpu()
         on_host = copy.copy(stats)
         on_host.load_state(host[: state.numel()])
+        if extras is None or self._extras is None:
+            return on_host, None
         return on_host, self._extras.summary(host[state.numel() :])
 
     def _log_window(self, trainer: pl.Trainer) -> None:
         stats, extras = self._host_window(trainer)
-        try:
-            metrics: Mapping[str, float] | None = stats.compute()
-        except ArithmeticError as error:
-            # Only absurd input gets here: log-probs hundreds of nats above 0 overflow `exp`.
-            step = trainer.fit_loop.epoch_loop._batches_that_stepped
-            problem = BatchError(
-                f"compute:{type(error).__name__}",
-                f"Could not compute the metrics of the window ending at step {step} ({error!r}): "
-                "its log-probs are far above 0, which no log-probability is (logits, or "
-                "negative log-likelihoods?).",
-            )
-            if self.strict:
-                raise problem from error
-            self._warn_once(problem.kind, f"{problem} The window is dropped.")
-            metrics = None
         self._stats.reset()
         if self._extras is not None:
             self._extras.reset()
         self._batches_in_window = 0
-        if metrics is None:
-            self._publish(trainer, {})  # no stale values of the previous window either
-            return
+        self._check_log_prob_signs(trainer, stats)
+        metrics = stats.compute()
         scalars = {
             f"{self.prefix}{name}": value
             for name, value in metrics.items()
@@ -408,6 +404,19 @@ class RolloutDebugCallback(Callback):
         self._publish(trainer, scalars)
         self._write_tensorboard(trainer, extras)
         self._check_alerts(trainer, metrics)
+
+    def _check_log_prob_signs(self, trainer: pl.Trainer, stats: MismatchStats) -> None:
+        """Warn once per key when the window holds log-probs above 0 (read off the host copy)."""
+        keys = (self.old_log_probs_key, self.rollout_log_probs_key)
+        for key, largest in zip(keys, stats.largest_log_probs(), strict=True):
+            if largest > POSITIVE_LOG_PROB_TOLERANCE:
+                self._warn_once(
+                    f"positive:{key}",
+                    f"`{key}` holds values up to {largest:.6g} in the window ending at step "
+                    f"{self._log_step(trainer)}; log-probabilities are at most 0 (logits, or "
+                    "negative log-likelihoods?). Its tokens are counted as they are: "
+                    "probabilities above 1, perplexities below 1.",
+                )
 
     def _publish(self, trainer: pl.Trainer, scalars: Mapping[str, float]) -> None:
         names = {f"{self.prefix}{name}" for group in self.groups for name in METRIC_NAMES[group]}
@@ -418,7 +427,7 @@ class RolloutDebugCallback(Callback):
             {name: torch.tensor(value, dtype=torch.float64) for name, value in scalars.items()}
         )
         if trainer.is_global_zero and scalars:
-            step = trainer.fit_loop.epoch_loop._batches_that_stepped
+            step = self._log_step(trainer)
             for logger in trainer.loggers:
                 logger.log_metrics(dict(scalars), step=step)
 
@@ -426,7 +435,7 @@ class RolloutDebugCallback(Callback):
         """Histograms, worst tokens and (once per run) the layout, to TensorBoard loggers."""
         if not trainer.is_global_zero:
             return
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        step = self._log_step(trainer)
         for logger in trainer.loggers:
             if not isinstance(logger, TensorBoardLogger):
                 continue
@@ -443,7 +452,7 @@ class RolloutDebugCallback(Callback):
         result = self._alerts.check(metrics)
         if not result.outside:
             return
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        step = self._log_step(trainer)
         if self.on_alert == "raise":
             found = "; ".join(alert.describe(self.prefix) for alert in result.outside)
             raise RolloutAlertError(f"RolloutDebugCallback at step {step}: {found}.")
@@ -460,6 +469,11 @@ class RolloutDebugCallback(Callback):
                 f"RolloutDebugCallback at step {step}: {alert.describe(self.prefix)}; {then}.",
                 category=RolloutAlertWarning,
             )
+
+    def _skip_batch(self, error: BatchError) -> None:
+        if self.strict:
+            raise error
+        self._warn_once(error.kind, f"{error} The batch is skipped.")
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:

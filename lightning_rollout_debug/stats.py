@@ -107,7 +107,15 @@ _SUMS = (
     "id_diff",
     "id_diff_rows",
 )
-_MAXES = ("prob_diff", "log_diff", "log_ratio", "seq_abs_log_ratio", "seq_log_ratio")
+_MAXES = (
+    "prob_diff",
+    "log_diff",
+    "log_ratio",
+    "seq_abs_log_ratio",
+    "seq_log_ratio",
+    "actor_log_prob",
+    "rollout_log_prob",
+)
 _MINS = ("log_ratio", "seq_log_ratio")
 
 
@@ -388,6 +396,16 @@ class MismatchStats:
             for name in METRIC_NAMES[group]
         }
 
+    def largest_log_probs(self) -> tuple[float, float]:
+        """The largest counting ``(old_log_probs, rollout_log_probs)`` of the window.
+
+        Log-probabilities are at most 0; a positive maximum means the inputs are
+        something else (logits, negative log-likelihoods). ``-inf`` for an empty window.
+        Reads the state, so call it on a host copy to avoid a second transfer.
+        """
+        values = self.state.tolist()
+        return values[_MAX_AT["actor_log_prob"]], values[_MAX_AT["rollout_log_prob"]]
+
     # ------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
         """The window and the configuration, on the CPU, for checkpoints."""
@@ -507,8 +525,12 @@ def _batch_state(
     count = row_count.sum()
     power: dict[str, Tensor] = {}  # float64 row sums of the moment variables
     cross: dict[tuple[str, str], Tensor] = {}  # ... and of their pairwise products
-    sums: dict[str, Tensor] = {"nonfinite": (masked & ~finite).sum(dtype=f64)}
-    maxes: dict[str, Tensor] = {}
+    sums: dict[str, Tensor] = {"nonfinite": row_sum(masked & ~finite).sum()}
+    # The largest log-probs: above 0 they are no log-probabilities (found without a sync).
+    maxes: dict[str, Tensor] = {
+        "actor_log_prob": row_max(a).amax(),
+        "rollout_log_prob": row_max(b).amax(),
+    }
     mins: dict[str, Tensor] = {}
     moment_values: dict[str, Tensor] = {}
     if "seed" in groups:
@@ -517,7 +539,7 @@ def _batch_state(
         # pa - pb = pb * expm1(a - b): no cancellation when the two are close. Far apart,
         # the rounding of r (up to 1e-6 at |r| = 20) would cost digits; subtract there.
         close = r.abs() < 1.0
-        diff = torch.where(close, prob_rollout * torch.expm1(r), prob_actor - prob_rollout).abs()
+        diff = torch.where(close, prob_rollout * _expm1(r), prob_actor - prob_rollout).abs()
         moment_values.update(prob_actor=prob_actor, prob_rollout=prob_rollout, prob_diff=diff)
         maxes["prob_diff"] = row_max(diff).amax()
     if "log_space" in groups:
@@ -531,19 +553,19 @@ def _batch_state(
             cross[(left, right)] = torch.where(counting, product, 0.0).sum(1).sum()
     if "kl" in groups or "importance_ratio" in groups:
         clamped = r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        ratio_m1 = torch.expm1(clamped)
+        ratio_m1 = _expm1(clamped)
         sums["log_ratio"] = row_sum(r).sum()
     if "kl" in groups:
         sums["kl_k3"] = row_sum(_expm1_minus(ratio_m1, r)).sum()
-        sums["mult_error_m1"] = row_sum(torch.expm1(r.abs())).sum()
+        sums["mult_error_m1"] = row_sum(_expm1(r.abs())).sum()
     if "importance_ratio" in groups:
         sums["ratio_m1"] = row_sum(ratio_m1).sum()
-        sums["ratio_sq_m1"] = row_sum(torch.expm1(2.0 * clamped)).sum()
+        sums["ratio_sq_m1"] = row_sum(_expm1(2.0 * clamped)).sum()
         # Plain sums for the ESS: n + sum(rho - 1) loses every digit when rho << 1.
         sums["ratio"] = row_sum(torch.where(counting, torch.exp(clamped), 0.0)).sum()
         sums["ratio_sq"] = row_sum(torch.where(counting, torch.exp(2.0 * clamped), 0.0)).sum()
-        sums["ratio_high"] = (counting & (ratio_m1 > is_threshold - 1.0)).sum(dtype=f64)
-        sums["ratio_low"] = (counting & (ratio_m1 < 1.0 / is_threshold - 1.0)).sum(dtype=f64)
+        sums["ratio_high"] = row_sum(counting & (ratio_m1 > is_threshold - 1.0)).sum()
+        sums["ratio_low"] = row_sum(counting & (ratio_m1 < 1.0 / is_threshold - 1.0)).sum()
         maxes["log_ratio"] = row_max(clamped).amax()
         mins["log_ratio"] = -row_max(-clamped).amax()
     if "health" in groups or "sequence" in groups:
@@ -557,7 +579,7 @@ def _batch_state(
         differs = masked & (rollout_token_ids != trainer_token_ids)
         sums["id_updates"] = torch.ones((), dtype=f64, device=mask.device)
         sums["id_rows"] = masked.any(1).sum(dtype=f64)
-        sums["id_diff"] = differs.sum(dtype=f64)
+        sums["id_diff"] = row_sum(differs).sum()
         sums["id_diff_rows"] = differs.any(1).sum(dtype=f64)
     means, comoments = _centre(count, power, cross)
     return _pack(count, means, comoments, sums, maxes, mins)
@@ -604,18 +626,35 @@ def _sequence_sums(
     mins["seq_log_ratio"] = torch.where(has_tokens, mean_r, math.inf).amin()
 
 
+def _expm1(x: Tensor) -> Tensor:
+    """``exp(x) - 1``, accurate to a few ulp near ``x = 0`` on every backend.
+
+    Compilers may lower ``expm1`` to ``exp(x) - 1``, which loses every digit for tiny
+    ``x``; the Taylor series below ``|x| = 1/2`` keeps them (truncation below 1e-9
+    relative).
+    """
+    series = _exp_series(x, start=1)
+    return torch.where(x.abs() < 0.5, series, torch.exp(x) - 1.0)
+
+
 def _expm1_minus(expm1_clamped: Tensor, r: Tensor) -> Tensor:
     """``expm1(clamp(r)) - r`` without the cancellation of the two near ``r = 0``.
 
-    For ``|r| < 1/2`` (where the clamp is inactive) the Taylor series of ``e^r - 1 - r``
-    to the ninth power, whose truncation error is below 1e-8 relative; elsewhere the
-    plain difference, which does not cancel.
+    For ``|r| < 1/2`` (where the clamp is inactive) the Taylor series of ``e^r - 1 - r``,
+    whose truncation error is below 1e-8 relative; elsewhere the plain difference, which
+    does not cancel.
     """
-    series = torch.zeros_like(r)
-    for order in range(9, 1, -1):
-        series = (series + 1.0 / math.factorial(order)) * r
-    series = series * r
-    return torch.where(r.abs() < 0.5, series, expm1_clamped - r)
+    return torch.where(r.abs() < 0.5, _exp_series(r, start=2), expm1_clamped - r)
+
+
+def _exp_series(x: Tensor, start: int) -> Tensor:
+    """``sum_{n >= start} x^n / n!`` up to ``x^10`` (Horner form)."""
+    series = torch.zeros_like(x)
+    for order in range(10, start - 1, -1):
+        series = (series + 1.0 / math.factorial(order)) * x
+    for _ in range(start - 1):
+        series = series * x
+    return series
 
 
 def _pack(
@@ -697,8 +736,8 @@ def _metrics_from_state(
         "rollout_actor_log_ppl_abs_diff_max": state[_MAX_AT["seq_abs_log_ratio"]]
         if has_seqs
         else nan,
-        "rollout_seq_geo_ratio_min": math.exp(seq_min) if has_seqs else nan,
-        "rollout_seq_geo_ratio_max": math.exp(seq_max) if has_seqs else nan,
+        "rollout_seq_geo_ratio_min": _exp(seq_min) if has_seqs else nan,
+        "rollout_seq_geo_ratio_max": _exp(seq_max) if has_seqs else nan,
         "rollout_seq_frac_outside": total("seq_outside") / seqs if has_seqs else nan,
         "rollout_tokens": n,
         "rollout_sequences": seqs,
@@ -706,6 +745,11 @@ def _metrics_from_state(
         "rollout_token_diff_count": total("id_diff") if total("id_updates") >= 1 else nan,
         "rollout_token_diff_seq_frac": total("id_diff_rows") / id_rows if id_rows >= 1 else nan,
     }
+
+
+def _exp(x: float) -> float:
+    """``math.exp`` that overflows to ``inf`` instead of raising (absurd positive log-probs)."""
+    return math.exp(x) if x < 709.0 else math.inf
 
 
 def _pearson(state: list[float], n: float) -> float:
