@@ -40,16 +40,22 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def make_batch(shape: tuple[int, int], dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
-    """A realistic batch: log-probs of sampled tokens, a small mismatch, padded rows."""
+    """A realistic batch: log-probs of sampled tokens, a small mismatch, padded rows.
+
+    Filled in place, so making it leaves no freed temporaries behind that a later
+    allocation could reuse unseen by the memory probe.
+    """
     generator = torch.Generator().manual_seed(0)
     rows, width = shape
-    rollout = torch.log(torch.rand(shape, generator=generator).clamp(min=1e-6))
-    old = rollout + 1e-2 * torch.randn(shape, generator=generator)
+    options = {"dtype": dtype}
+    rollout = torch.empty(shape, **options).uniform_(1e-6, 1.0, generator=generator).log_()
+    old = torch.empty(shape, **options).normal_(0.0, 1e-2, generator=generator)
+    old.add_(rollout).clamp_(max=0.0)
     lengths = torch.randint(width // 4, width + 1, (rows, 1), generator=generator)
     mask = (torch.arange(width).unsqueeze(0) < lengths).to(torch.int64)
     return {
-        "rollout_log_probs": rollout.to(device=device, dtype=dtype),
-        "old_log_probs": old.clamp(max=0.0).to(device=device, dtype=dtype),
+        "rollout_log_probs": rollout.to(device),
+        "old_log_probs": old.to(device),
         "response_mask": mask.to(device),
     }
 
@@ -103,7 +109,7 @@ def memory_probe(method: str, rows: int, width: int, dtype: str, device: str) ->
     """Print the peak extra memory (MB) of ``method``; run in a fresh process."""
     import resource
 
-    methods(make_batch((8, 256), DTYPES[dtype], device))[method]()  # load and warm up the code
+    methods(make_batch((64, 1024), DTYPES[dtype], device))[method]()  # load, warm up, compile
     batch = make_batch((rows, width), DTYPES[dtype], device)
     call = methods(batch)[method]
     if device == "cuda":

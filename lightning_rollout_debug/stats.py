@@ -367,13 +367,21 @@ class MismatchStats:
         }
         batch, width = inputs.mask.shape
         fused = _fused_batch_state(self.compile, batch * width)
+        cpu = inputs.mask.device.type == "cpu"
         if fused is not None:
+            # Chunks of about a million tokens keep what the compiled code holds in cache.
+            rows = max(1, (1 << 20 if cpu else 1 << 26) // width)
             try:
-                return [fused(*tensors, **options)]
+                return [
+                    fused(
+                        *(None if t is None else t[start : start + rows] for t in tensors),
+                        **options,
+                    )
+                    for start in range(0, batch, rows)
+                ]
             except Exception as error:  # compilation unavailable here: stay eager from now on
                 _disable_fusion(error)
-        chunk = self.chunk_tokens or (1 << 16 if inputs.mask.device.type == "cpu" else 1 << 22)
-        rows = max(1, chunk // width)
+        rows = max(1, (self.chunk_tokens or (1 << 16 if cpu else 1 << 22)) // width)
         return [
             _batch_state(
                 *(None if t is None else t[start : start + rows] for t in tensors), **options

@@ -14,6 +14,8 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,3 +143,15 @@ def test_default_alerts_are_documented() -> None:
     for name, cell in cells.items():
         if name not in DEFAULT_ALERT_RANGES:
             assert cell == "-", f"docs/metrics.md lists a default alert for `{name}`"
+
+
+def test_the_site_builds_strictly(tmp_path: Path) -> None:
+    """``mkdocs build --strict``: every page in the nav, every link and anchor resolves."""
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
