@@ -513,15 +513,8 @@ def _batch_state(
     whose rounding is below ``1e-16 * (mean / std)^2`` relative.
     """
     f64 = torch.float64
-    dtype = f64 if old_log_probs.dtype == f64 or rollout_log_probs.dtype == f64 else torch.float32
-    a = old_log_probs.to(dtype).clamp(min=LOG_PROB_FLOOR)
-    b = rollout_log_probs.to(dtype).clamp(min=LOG_PROB_FLOOR)
-    masked = mask != 0
-    finite = torch.isfinite(a) & torch.isfinite(b)
+    a, b, r, masked, finite = counting_tokens(rollout_log_probs, old_log_probs, mask)
     counting = masked & finite
-    a = torch.where(counting, a, 0.0)
-    b = torch.where(counting, b, 0.0)
-    r = a - b  # zero where a token does not count
 
     def row_sum(value: Tensor) -> Tensor:
         return value.to(f64).sum(1)
@@ -544,10 +537,7 @@ def _batch_state(
     if "seed" in groups:
         prob_rollout = torch.exp(b)
         prob_actor = torch.exp(a)
-        # pa - pb = pb * expm1(a - b): no cancellation when the two are close. Far apart,
-        # the rounding of r (up to 1e-6 at |r| = 20) would cost digits; subtract there.
-        close = r.abs() < 1.0
-        diff = torch.where(close, prob_rollout * _expm1(r), prob_actor - prob_rollout).abs()
+        diff = prob_diff(prob_actor, prob_rollout, r)
         moment_values.update(prob_actor=prob_actor, prob_rollout=prob_rollout, prob_diff=diff)
         maxes["prob_diff"] = row_max(diff).amax()
     if "log_space" in groups:
@@ -591,6 +581,38 @@ def _batch_state(
         sums["id_diff_rows"] = differs.any(1).sum(dtype=f64)
     means, comoments = _centre(count, power, cross)
     return _pack(count, means, comoments, sums, maxes, mins)
+
+
+def counting_tokens(
+    rollout_log_probs: Tensor, old_log_probs: Tensor, mask: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The handling rules of the catalog, element-wise: ``(a, b, r, masked, finite)``.
+
+    Log-probs are floored at :data:`LOG_PROB_FLOOR` in float32 (float64 for float64
+    inputs); a token counts where ``masked & finite`` (mask non-zero, neither log-prob
+    NaN or +inf). ``a`` (old), ``b`` (rollout) and ``r = a - b`` are zero where a token
+    does not count, so plain sums skip those tokens.
+    """
+    f64 = torch.float64
+    dtype = f64 if f64 in (old_log_probs.dtype, rollout_log_probs.dtype) else torch.float32
+    a = old_log_probs.to(dtype).clamp(min=LOG_PROB_FLOOR)
+    b = rollout_log_probs.to(dtype).clamp(min=LOG_PROB_FLOOR)
+    masked = mask != 0
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    counting = masked & finite
+    a = torch.where(counting, a, 0.0)
+    b = torch.where(counting, b, 0.0)
+    return a, b, a - b, masked, finite
+
+
+def prob_diff(prob_actor: Tensor, prob_rollout: Tensor, r: Tensor) -> Tensor:
+    """``abs(pa - pb)`` without losing digits, from ``pa = exp(a)``, ``pb = exp(b)``, ``r``.
+
+    ``pa - pb = pb * expm1(r)``: no cancellation when the two are close. Far apart, the
+    rounding of ``r`` (up to 1e-6 at ``|r| = 20``) would cost digits; subtract there.
+    """
+    close = r.abs() < 1.0
+    return torch.where(close, prob_rollout * _expm1(r), prob_actor - prob_rollout).abs()
 
 
 def _centre(

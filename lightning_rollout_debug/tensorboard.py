@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.batch import TOKEN_ID_DTYPES, check_inputs, check_token_ids
-from lightning_rollout_debug.stats import LOG_PROB_FLOOR
+from lightning_rollout_debug.stats import counting_tokens, prob_diff
 
 
 class QuarterOctaveBins:
@@ -444,24 +444,17 @@ class TokenExtras:
         rank: float,
     ) -> Tensor:
         f64 = torch.float64
-        floating = (old_log_probs.dtype, rollout_log_probs.dtype)
-        dtype = f64 if f64 in floating else torch.float32
-        a = old_log_probs.to(dtype).clamp(min=LOG_PROB_FLOOR)
-        b = rollout_log_probs.to(dtype).clamp(min=LOG_PROB_FLOOR)
-        difference = a - b
-        # After the floor, a - b is finite exactly when both are (no overflow above -20).
-        counting = (mask != 0) & torch.isfinite(difference)
-        r = torch.where(counting, difference, 0.0)  # zero where a token does not count
-        b = torch.where(counting, b, 0.0)
+        a, b, r, masked, finite = counting_tokens(rollout_log_probs, old_log_probs, mask)
+        counting = masked & finite
         parts = []
         if self._histograms:
             keep = counting.flatten()
             weight = keep.to(f64)
-            # pa - pb = pb * expm1(a - b), as in stats.py: no cancellation when close.
-            # Both are zero where a token does not count.
+            # The same abs(pa - pb) as the statistics; r and the diff are zero where a
+            # token does not count.
             values = {
                 "rollout_log_ratio_hist": r,
-                "rollout_probs_diff_hist": (torch.exp(b) * torch.expm1(r)).abs(),
+                "rollout_probs_diff_hist": prob_diff(torch.exp(a), torch.exp(b), r),
             }
             for name, spec in self._histograms:
                 parts.append(_histogram_state(values[name].flatten(), keep, weight, spec))

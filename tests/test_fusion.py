@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+from reference import assert_metrics_close, reference_metrics
 
 from lightning_rollout_debug import GROUPS, METRIC_NAMES, MismatchStats
-from tests.reference import assert_metrics_close, reference_metrics
 
 
 def _batch(dtype: torch.dtype, rows: int = 96, width: int = 1024) -> tuple[torch.Tensor, ...]:

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
+from lightning_helpers import RolloutModule, make_batches
+from test_stats import OpRecorder, host_syncs
 
 from lightning_rollout_debug import RolloutDebugCallback
-from tests.lightning_helpers import RolloutModule, make_batches
-from tests.test_stats import OpRecorder, host_syncs
 
 TRANSFERS = ("cpu", "tolist", "item")
 
