@@ -440,6 +440,21 @@ class MemoryLogger(Logger):
         pass
 
 
+def positive_kinds(verdicts: Sequence[Verdict]) -> set[str]:
+    """The keys whose counting log-probs go above 1e-3 nats: the callback warns once each."""
+    kinds = set()
+    for verdict in verdicts:
+        if verdict.kind is not None or verdict.tensors is None:
+            continue
+        rollout, old, mask = (torch.as_tensor(t).double() for t in verdict.tensors)
+        rollout, old = rollout.clamp(min=-20.0), old.clamp(min=-20.0)
+        counting = (mask != 0) & torch.isfinite(rollout) & torch.isfinite(old)
+        for key, values in ((ROLLOUT, rollout), (OLD, old)):
+            if bool((values[counting] > 1e-3).any()):
+                kinds.add(f"positive:{key}")
+    return kinds
+
+
 RUN_LENGTH = 50
 EVERY = 5
 
@@ -465,6 +480,7 @@ def test_trainer_run_over_fuzzed_batches(drawn: list[FuzzBatch]) -> None:
 
     assert trainer.global_step == RUN_LENGTH  # default mode: the fit always completes
     kinds = {v.kind for v in verdicts if v.kind} | {"mask-fallback" for v in verdicts if v.fallback}
+    kinds |= positive_kinds(verdicts)
     skipped = [str(w.message) for w in record if issubclass(w.category, RolloutDebugWarning)]
     assert callback._warned == kinds and len(skipped) == len(kinds), (kinds, skipped)
     windows = range(0, RUN_LENGTH, EVERY)
