@@ -109,6 +109,10 @@ class RolloutDebugCallback(Callback):
         on_alert: what a value outside its range does: ``"warn"`` (a warning once per
             crossing), ``"stop"`` (also sets ``trainer.should_stop``) or ``"raise"``
             (:class:`RolloutAlertError`). See ``docs/tensorboard.md``.
+        compile: fuse the statistics of large batches (65,536 tokens or more) with
+            ``torch.compile``: ``None`` does so where it works and falls back to eager
+            arithmetic otherwise, ``False`` never compiles, ``True`` compiles every batch.
+            The results are the same; see ``docs/performance.md``.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -138,6 +142,7 @@ class RolloutDebugCallback(Callback):
         dashboard_layout: bool = True,
         alert_ranges: Mapping[str, tuple[float | None, float | None]] | None = None,
         on_alert: Literal["warn", "stop", "raise"] = "warn",
+        compile: bool | None = None,
     ) -> None:
         problems = _argument_problems(
             rollout_log_probs_key=rollout_log_probs_key,
@@ -165,6 +170,8 @@ class RolloutDebugCallback(Callback):
             histograms=histograms, worst_tokens_k=worst_tokens_k, dashboard_layout=dashboard_layout
         )
         problems += alert_problems(alert_ranges, on_alert, _enabled_groups(groups, token_ids_keys))
+        if compile not in (None, True, False):
+            problems.append(f"`compile` must be None (auto), True or False, got {compile!r}.")
         if problems:
             raise ValueError("Invalid RolloutDebugCallback arguments:\n- " + "\n- ".join(problems))
 
@@ -184,7 +191,10 @@ class RolloutDebugCallback(Callback):
         self.process_group = process_group
         self._group = None if callable(process_group) else process_group  # resolved in setup
         self._stats = MismatchStats(
-            is_threshold=is_threshold, seq_ratio_bounds=seq_ratio_bounds, groups=self.groups
+            is_threshold=is_threshold,
+            seq_ratio_bounds=seq_ratio_bounds,
+            groups=self.groups,
+            compile=compile,
         )
         self._batches_in_window = 0
         self._ended = False

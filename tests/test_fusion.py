@@ -41,3 +41,12 @@ def test_compiled_update_matches_eager_and_reference(dtype: torch.dtype) -> None
     assert set(fused.compute()) == {name for group in GROUPS for name in METRIC_NAMES[group]}
     assert_metrics_close(fused.compute(), want)
     assert_metrics_close(eager.compute(), want)
+
+
+def test_the_callback_passes_compile_through_and_validates_it() -> None:
+    from lightning_rollout_debug import RolloutDebugCallback
+
+    assert RolloutDebugCallback(compile=False)._stats.compile is False
+    assert RolloutDebugCallback()._stats.compile is None
+    with pytest.raises(ValueError, match=r"`compile` must be None \(auto\), True or False"):
+        RolloutDebugCallback(compile="yes")  # type: ignore[arg-type]
