@@ -182,12 +182,8 @@ class RolloutDebugCallback(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.strict = strict
         self.token_ids_keys = None if token_ids_keys is None else tuple(token_ids_keys)
-        chosen = validate_groups(groups)
-        self.groups = tuple(
-            group
-            for group in GROUPS
-            if group in chosen and (group != "token_ids" or token_ids_keys is not None)
-        )
+        enabled = _enabled_groups(groups, token_ids_keys)
+        self.groups = tuple(group for group in GROUPS if group in enabled)
         self.process_group = process_group
         self._group = None if callable(process_group) else process_group  # resolved in setup
         self._stats = MismatchStats(
