@@ -9,14 +9,16 @@ process:
 - ``catalog``: ``mismatch_metrics`` (every metric);
 - ``read``: summing the three input tensors once, the floor any method must pay;
 
-and prints medians and the ratios. Peak extra memory is measured in fresh subprocesses
-(CPU: peak resident memory above the inputs; CUDA: the allocator's peak above the inputs).
+and prints medians and the ratios. Peak extra memory of one call: on the CPU, Linux's
+peak resident memory above the inputs, in a fresh subprocess; on CUDA, the caching
+allocator's peak above the inputs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -95,36 +97,59 @@ def time_interleaved(
 
 
 def peak_memory_mb(method: str, shape: tuple[int, int], dtype: str, device: str) -> float:
-    """Peak extra memory of one call of ``method``, measured in a fresh subprocess."""
+    """Peak extra memory of one call of ``method``.
+
+    On CUDA the caching allocator keeps its own high-water mark, so this process measures
+    it; the CPU's resident-memory peak needs a fresh subprocess.
+    """
+    if device == "cuda":
+        call = methods(make_batch(shape, DTYPES[dtype], device))[method]
+        call()  # warm-up (and compilation, where it happens)
+        return cuda_peak_mb(call)
     result = subprocess.run(
         [sys.executable, __file__, "--memory-probe", method, *map(str, shape), dtype, device],
         capture_output=True,
         text=True,
         check=True,
+        # Large blocks straight from the kernel, so the resident peak sees every allocation
+        # (glibc would otherwise recycle freed heap pages, which the peak cannot see).
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
     )
     return float(result.stdout.strip().splitlines()[-1])
 
 
 def memory_probe(method: str, rows: int, width: int, dtype: str, device: str) -> None:
     """Print the peak extra memory (MB) of ``method``; run in a fresh process."""
-    import resource
-
     methods(make_batch((64, 1024), DTYPES[dtype], device))[method]()  # load, warm up, compile
     batch = make_batch((rows, width), DTYPES[dtype], device)
     call = methods(batch)[method]
     if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        call()
-        torch.cuda.synchronize()
-        print((torch.cuda.max_memory_allocated() - base) / 2**20)
+        print(cuda_peak_mb(call))
         return
-    # The high-water mark of resident memory, before and after the one call on the big batch.
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux's high-water mark of resident memory, reset just before the one call on the big
+    # batch (``ru_maxrss`` would not do: a child inherits its parent's across fork and exec).
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_kib("VmRSS")
     call()
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(max(after - before, 0) / 1024)
+    print(max(_status_kib("VmHWM") - before, 0) / 1024)
+
+
+def _status_kib(field: str) -> int:
+    """A ``kB`` field of ``/proc/self/status``."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def cuda_peak_mb(call: Callable[[], object]) -> float:
+    """The CUDA allocator's peak above what was allocated before ``call``, in MB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    call()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def input_megabytes(batch: dict[str, torch.Tensor]) -> float:
@@ -139,6 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds per method")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory probes")
+    parser.add_argument(
+        "--device",
+        action="append",
+        choices=["cpu", "cuda"],
+        help="where to run (repeatable; default: the CPU, and CUDA when present)",
+    )
     parser.add_argument("--memory-probe", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_probe:
@@ -147,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     shapes = ((64, 1024), (128, 2048)) if args.quick else SHAPES
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    devices = args.device or ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     rows_out = []
     header = (
         f"{'device':6} {'shape':>10} {'dtype':9} {'read ms':>8} {'seed ms':>8} {'ours ms':>8} "

@@ -8,6 +8,7 @@ warm-up steps, which include compilation where it happens) is printed, with the
 overhead per step against the run without the callback.
 
     python benchmarks/bench_trainer.py [--rows 64 --width 2048 --steps 40 --rounds 3]
+                                       [--accelerator gpu]
 """
 
 from __future__ import annotations
@@ -61,11 +62,17 @@ class Model(pl.LightningModule):
         self._started = 0.0
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._synchronize()
         self._started = time.perf_counter()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Runs after the callbacks' on_train_batch_end: the step including the callback.
+        self._synchronize()
         self.step_seconds.append(time.perf_counter() - self._started)
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":  # time the work, not its queueing
+            torch.cuda.synchronize(self.device)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.net(batch["x"]).pow(2).mean()
@@ -81,7 +88,8 @@ def run(callbacks: list[pl.Callback], args: argparse.Namespace) -> float:
     model = Model()
     with tempfile.TemporaryDirectory() as logdir:
         trainer = pl.Trainer(
-            accelerator="cpu",
+            accelerator=args.accelerator,
+            devices=1,
             max_steps=args.steps,
             log_every_n_steps=1,
             logger=TensorBoardLogger(logdir),
@@ -102,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu, gpu")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     configurations = {
@@ -121,7 +130,10 @@ def main(argv: list[str] | None = None) -> None:
         for name, make in configurations.items():
             times[name].append(run(make(), args))
     threads = torch.get_num_threads()
-    print(f"torch {torch.__version__}, {threads} threads, batch {args.rows}x{args.width}")
+    print(
+        f"torch {torch.__version__}, {args.accelerator}, {threads} threads, "
+        f"batch {args.rows}x{args.width}"
+    )
     base = statistics.median(times["without the callback"])
     for name, values in times.items():
         ms = statistics.median(values)

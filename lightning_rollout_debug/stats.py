@@ -483,7 +483,11 @@ def _fused_batch_state(compile: bool | None, tokens: int) -> Callable[..., Tenso
     if compile is None and tokens < _FUSE_MIN_TOKENS:
         return None
     if _fusion["function"] is None:
-        _fusion["function"] = torch.compile(_batch_state, dynamic=True, options=_COMPILE_OPTIONS)
+        import torch._inductor.config as inductor_config  # imported only when compiling
+
+        # Options an older inductor does not know are left out (it would reject them).
+        options = {k: v for k, v in _COMPILE_OPTIONS.items() if hasattr(inductor_config, k)}
+        _fusion["function"] = torch.compile(_batch_state, dynamic=True, options=options)
     return _fusion["function"]
 
 
