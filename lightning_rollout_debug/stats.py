@@ -137,8 +137,7 @@ _COMOMENT_SLICE = slice(_MEAN_SLICE.stop, _MEAN_SLICE.stop + len(_COMOMENTS))
 _SUM_SLICE = slice(_COMOMENT_SLICE.stop, _COMOMENT_SLICE.stop + len(_SUMS))
 _MAX_SLICE = slice(_SUM_SLICE.stop, _SUM_SLICE.stop + len(_MAXES))
 _MIN_SLICE = slice(_MAX_SLICE.stop, _MAX_SLICE.stop + len(_MINS))
-_PAIR_LEFT = [_MEANS.index(left) for left, _ in _COMOMENTS]
-_PAIR_RIGHT = [_MEANS.index(right) for _, right in _COMOMENTS]
+_PAIRS = [(_MEANS.index(left), _MEANS.index(right)) for left, right in _COMOMENTS]
 
 # A side of the Pearson correlation counts as constant when its spread is below what
 # float32 arithmetic can resolve.
@@ -182,7 +181,10 @@ def merge_states(states: Tensor) -> Tensor:
     means = states[:, _MEAN_SLICE]
     mean = (weights.unsqueeze(1) * means).sum(0)
     deviation = means - mean
-    spread = counts.unsqueeze(1) * deviation[:, _PAIR_LEFT] * deviation[:, _PAIR_RIGHT]
+    # Column by column: indexing with a list would copy the indices to the device first.
+    spread = counts.unsqueeze(1) * torch.stack(
+        [deviation[:, left] * deviation[:, right] for left, right in _PAIRS], dim=1
+    )
     comoments = states[:, _COMOMENT_SLICE].sum(0) + spread.sum(0)
     return torch.cat(
         [

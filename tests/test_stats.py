@@ -409,6 +409,9 @@ def host_syncs(calls: list[tuple[str, tuple, dict]]) -> list[str]:
             isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1]
         ):
             found.append(f"{name} with a boolean mask")
+        elif name == "aten::index" and any(isinstance(i, torch.Tensor) for i in args[1]):
+            # Integer indices made from a Python list are copied from the host to the device.
+            found.append(f"{name} with an integer index tensor")
         elif name == "aten::_to_copy" and kwargs.get("device") not in (None, args[0].device):
             found.append(f"{name} {args[0].device} -> {kwargs['device']}")
         elif name == "aten::copy_" and args[0].device != args[1].device:
@@ -425,10 +428,12 @@ def test_the_recorder_sees_host_syncs() -> None:
         _ = x[x > 0]
         bool(x.sum() > 0)
         x.to("meta")
+        _ = x[:, [0, 2]]
     found = host_syncs(recorder.calls)
     assert "aten::_local_scalar_dense" in found
     assert "aten::index with a boolean mask" in found
     assert "aten::_to_copy cpu -> meta" in found
+    assert "aten::index with an integer index tensor" in found
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
