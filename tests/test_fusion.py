@@ -43,6 +43,24 @@ def test_compiled_update_matches_eager_and_reference(dtype: torch.dtype) -> None
     assert_metrics_close(eager.compute(), want)
 
 
+@pytest.mark.parametrize("spread", ["independent", "near-floor"])
+def test_compiled_update_is_exact_far_from_agreement(spread: str) -> None:
+    """Log-ratios up to the clamp and probabilities down to the floor, where rounding
+    of the exponent's argument matters most."""
+    generator = torch.Generator().manual_seed(11)
+    shape = (64, 2048)
+    if spread == "independent":
+        rollout = torch.empty(shape).uniform_(-21.0, 0.0, generator=generator)
+        old = torch.empty(shape).uniform_(-21.0, 0.0, generator=generator)
+    else:
+        rollout = torch.empty(shape).uniform_(-20.0, -17.0, generator=generator)
+        old = rollout + torch.empty(shape).uniform_(-2.0, 2.0, generator=generator)
+    mask = torch.rand(shape, generator=generator) > 0.1
+    stats = MismatchStats(compile=True)
+    stats.update(rollout, old, mask)
+    assert_metrics_close(stats.compute(), reference_metrics([rollout], [old], [mask]))
+
+
 def test_the_callback_passes_compile_through_and_validates_it() -> None:
     from lightning_rollout_debug import RolloutDebugCallback
 
