@@ -203,7 +203,7 @@ class RolloutDebugCallback(Callback):
         self.alert_ranges = resolve_alert_ranges(alert_ranges, self.groups)
         self._alerts = AlertMonitor(self.alert_ranges)
         self._extras = (
-            TokenExtras(histograms=histograms, worst_tokens_k=worst_tokens_k)
+            TokenExtras(histograms=histograms, worst_tokens_k=worst_tokens_k, compile=compile)
             if histograms or worst_tokens_k
             else None
         )

@@ -370,29 +370,22 @@ class MismatchStats:
             "seq_ratio_bounds": self.seq_ratio_bounds,
         }
         batch, width = inputs.mask.shape
-        fused = _fused_batch_state(self.compile, batch * width)
         cpu = inputs.mask.device.type == "cpu"
-        if fused is not None:
+
+        def blocks(state_of: Callable[..., Tensor], fused: bool) -> list[Tensor]:
             # The compiled pass stores nothing per token, so one call takes the whole batch
-            # (up to 2^26 tokens, which keeps its per-row partial sums small).
-            rows = max(1, (1 << 26) // width)
-            try:
-                return [
-                    fused(
-                        *(None if t is None else t[start : start + rows] for t in tensors),
-                        **options,
-                    )
-                    for start in range(0, batch, rows)
-                ]
-            except Exception as error:  # compilation unavailable here: stay eager from now on
-                _disable_fusion(error)
-        rows = max(1, (self.chunk_tokens or (1 << 16 if cpu else 1 << 22)) // width)
-        return [
-            _batch_state(
-                *(None if t is None else t[start : start + rows] for t in tensors), **options
-            )
-            for start in range(0, batch, rows)
-        ]
+            # (up to 2^26 tokens, which keeps its per-row partial sums small); eager
+            # arithmetic goes in chunks that bound its temporaries.
+            eager_chunk = self.chunk_tokens or (1 << 16 if cpu else 1 << 22)
+            rows = max(1, (1 << 26 if fused else eager_chunk) // width)
+            return [
+                state_of(
+                    *(None if t is None else t[start : start + rows] for t in tensors), **options
+                )
+                for start in range(0, batch, rows)
+            ]
+
+        return run_fused(_batch_state, self.compile, batch * width, blocks)
 
     # ---------------------------------------------------------------- compute
     def compute(self) -> dict[str, float]:
@@ -474,7 +467,7 @@ def validate_groups(groups: Iterable[str] | None) -> frozenset[str]:
 
 # ---------------------------------------------------------------------- the math
 _FUSE_MIN_TOKENS = 1 << 16
-_fusion: dict[str, Any] = {"function": None, "disabled": None}
+_fusion: dict[str, Any] = {"functions": {}, "disabled": None}
 # Inductor stores a reused element-wise result in memory once its expression exceeds 50
 # operations on CPUs; recomputing it in registers is cheaper than a round trip to memory.
 # Fused multiply-adds round once instead of twice: faster and no less exact.
@@ -486,19 +479,35 @@ _COMPILE_OPTIONS = {
 }
 
 
-def _fused_batch_state(compile: bool | None, tokens: int) -> Callable[..., Tensor] | None:
-    """The compiled :func:`_batch_state`, when this block should use it."""
-    if compile is False or _fusion["disabled"] is not None:
-        return None
-    if compile is None and tokens < _FUSE_MIN_TOKENS:
-        return None
-    if _fusion["function"] is None:
+def run_fused(
+    function: Callable[..., Tensor],
+    compile: bool | None,
+    tokens: int,
+    blocks: Callable[[Callable[..., Tensor], bool], list[Tensor]],
+) -> list[Tensor]:
+    """``blocks(function, fused)`` with ``function`` compiled when this batch should be.
+
+    ``compile`` is ``None`` (compile batches of at least 65,536 tokens), ``True`` or
+    ``False``. Where compilation fails, one warning says so and the process stays eager.
+    """
+    wanted = compile is True or (compile is None and tokens >= _FUSE_MIN_TOKENS)
+    compiled = _compiled(function) if wanted and _fusion["disabled"] is None else None
+    if compiled is not None:
+        try:
+            return blocks(compiled, True)
+        except Exception as error:  # compilation unavailable here: stay eager from now on
+            _disable_fusion(error)
+    return blocks(function, False)
+
+
+def _compiled(function: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    if function not in _fusion["functions"]:
         import torch._inductor.config as inductor_config  # imported only when compiling
 
         # Options an older inductor does not know are left out (it would reject them).
         options = {k: v for k, v in _COMPILE_OPTIONS.items() if _has_option(inductor_config, k)}
-        _fusion["function"] = torch.compile(_batch_state, dynamic=True, options=options)
-    return _fusion["function"]
+        _fusion["functions"][function] = torch.compile(function, dynamic=True, options=options)
+    return _fusion["functions"][function]
 
 
 def _has_option(config: Any, dotted: str) -> bool:

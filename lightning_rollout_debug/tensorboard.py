@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 import sys
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.batch import TOKEN_ID_DTYPES, check_inputs, check_token_ids
-from lightning_rollout_debug.stats import counting_tokens, prob_diff
+from lightning_rollout_debug.stats import counting_tokens, exp, prob_diff, run_fused
 
 
 class QuarterOctaveBins:
@@ -291,6 +291,10 @@ class TokenExtras:
         worst_tokens_k: keep the ``k`` tokens with the largest ``abs(r)``; 0 keeps none.
         chunk_tokens: rows are processed in chunks of about this many tokens, which
             bounds the temporary memory of an update.
+        compile: fuse each chunk's arithmetic with ``torch.compile``, as
+            :class:`~lightning_rollout_debug.MismatchStats` does (``None``: for batches of
+            at least 65,536 tokens, falling back to eager arithmetic where compilation
+            is unavailable).
 
     Example:
         >>> import torch
@@ -307,18 +311,26 @@ class TokenExtras:
     """
 
     def __init__(
-        self, *, histograms: bool = True, worst_tokens_k: int = 10, chunk_tokens: int = 1 << 18
+        self,
+        *,
+        histograms: bool = True,
+        worst_tokens_k: int = 10,
+        chunk_tokens: int = 1 << 18,
+        compile: bool | None = None,
     ) -> None:
         problems = extras_problems(
             histograms=histograms, worst_tokens_k=worst_tokens_k, dashboard_layout=True
         )
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             problems.append(f"`chunk_tokens` must be a positive int, got {chunk_tokens!r}.")
+        if compile not in (None, True, False):
+            problems.append(f"`compile` must be None (auto), True or False, got {compile!r}.")
         if problems:
             raise ValueError("Invalid TokenExtras arguments:\n- " + "\n- ".join(problems))
         self.histograms = histograms
         self.worst_tokens_k = worst_tokens_k
         self.chunk_tokens = chunk_tokens
+        self.compile = compile
         self._histograms = HISTOGRAMS if histograms else ()
         # Segments of the packed state and how each merges. A histogram is laid out as
         # [bin counts..., num, min, max, sum, sum_squares].
@@ -416,19 +428,23 @@ class TokenExtras:
         parts = [] if self._state is None else [self._state.to(device)]
         if batch * width > 0:
             rows = max(1, self.chunk_tokens // width)
-            for start in range(0, batch, rows):
-                stop = min(batch, start + rows)
-                parts.append(
-                    self._chunk_state(
-                        inputs.rollout_log_probs[start:stop],
-                        inputs.old_log_probs[start:stop],
-                        inputs.mask[start:stop],
-                        None if token_ids is None else token_ids[start:stop],
+
+            def chunks(state_of: Callable[..., Tensor], fused: bool) -> list[Tensor]:
+                return [
+                    state_of(
+                        self,
+                        inputs.rollout_log_probs[start : start + rows],
+                        inputs.old_log_probs[start : start + rows],
+                        inputs.mask[start : start + rows],
+                        None if token_ids is None else token_ids[start : start + rows],
                         start,
                         float(batch_index),
                         float(rank),
                     )
-                )
+                    for start in range(0, batch, rows)
+                ]
+
+            parts += run_fused(TokenExtras._chunk_state, self.compile, batch * width, chunks)
         if not parts:
             parts.append(self.identity_state(device))
         self._state = parts[0] if len(parts) == 1 else self.merge_states(torch.stack(parts))
@@ -454,7 +470,7 @@ class TokenExtras:
             # token does not count.
             values = {
                 "rollout_log_ratio_hist": r,
-                "rollout_probs_diff_hist": prob_diff(torch.exp(a), torch.exp(b), r),
+                "rollout_probs_diff_hist": prob_diff(exp(a), exp(b), r),
             }
             for name, spec in self._histograms:
                 parts.append(_histogram_state(values[name].flatten(), keep, weight, spec))

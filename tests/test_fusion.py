@@ -9,6 +9,7 @@ import torch
 from reference import assert_metrics_close, reference_metrics
 
 from lightning_rollout_debug import GROUPS, METRIC_NAMES, MismatchStats
+from lightning_rollout_debug.tensorboard import TokenExtras
 
 
 def _batch(dtype: torch.dtype, rows: int = 96, width: int = 1024) -> tuple[torch.Tensor, ...]:
@@ -61,10 +62,35 @@ def test_compiled_update_is_exact_far_from_agreement(spread: str) -> None:
     assert_metrics_close(stats.compute(), reference_metrics([rollout], [old], [mask]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_extras_match_eager_ones(dtype: torch.dtype) -> None:
+    rollout, old, mask, ids, _ = _batch(dtype)
+    summaries = []
+    for compile in (True, False):
+        extras = TokenExtras(worst_tokens_k=8, compile=compile)
+        extras.update(rollout, old, mask, ids, batch_index=2)
+        summaries.append(extras.summary(extras.state))
+    fused, eager = summaries
+    for tag, histogram in eager.histograms.items():
+        other = fused.histograms[tag]
+        counted = (mask != 0) & (rollout.float() < math.inf) & (old.float() < math.inf)
+        assert other.num == histogram.num == int(counted.sum())  # -inf counts, NaN does not
+        # A value within an ulp of a bin edge may land on either side of it.
+        assert sum(abs(x - y) for x, y in zip(other.counts, histogram.counts, strict=True)) <= 4
+        assert other.min == pytest.approx(histogram.min, rel=1e-6, abs=1e-12)
+        assert other.max == pytest.approx(histogram.max, rel=1e-6)
+        assert other.sum == pytest.approx(histogram.sum, rel=1e-6, abs=1e-6)
+        assert other.sum_squares == pytest.approx(histogram.sum_squares, rel=1e-6)
+    assert [(t.batch, t.row, t.position, t.token_id) for t in fused.worst_tokens] == [
+        (t.batch, t.row, t.position, t.token_id) for t in eager.worst_tokens
+    ]
+
+
 def test_the_callback_passes_compile_through_and_validates_it() -> None:
     from lightning_rollout_debug import RolloutDebugCallback
 
     assert RolloutDebugCallback(compile=False)._stats.compile is False
+    assert RolloutDebugCallback(compile=False)._extras.compile is False
     assert RolloutDebugCallback()._stats.compile is None
     with pytest.raises(ValueError, match=r"`compile` must be None \(auto\), True or False"):
         RolloutDebugCallback(compile="yes")  # type: ignore[arg-type]
