@@ -428,6 +428,12 @@ class TokenExtras:
         parts = [] if self._state is None else [self._state.to(device)]
         if batch * width > 0:
             rows = max(1, self.chunk_tokens // width)
+            # As tensors made by fill kernels (no copy from the host): a compiler would
+            # otherwise specialise on every new batch index.
+            labels = [
+                torch.full((), float(value), dtype=torch.float64, device=device)
+                for value in (batch_index, rank)
+            ]
 
             def chunks(state_of: Callable[..., Tensor], fused: bool) -> list[Tensor]:
                 return [
@@ -438,8 +444,8 @@ class TokenExtras:
                         inputs.mask[start : start + rows],
                         None if token_ids is None else token_ids[start : start + rows],
                         start,
-                        float(batch_index),
-                        float(rank),
+                        labels[0],
+                        labels[1],
                     )
                     for start in range(0, batch, rows)
                 ]
@@ -456,8 +462,8 @@ class TokenExtras:
         mask: Tensor,
         token_ids: Tensor | None,
         first_row: int,
-        batch_index: float,
-        rank: float,
+        batch_index: Tensor,
+        rank: Tensor,
     ) -> Tensor:
         f64 = torch.float64
         a, b, r, masked, finite = counting_tokens(rollout_log_probs, old_log_probs, mask)
@@ -488,8 +494,8 @@ class TokenExtras:
         counting: Tensor,
         token_ids: Tensor | None,
         first_row: int,
-        batch_index: float,
-        rank: float,
+        batch_index: Tensor,
+        rank: Tensor,
     ) -> Tensor:
         """The chunk's ``k`` tokens with the largest ``abs(r)``, as ``[k * F]`` (no sync)."""
         f64 = torch.float64
@@ -511,11 +517,11 @@ class TokenExtras:
             pick(r),
             torch.exp(pick(a)),
             torch.exp(pick(b)),
-            torch.full((k,), batch_index, **options),
+            batch_index.expand(k),
             (index // width + first_row).to(f64),
             (index % width).to(f64),
             torch.full((k,), -1.0, **options) if token_ids is None else pick(token_ids),
-            torch.full((k,), rank, **options),
+            rank.expand(k),
         ]
         found = torch.stack(columns, dim=1)
         missing = self.worst_tokens_k - k

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -84,6 +85,30 @@ def test_compiled_extras_match_eager_ones(dtype: torch.dtype) -> None:
     assert [(t.batch, t.row, t.position, t.token_id) for t in fused.worst_tokens] == [
         (t.batch, t.row, t.position, t.token_id) for t in eager.worst_tokens
     ]
+
+
+def test_compiled_updates_do_not_recompile_for_new_batches() -> None:
+    """New shapes, batch indices and ranks reuse the compiled code: a recompilation is a
+    stall of seconds (and a synchronisation on GPUs) in the middle of training."""
+    generator = torch.Generator().manual_seed(3)
+
+    def batch(rows: int, width: int) -> tuple[torch.Tensor, ...]:
+        rollout = torch.rand(rows, width, generator=generator).clamp(min=1e-6).log()
+        old = (rollout + 0.01 * torch.randn(rows, width, generator=generator)).clamp(max=0.0)
+        return rollout, old, torch.ones(rows, width, dtype=torch.bool)
+
+    stats, extras = MismatchStats(compile=True), TokenExtras(compile=True)
+    for index, shape in enumerate([(8, 64), (9, 70)]):  # warm-up: compile, then go dynamic
+        stats.update(*batch(*shape))
+        extras.update(*batch(*shape), batch_index=index)
+    with warnings.catch_warnings(), torch._dynamo.config.patch(error_on_recompile=True):
+        warnings.simplefilter("error")  # a recompilation would fall back to eager, warning
+        for index in range(2, 6):
+            stats.update(*batch(5 + index, 60 + index))
+            extras.update(*batch(5 + index, 60 + index), batch_index=index, rank=index % 2)
+    assert stats.compute()["rollout_tokens"] == sum(r * w for r, w in [(8, 64), (9, 70)]) + sum(
+        (5 + i) * (60 + i) for i in range(2, 6)
+    )
 
 
 def test_the_callback_passes_compile_through_and_validates_it() -> None:
