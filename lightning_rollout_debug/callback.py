@@ -109,9 +109,10 @@ class RolloutDebugCallback(Callback):
         on_alert: what a value outside its range does: ``"warn"`` (a warning once per
             crossing), ``"stop"`` (also sets ``trainer.should_stop``) or ``"raise"``
             (:class:`RolloutAlertError`). See ``docs/tensorboard.md``.
-        compile: fuse the statistics of large batches (65,536 tokens or more) with
-            ``torch.compile``: ``None`` does so where it works and falls back to eager
-            arithmetic otherwise, ``False`` never compiles, ``True`` compiles every batch.
+        compile: fuse the statistics and the extras of large batches (65,536 tokens or
+            more) with ``torch.compile``: ``None`` does so where it works and falls back to
+            eager arithmetic otherwise, ``False`` never compiles, ``True`` compiles every
+            batch.
             The results are the same; see ``docs/performance.md``.
 
     Example:
