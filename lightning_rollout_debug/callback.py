@@ -36,6 +36,7 @@ from lightning_rollout_debug.stats import (
     GROUPS,
     METRIC_NAMES,
     MismatchStats,
+    compile_problems,
     merge_states,
     validate_groups,
     validate_is_threshold,
@@ -171,8 +172,7 @@ class RolloutDebugCallback(Callback):
             histograms=histograms, worst_tokens_k=worst_tokens_k, dashboard_layout=dashboard_layout
         )
         problems += alert_problems(alert_ranges, on_alert, _enabled_groups(groups, token_ids_keys))
-        if compile not in (None, True, False):
-            problems.append(f"`compile` must be None (auto), True or False, got {compile!r}.")
+        problems += compile_problems(compile)
         if problems:
             raise ValueError("Invalid RolloutDebugCallback arguments:\n- " + "\n- ".join(problems))
 

@@ -247,8 +247,8 @@ class MismatchStats:
         self.is_threshold = validate_is_threshold(is_threshold)
         self.seq_ratio_bounds = validate_seq_ratio_bounds(seq_ratio_bounds)
         self.groups = validate_groups(groups)
-        if compile not in (None, True, False):
-            raise ValueError(f"`compile` must be None (auto), True or False, got {compile!r}.")
+        for problem in compile_problems(compile):
+            raise ValueError(problem)
         if chunk_tokens is not None and (
             isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1
         ):
@@ -450,6 +450,13 @@ def validate_seq_ratio_bounds(value: Sequence[float]) -> tuple[float, float]:
             f"`seq_ratio_bounds` must be (lo, hi) with 0 < lo <= 1 <= hi, got {value!r}."
         )
     return lo, hi
+
+
+def compile_problems(compile: object) -> list[str]:
+    """What is wrong with a ``compile`` argument (nothing: ``[]``)."""
+    if compile in (None, True, False):
+        return []
+    return [f"`compile` must be None (auto), True or False, got {compile!r}."]
 
 
 def validate_groups(groups: Iterable[str] | None) -> frozenset[str]:

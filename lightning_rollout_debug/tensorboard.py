@@ -33,7 +33,13 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.batch import TOKEN_ID_DTYPES, check_inputs, check_token_ids
-from lightning_rollout_debug.stats import counting_tokens, exp, prob_diff, run_fused
+from lightning_rollout_debug.stats import (
+    compile_problems,
+    counting_tokens,
+    exp,
+    prob_diff,
+    run_fused,
+)
 
 
 class QuarterOctaveBins:
@@ -323,8 +329,7 @@ class TokenExtras:
         )
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             problems.append(f"`chunk_tokens` must be a positive int, got {chunk_tokens!r}.")
-        if compile not in (None, True, False):
-            problems.append(f"`compile` must be None (auto), True or False, got {compile!r}.")
+        problems += compile_problems(compile)
         if problems:
             raise ValueError("Invalid TokenExtras arguments:\n- " + "\n- ".join(problems))
         self.histograms = histograms

@@ -117,5 +117,6 @@ def test_the_callback_passes_compile_through_and_validates_it() -> None:
     assert RolloutDebugCallback(compile=False)._stats.compile is False
     assert RolloutDebugCallback(compile=False)._extras.compile is False
     assert RolloutDebugCallback()._stats.compile is None
-    with pytest.raises(ValueError, match=r"`compile` must be None \(auto\), True or False"):
-        RolloutDebugCallback(compile="yes")  # type: ignore[arg-type]
+    for build in (RolloutDebugCallback, MismatchStats, TokenExtras):
+        with pytest.raises(ValueError, match=r"`compile` must be None \(auto\), True or False"):
+            build(compile="yes")  # type: ignore[arg-type]
