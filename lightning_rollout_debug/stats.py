@@ -730,9 +730,9 @@ def _exp_tail(x: Tensor) -> Tensor:
 
     Summed up to ``x^8 / 8!`` in float32 and ``x^14 / 14!`` in float64: for ``|x| < 1/2``
     the truncation is below the dtype's resolution (relative to ``e^x - 1``: 1.1e-8 and
-    5e-17; to ``e^x - 1 - x``: 4.3e-8 and 1.9e-16). Compilers
-    may lower ``expm1`` to ``exp(x) - 1``, which loses every digit for tiny ``x``; the
-    series keeps them, and one evaluation serves ``expm1`` and ``e^x - 1 - x`` alike.
+    5e-17; to ``e^x - 1 - x``: 4.3e-8 and 1.9e-16). Compilers may lower ``expm1`` to
+    ``exp(x) - 1``, which loses every digit for tiny ``x``; the series keeps them, and
+    one evaluation serves ``expm1`` and ``e^x - 1 - x`` alike.
     """
     highest = 14 if x.dtype == torch.float64 else 8
     tail = torch.full_like(x, 1.0 / math.factorial(highest))
