@@ -579,6 +579,10 @@ def _batch_state(
     }
     mins: dict[str, Tensor] = {}
     moment_values: dict[str, Tensor] = {}
+    if "sequence" in groups:
+        # The row sum of r from those of a and b: exact sums of the inputs, whereas a float32
+        # r rounds by up to 1e-6 at |r| = 20 and can move g_i across a bound.
+        sum_a, sum_b = row_sum(a), row_sum(b)
     need_probs = bool({"seed", "kl", "importance_ratio"} & groups)
     if need_probs:
         prob_rollout = exp(b)
@@ -587,9 +591,13 @@ def _batch_state(
     if "seed" in groups:
         moment_values.update(prob_actor=prob_actor, prob_rollout=prob_rollout, prob_diff=diff)
         maxes["prob_diff"] = row_max(diff).amax()
+    if "log_space" in groups or "importance_ratio" in groups:
+        # The extremes of abs(r) and of clamp(r) all follow from those of r (clamp is
+        # monotone): two running maxima instead of four. An empty block keeps +-inf.
+        r_max, r_min = row_max(r).amax(), -row_max(-r).amax()
     if "log_space" in groups:
         moment_values["log_diff"] = r.abs()
-        maxes["log_diff"] = row_max(r.abs()).amax()
+        maxes["log_diff"] = torch.maximum(r_max, -r_min)
     # Masked before widening: float64 lanes are the expensive ones.
     wide = {name: torch.where(counting, v, 0.0).to(f64) for name, v in moment_values.items()}
     for name, value in wide.items():
@@ -600,13 +608,13 @@ def _batch_state(
     if "kl" in groups or "importance_ratio" in groups:
         # No exponential of its own: rho = pa / pb (clamped like r), and near r = 0 the
         # series of e^r - 1 - r (shared with prob_diff) keeps the digits rho - 1 would lose.
-        clamped = r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         near_zero = r.abs() < 0.5
         curvature = r * r * _exp_tail(r)  # e^r - 1 - r
         far = (prob_actor / prob_rollout).clamp(_RATIO_MIN, _RATIO_MAX)
         ratio = torch.where(near_zero, 1.0 + (r + curvature), far)
         ratio_m1 = torch.where(near_zero, r + curvature, far - 1.0)
-        sums["log_ratio"] = row_sum(r).sum()
+        # With the sequence group, from the exact row sums of the inputs.
+        sums["log_ratio"] = (sum_a - sum_b).sum() if "sequence" in groups else row_sum(r).sum()
     if "kl" in groups:
         sums["kl_k3"] = row_sum(torch.where(near_zero, curvature, ratio_m1 - r)).sum()
         # e^|r| - 1 = |pa - pb| / min(pa, pb): no cancellation, and no clamp (|r| > 20 only
@@ -621,14 +629,13 @@ def _batch_state(
         sums["ratio_sq"] = row_sum(torch.where(counting, ratio * ratio, 0.0)).sum()
         sums["ratio_high"] = row_count_of(counting & (ratio_m1 > is_threshold - 1.0)).sum()
         sums["ratio_low"] = row_count_of(counting & (ratio_m1 < 1.0 / is_threshold - 1.0)).sum()
-        maxes["log_ratio"] = row_max(clamped).amax()
-        mins["log_ratio"] = -row_max(-clamped).amax()
+        maxes["log_ratio"], mins["log_ratio"] = (
+            torch.where(x.isinf(), x, x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+            for x in (r_max, r_min)
+        )
     if "health" in groups or "sequence" in groups:
         sums["sequences"] = (row_count > 0).sum(dtype=f64)
     if "sequence" in groups:
-        # The row sum of r from those of a and b: exact sums of the inputs, whereas a float32
-        # r rounds by up to 1e-6 at |r| = 20 and can move g_i across a bound.
-        sum_a, sum_b = row_sum(a), row_sum(b)
         _sequence_sums(sum_a, sum_b, sum_a - sum_b, row_count, seq_ratio_bounds, sums, maxes, mins)
     if "token_ids" in groups and rollout_token_ids is not None and trainer_token_ids is not None:
         differs = masked & (rollout_token_ids != trainer_token_ids)
