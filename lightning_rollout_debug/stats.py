@@ -529,7 +529,8 @@ def _disable_fusion(error: Exception) -> None:
     _fusion["disabled"] = repr(error)
     warnings.warn(
         f"torch.compile is not usable here ({error!r}); the rollout statistics use eager "
-        "arithmetic (same results, slower). Pass compile=False to skip the attempt.",
+        "arithmetic (the same results to float32 rounding, slower). Pass compile=False to "
+        "skip the attempt.",
         RuntimeWarning,
         stacklevel=3,
     )
