@@ -17,6 +17,9 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.loggers import Logger
+from pytorch_lightning.utilities import rank_zero_only
+from reference import ALL_NAMES
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
@@ -320,3 +323,41 @@ def at_step(
         for name, values in series.items()
         if name.startswith(prefix) and step in values
     }
+
+
+class MemoryLogger(Logger):
+    """Keeps every ``log_metrics`` call as ``{step: {name: value}}``, in full precision."""
+
+    def __init__(self, prefix: str = "training/") -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.steps: dict[int, dict[str, float]] = {}
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        self.steps.setdefault(int(step or 0), {}).update(metrics)
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def catalog(self) -> dict[int, dict[str, float]]:
+        """Each logging step's catalog metrics (``reference.ALL_NAMES``), unprefixed."""
+        out = {}
+        for step, metrics in self.steps.items():
+            found = {
+                name[len(self.prefix) :]: float(value)
+                for name, value in metrics.items()
+                if name.startswith(self.prefix) and name[len(self.prefix) :] in ALL_NAMES
+            }
+            if found:
+                out[step] = found
+        return out

@@ -39,9 +39,7 @@ from conftest import batches as random_batches
 from conftest import examples
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
-from lightning_helpers import FEATURES, TRAINER_DEFAULTS, RolloutModule
-from pytorch_lightning.loggers import Logger
-from pytorch_lightning.utilities import rank_zero_only
+from lightning_helpers import FEATURES, TRAINER_DEFAULTS, MemoryLogger, RolloutModule
 from reference import NAMES, Reference, assert_metrics_close, reference_metrics
 from torch import Tensor
 from torch.utils.data import DataLoader
@@ -416,30 +414,6 @@ class FuzzModule(RolloutModule):
         pass
 
 
-class MemoryLogger(Logger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.steps: dict[int, dict[str, float]] = {}
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    @rank_zero_only
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        found = {k[len(PREFIX) :]: float(v) for k, v in metrics.items() if k.startswith(PREFIX)}
-        if found:
-            self.steps.setdefault(int(step or 0), {}).update(found)
-
-    @rank_zero_only
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-
 def positive_kinds(verdicts: Sequence[Verdict]) -> set[str]:
     """The keys whose counting log-probs go above 1e-3 nats: the callback warns once each."""
     kinds = set()
@@ -484,12 +458,13 @@ def test_trainer_run_over_fuzzed_batches(drawn: list[FuzzBatch]) -> None:
     skipped = [str(w.message) for w in record if issubclass(w.category, RolloutDebugWarning)]
     assert callback._warned == kinds and len(skipped) == len(kinds), (kinds, skipped)
     windows = range(0, RUN_LENGTH, EVERY)
-    assert sorted(logger.steps) == [start + EVERY - 1 for start in windows]
+    logged_steps = logger.catalog()
+    assert sorted(logged_steps) == [start + EVERY - 1 for start in windows]
     for start in windows:
         accepted = [v.tensors for v in verdicts[start : start + EVERY] if v.kind is None]
         want = reference_over(accepted)
         try:
-            logged = logger.steps[start + EVERY - 1]
+            logged = logged_steps[start + EVERY - 1]
             assert all(not math.isnan(value) for value in logged.values())
             assert_metrics_close(completed(logged), want.select(DEFAULT_NAMES))
         except AssertionError as error:

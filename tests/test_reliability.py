@@ -34,14 +34,13 @@ import torch
 from lightning_helpers import (
     FEATURES,
     TRAINER_DEFAULTS,
+    MemoryLogger,
     RolloutModule,
     make_batch,
     make_batches,
 )
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
-from pytorch_lightning.loggers import Logger
-from pytorch_lightning.utilities import rank_zero_only
-from reference import ALL_NAMES, NAMES, Reference, assert_metrics_close, reference_metrics
+from reference import NAMES, Reference, assert_metrics_close, reference_metrics
 
 from lightning_rollout_debug import BatchError, RolloutDebugCallback, RolloutDebugWarning
 from lightning_rollout_debug.stats import MismatchStats
@@ -62,43 +61,6 @@ Batch = dict[str, Any]
 
 
 # ---------------------------------------------------------------------- harness
-class MemoryLogger(Logger):
-    """Keeps every ``log_metrics`` call as ``{step: {name: value}}``, in full precision."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.steps: dict[int, dict[str, float]] = {}
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    @rank_zero_only
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        self.steps.setdefault(int(step or 0), {}).update(metrics)
-
-    @rank_zero_only
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def catalog(self) -> dict[int, dict[str, float]]:
-        """The catalog metrics of each step that logged any, without the prefix."""
-        out = {}
-        for step, metrics in self.steps.items():
-            found = {
-                name[len(PREFIX) :]: float(value)
-                for name, value in metrics.items()
-                if name.startswith(PREFIX) and name[len(PREFIX) :] in ALL_NAMES
-            }
-            if found:
-                out[step] = found
-        return out
-
-
 class TolerantModule(RolloutModule):
     """:class:`RolloutModule` that trains on any batch, even one that is not a mapping.
 
