@@ -9,7 +9,9 @@ process:
 - ``catalog``: ``mismatch_metrics`` (every metric);
 - ``read``: summing the three input tensors once, the floor any method must pay;
 
-and prints medians and the ratios. Peak extra memory of one call: on the CPU, Linux's
+and prints medians and the ratios. ``read`` and ``ours`` are also timed on their own first
+(the ``quiet`` columns): the seed's allocations slow every call that follows them, the
+read most. Peak extra memory of one call: on the CPU, Linux's
 peak resident memory above the inputs, in a fresh subprocess; on CUDA, the caching
 allocator's peak above the inputs.
 """
@@ -182,8 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     rows_out = []
     header = (
         f"{'device':6} {'shape':>10} {'dtype':9} {'read ms':>8} {'seed ms':>8} {'ours ms':>8} "
-        f"{'catalog':>8} {'seed/ours':>9} {'ours/read':>9} {'cat/ours':>8} {'mem ours/in':>11} "
-        f"{'mem seed/in':>11}"
+        f"{'catalog':>8} {'seed/ours':>9} {'ours/read':>9} {'cat/ours':>8} {'quiet read':>10} "
+        f"{'quiet ours':>10} {'ours/read':>9} {'mem ours/in':>11} {'mem seed/in':>11}"
     )
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(header)
@@ -191,7 +193,13 @@ def main(argv: list[str] | None = None) -> None:
         for shape in shapes:
             for dtype_name, dtype in DTYPES.items():
                 batch = make_batch(shape, dtype, device)
-                ms = time_interleaved(methods(batch), args.repeats, device)
+                calls = methods(batch)
+                # First read and ours alone: the seed's allocations slow every call after
+                # them, the read most.
+                quiet = time_interleaved(
+                    {name: calls[name] for name in ("read", "ours")}, args.repeats, device
+                )
+                ms = time_interleaved(calls, args.repeats, device)
                 inputs_mb = input_megabytes(batch)
                 mem = {}
                 if not args.no_memory:
@@ -204,6 +212,8 @@ def main(argv: list[str] | None = None) -> None:
                     "ms": ms,
                     "seed_over_ours": ms["seed"] / ms["ours"],
                     "ours_over_read": ms["ours"] / ms["read"],
+                    "quiet_ms": quiet,
+                    "quiet_ours_over_read": quiet["ours"] / quiet["read"],
                     "catalog_over_ours": ms["catalog"] / ms["ours"],
                     "memory_over_inputs": mem,
                 }
@@ -212,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"{device:6} {shape[0]:>4}x{shape[1]:<5} {dtype_name:9} {ms['read']:8.2f} "
                     f"{ms['seed']:8.2f} {ms['ours']:8.2f} {ms['catalog']:8.2f} "
                     f"{row['seed_over_ours']:9.1f} {row['ours_over_read']:9.2f} "
-                    f"{row['catalog_over_ours']:8.2f} {mem.get('ours', float('nan')):11.3f} "
+                    f"{row['catalog_over_ours']:8.2f} {quiet['read']:10.2f} {quiet['ours']:10.2f} "
+                    f"{row['quiet_ours_over_read']:9.2f} {mem.get('ours', float('nan')):11.3f} "
                     f"{mem.get('seed', float('nan')):11.3f}"
                 )
     if args.json:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_rollout_debug import native
 from lightning_rollout_debug.batch import MismatchInputs, check_inputs
 
 LOG_PROB_FLOOR = -20.0
@@ -216,10 +217,12 @@ class MismatchStats:
             geometric-mean ratio falls outside counts in ``rollout_seq_frac_outside``.
         groups: the metric groups to compute, a subset of :data:`GROUPS`
             (default: all). Leaving groups out skips their arithmetic.
-        compile: fuse an update into one pass with ``torch.compile``. ``None`` (the
-            default) does so for blocks of at least 65,536 tokens and falls back to
-            eager arithmetic, with one warning, where compilation is unavailable;
-            ``False`` never compiles; ``True`` compiles every block.
+        compile: fuse an update into one pass: on CPUs with float32 or bfloat16
+            log-probs the package's native kernel (built on first use with the system
+            C++ compiler), elsewhere ``torch.compile``. ``None`` (the default) does so
+            for blocks of at least 65,536 tokens and falls back to eager arithmetic,
+            with one warning, where neither is available; ``False`` never fuses;
+            ``True`` fuses every block.
         chunk_tokens: without compilation, rows are processed in chunks of about this
             many tokens, which bounds the temporary memory of an update (default:
             65,536 on the CPU, 4,194,304 on accelerators).
@@ -385,6 +388,20 @@ class MismatchStats:
                 for start in range(0, batch, rows)
             ]
 
+        if cpu and fusion_wanted(self.compile, batch * width):
+            rows = native.row_sums(
+                inputs.rollout_log_probs,
+                inputs.old_log_probs,
+                inputs.mask,
+                self.groups,
+                self.is_threshold,
+                ROW_FIELDS,
+            )
+            if rows is not None:
+                ids = (inputs.rollout_token_ids, inputs.trainer_token_ids)
+                return [
+                    _state_from_rows(rows, inputs.mask, *ids, self.groups, self.seq_ratio_bounds)
+                ]
         return run_fused(_batch_state, self.compile, batch * width, blocks)
 
     # ---------------------------------------------------------------- compute
@@ -497,7 +514,7 @@ def run_fused(
     ``compile`` is ``None`` (compile batches of at least 65,536 tokens), ``True`` or
     ``False``. Where compilation fails, one warning says so and the process stays eager.
     """
-    wanted = compile is True or (compile is None and tokens >= _FUSE_MIN_TOKENS)
+    wanted = fusion_wanted(compile, tokens)
     compiled = _compiled(function) if wanted and _fusion["disabled"] is None else None
     if compiled is not None:
         try:
@@ -505,6 +522,11 @@ def run_fused(
         except Exception as error:  # compilation unavailable here: stay eager from now on
             _disable_fusion(error)
     return blocks(function, False)
+
+
+def fusion_wanted(compile: bool | None, tokens: int) -> bool:
+    """Whether a batch of ``tokens`` goes through a fused pass under this ``compile``."""
+    return compile is True or (compile is None and tokens >= _FUSE_MIN_TOKENS)
 
 
 def _compiled(function: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -536,6 +558,38 @@ def _disable_fusion(error: Exception) -> None:
     )
 
 
+ROW_FIELDS: tuple[str, ...] = (
+    "count",
+    "nonfinite",
+    "max_actor_log_prob",
+    "max_rollout_log_prob",
+    "sum_actor_log_prob",
+    "sum_rollout_log_prob",
+    "prob_actor",
+    "prob_rollout",
+    "prob_diff",
+    "prob_actor*prob_actor",
+    "prob_rollout*prob_rollout",
+    "prob_actor*prob_rollout",
+    "prob_diff*prob_diff",
+    "max_prob_diff",
+    "max_log_ratio",
+    "max_neg_log_ratio",
+    "log_diff",
+    "log_diff*log_diff",
+    "log_ratio",
+    "kl_k3",
+    "mult_error_m1",
+    "ratio_m1",
+    "ratio_sq_m1",
+    "ratio",
+    "ratio_sq",
+    "ratio_high",
+    "ratio_low",
+)
+"""The per-row reductions of an update, in the column order of the native CPU kernel."""
+
+
 def _batch_state(
     rollout_log_probs: Tensor,
     old_log_probs: Tensor,
@@ -551,9 +605,27 @@ def _batch_state(
 
     Every token-level quantity is reduced along the rows first (one pass over the
     block that a compiler fuses into a single kernel), then the ``[B]`` row sums are
-    combined. Element-wise work runs in float32 (float64 for float64 inputs); products
-    and every sum are float64, and the centred moments come from float64 power sums,
-    whose rounding is below ``1e-16 * (mean / std)^2`` relative.
+    combined.
+    """
+    rows = _row_sums(rollout_log_probs, old_log_probs, mask, groups, is_threshold)
+    return _state_from_rows(
+        rows, mask, rollout_token_ids, trainer_token_ids, groups, seq_ratio_bounds
+    )
+
+
+def _row_sums(
+    rollout_log_probs: Tensor,
+    old_log_probs: Tensor,
+    mask: Tensor,
+    groups: frozenset[str],
+    is_threshold: float,
+) -> dict[str, Tensor]:
+    """The ``[B]`` row reductions of :data:`ROW_FIELDS` that ``groups`` need.
+
+    Element-wise work runs in float32 (float64 for float64 inputs); products and every
+    sum are float64, so the centred moments that follow from these power sums round
+    below ``1e-16 * (mean / std)^2`` relative. Counts are integers, maxima keep the
+    element dtype (``-inf`` for a row without counting tokens).
     """
     f64 = torch.float64
     a, b, r, masked, finite = counting_tokens(rollout_log_probs, old_log_probs, mask)
@@ -563,49 +635,43 @@ def _batch_state(
         return value.to(f64).sum(1)
 
     def row_count_of(flags: Tensor) -> Tensor:  # integer lanes are cheaper than float64 ones
-        return flags.sum(1, dtype=torch.int32).to(f64)
+        return flags.sum(1, dtype=torch.int32)
 
     def row_max(value: Tensor) -> Tensor:
-        return torch.where(counting, value, -math.inf).amax(1).to(f64)
+        return torch.where(counting, value, -math.inf).amax(1)
 
-    row_count = row_count_of(counting)
-    count = row_count.sum()
-    power: dict[str, Tensor] = {}  # float64 row sums of the moment variables
-    cross: dict[tuple[str, str], Tensor] = {}  # ... and of their pairwise products
-    sums: dict[str, Tensor] = {"nonfinite": row_count_of(masked & ~finite).sum()}
-    # The largest log-probs: above 0 they are no log-probabilities (found without a sync).
-    maxes: dict[str, Tensor] = {
-        "actor_log_prob": row_max(a).amax(),
-        "rollout_log_prob": row_max(b).amax(),
+    rows = {
+        "count": row_count_of(counting),
+        "nonfinite": row_count_of(masked & ~finite),
+        # The largest log-probs: above 0 they are no log-probabilities (found without a sync).
+        "max_actor_log_prob": row_max(a),
+        "max_rollout_log_prob": row_max(b),
     }
-    mins: dict[str, Tensor] = {}
-    moment_values: dict[str, Tensor] = {}
     if "sequence" in groups:
-        # The row sum of r from those of a and b: exact sums of the inputs, whereas a float32
-        # r rounds by up to 1e-6 at |r| = 20 and can move g_i across a bound.
-        sum_a, sum_b = row_sum(a), row_sum(b)
-    need_probs = bool({"seed", "kl", "importance_ratio"} & groups)
-    if need_probs:
+        # Exact sums of the inputs, whereas a float32 r rounds by up to 1e-6 at |r| = 20
+        # and can move g_i across a bound.
+        rows["sum_actor_log_prob"], rows["sum_rollout_log_prob"] = row_sum(a), row_sum(b)
+    values: dict[str, Tensor] = {}
+    if {"seed", "kl", "importance_ratio"} & groups:
         prob_rollout = exp(b)
         prob_actor = exp(a)
         diff = prob_diff(prob_actor, prob_rollout, r)
+        values.update(prob_actor=prob_actor, prob_rollout=prob_rollout, prob_diff=diff)
     if "seed" in groups:
-        moment_values.update(prob_actor=prob_actor, prob_rollout=prob_rollout, prob_diff=diff)
-        maxes["prob_diff"] = row_max(diff).amax()
+        rows["max_prob_diff"] = row_max(diff)
     if "log_space" in groups or "importance_ratio" in groups:
         # The extremes of abs(r) and of clamp(r) all follow from those of r (clamp is
-        # monotone): two running maxima instead of four. An empty block keeps +-inf.
-        r_max, r_min = row_max(r).amax(), -row_max(-r).amax()
+        # monotone): two running maxima instead of four.
+        rows["max_log_ratio"], rows["max_neg_log_ratio"] = row_max(r), row_max(-r)
     if "log_space" in groups:
-        moment_values["log_diff"] = r.abs()
-        maxes["log_diff"] = torch.maximum(r_max, -r_min)
+        values["log_diff"] = r.abs()
     # Masked before widening: float64 lanes are the expensive ones.
-    wide = {name: torch.where(counting, v, 0.0).to(f64) for name, v in moment_values.items()}
+    wide = {name: torch.where(counting, values[name], 0.0).to(f64) for name in _moments_of(groups)}
     for name, value in wide.items():
-        power[name] = value.sum(1).sum()
+        rows[name] = value.sum(1)
     for left, right in _COMOMENTS:
         if left in wide and right in wide:
-            cross[(left, right)] = (wide[left] * wide[right]).sum(1).sum()
+            rows[f"{left}*{right}"] = (wide[left] * wide[right]).sum(1)
     if "kl" in groups or "importance_ratio" in groups:
         # No exponential of its own: rho = pa / pb (clamped like r), and near r = 0 the
         # series of e^r - 1 - r (shared with prob_diff) keeps the digits rho - 1 would lose.
@@ -614,22 +680,73 @@ def _batch_state(
         far = (prob_actor / prob_rollout).clamp(_RATIO_MIN, _RATIO_MAX)
         ratio = torch.where(near_zero, 1.0 + (r + curvature), far)
         ratio_m1 = torch.where(near_zero, r + curvature, far - 1.0)
-        # With the sequence group, from the exact row sums of the inputs.
-        sums["log_ratio"] = (sum_a - sum_b).sum() if "sequence" in groups else row_sum(r).sum()
+        if "sequence" not in groups:  # otherwise from the exact row sums of the inputs
+            rows["log_ratio"] = row_sum(r)
     if "kl" in groups:
-        sums["kl_k3"] = row_sum(torch.where(near_zero, curvature, ratio_m1 - r)).sum()
+        rows["kl_k3"] = row_sum(torch.where(near_zero, curvature, ratio_m1 - r))
         # e^|r| - 1 = |pa - pb| / min(pa, pb): no cancellation, and no clamp (|r| > 20 only
         # comes from positive "log-probs").
-        mult_m1 = diff / torch.minimum(prob_actor, prob_rollout)
-        sums["mult_error_m1"] = row_sum(mult_m1).sum()
+        rows["mult_error_m1"] = row_sum(diff / torch.minimum(prob_actor, prob_rollout))
     if "importance_ratio" in groups:
-        sums["ratio_m1"] = row_sum(ratio_m1).sum()
-        sums["ratio_sq_m1"] = row_sum(ratio_m1 * (ratio_m1 + 2.0)).sum()  # rho^2 - 1
+        rows["ratio_m1"] = row_sum(ratio_m1)
+        rows["ratio_sq_m1"] = row_sum(ratio_m1 * (ratio_m1 + 2.0))  # rho^2 - 1
         # Plain sums for the ESS: n + sum(rho - 1) loses every digit when rho << 1.
-        sums["ratio"] = row_sum(torch.where(counting, ratio, 0.0)).sum()
-        sums["ratio_sq"] = row_sum(torch.where(counting, ratio * ratio, 0.0)).sum()
-        sums["ratio_high"] = row_count_of(counting & (ratio_m1 > is_threshold - 1.0)).sum()
-        sums["ratio_low"] = row_count_of(counting & (ratio_m1 < 1.0 / is_threshold - 1.0)).sum()
+        rows["ratio"] = row_sum(torch.where(counting, ratio, 0.0))
+        rows["ratio_sq"] = row_sum(torch.where(counting, ratio * ratio, 0.0))
+        rows["ratio_high"] = row_count_of(counting & (ratio_m1 > is_threshold - 1.0))
+        rows["ratio_low"] = row_count_of(counting & (ratio_m1 < 1.0 / is_threshold - 1.0))
+    return rows
+
+
+def _state_from_rows(
+    rows: dict[str, Tensor],
+    mask: Tensor,
+    rollout_token_ids: Tensor | None,
+    trainer_token_ids: Tensor | None,
+    groups: frozenset[str],
+    seq_ratio_bounds: tuple[float, float],
+) -> Tensor:
+    """Packed state of a block from its row reductions (and its token ids, if compared)."""
+    f64 = torch.float64
+
+    def total(name: str) -> Tensor:
+        return rows[name].to(f64).sum()
+
+    def largest(name: str) -> Tensor:
+        return rows[name].amax().to(f64)
+
+    row_count = rows["count"].to(f64)
+    count = row_count.sum()
+    sums = {"nonfinite": total("nonfinite")}
+    maxes = {
+        "actor_log_prob": largest("max_actor_log_prob"),
+        "rollout_log_prob": largest("max_rollout_log_prob"),
+    }
+    mins: dict[str, Tensor] = {}
+    moments = _moments_of(groups)
+    power = {name: total(name) for name in moments}
+    cross = {
+        (left, right): total(f"{left}*{right}")
+        for left, right in _COMOMENTS
+        if left in moments and right in moments
+    }
+    if "seed" in groups:
+        maxes["prob_diff"] = largest("max_prob_diff")
+    if "log_space" in groups or "importance_ratio" in groups:
+        # An empty block keeps +-inf.
+        r_max, r_min = largest("max_log_ratio"), -largest("max_neg_log_ratio")
+    if "log_space" in groups:
+        maxes["log_diff"] = torch.maximum(r_max, -r_min)
+    if "sequence" in groups:
+        sum_a, sum_b = rows["sum_actor_log_prob"], rows["sum_rollout_log_prob"]
+    if "kl" in groups or "importance_ratio" in groups:
+        sums["log_ratio"] = (sum_a - sum_b).sum() if "sequence" in groups else total("log_ratio")
+    if "kl" in groups:
+        sums["kl_k3"] = total("kl_k3")
+        sums["mult_error_m1"] = total("mult_error_m1")
+    if "importance_ratio" in groups:
+        for name in ("ratio_m1", "ratio_sq_m1", "ratio", "ratio_sq", "ratio_high", "ratio_low"):
+            sums[name] = total(name)
         maxes["log_ratio"], mins["log_ratio"] = (
             torch.where(x.isinf(), x, x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
             for x in (r_max, r_min)
@@ -639,13 +756,20 @@ def _batch_state(
     if "sequence" in groups:
         _sequence_sums(sum_a, sum_b, sum_a - sum_b, row_count, seq_ratio_bounds, sums, maxes, mins)
     if "token_ids" in groups and rollout_token_ids is not None and trainer_token_ids is not None:
+        masked = mask != 0
         differs = masked & (rollout_token_ids != trainer_token_ids)
         sums["id_updates"] = torch.ones((), dtype=f64, device=mask.device)
         sums["id_rows"] = masked.any(1).sum(dtype=f64)
-        sums["id_diff"] = row_count_of(differs).sum()
+        sums["id_diff"] = differs.sum(1, dtype=torch.int32).to(f64).sum()
         sums["id_diff_rows"] = differs.any(1).sum(dtype=f64)
     means, comoments = _centre(count, power, cross)
     return _pack(count, means, comoments, sums, maxes, mins)
+
+
+def _moments_of(groups: frozenset[str]) -> tuple[str, ...]:
+    """The token-level variables whose means and co-moments ``groups`` report."""
+    seed = ("prob_actor", "prob_rollout", "prob_diff") if "seed" in groups else ()
+    return seed + (("log_diff",) if "log_space" in groups else ())
 
 
 def counting_tokens(

@@ -9,8 +9,21 @@ import pytest
 import torch
 from reference import assert_metrics_close, reference_metrics
 
-from lightning_rollout_debug import GROUPS, METRIC_NAMES, MismatchStats
+from lightning_rollout_debug import GROUPS, METRIC_NAMES, MismatchStats, native
 from lightning_rollout_debug.tensorboard import TokenExtras
+
+
+@pytest.fixture(params=["native", "torch.compile"])
+def fused_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each fused CPU update once through the native kernel and once through inductor."""
+    if request.param == "torch.compile":
+        monkeypatch.setattr(native, "row_sums", lambda *args: None)
+    return request.param
+
+
+@pytest.fixture
+def inductor_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "row_sums", lambda *args: None)
 
 
 def _batch(dtype: torch.dtype, rows: int = 96, width: int = 1024) -> tuple[torch.Tensor, ...]:
@@ -26,7 +39,7 @@ def _batch(dtype: torch.dtype, rows: int = 96, width: int = 1024) -> tuple[torch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_update_matches_eager_and_reference(dtype: torch.dtype) -> None:
+def test_compiled_update_matches_eager_and_reference(dtype: torch.dtype, fused_path: str) -> None:
     tensors = _batch(dtype)
     assert tensors[2].numel() >= 1 << 16  # large enough for the automatic fusion
     fused, eager = MismatchStats(compile=True), MismatchStats(compile=False, chunk_tokens=4096)
@@ -46,7 +59,7 @@ def test_compiled_update_matches_eager_and_reference(dtype: torch.dtype) -> None
 
 
 @pytest.mark.parametrize("spread", ["independent", "near-floor"])
-def test_compiled_update_is_exact_far_from_agreement(spread: str) -> None:
+def test_compiled_update_is_exact_far_from_agreement(spread: str, fused_path: str) -> None:
     """Log-ratios up to the clamp and probabilities down to the floor, where rounding
     of the exponent's argument matters most."""
     generator = torch.Generator().manual_seed(11)
@@ -87,7 +100,7 @@ def test_compiled_extras_match_eager_ones(dtype: torch.dtype) -> None:
     ]
 
 
-def test_compiled_updates_do_not_recompile_for_new_batches() -> None:
+def test_compiled_updates_do_not_recompile_for_new_batches(inductor_only: None) -> None:
     """New shapes, batch indices and ranks reuse the compiled code: a recompilation is a
     stall of seconds (and a synchronisation on GPUs) in the middle of training."""
     generator = torch.Generator().manual_seed(3)

@@ -1,0 +1,397 @@
+// Row sums of the rollout mismatch statistics on CPUs: one pass over a [rows, width]
+// batch of float32 or bfloat16 log-probabilities, every row's sums kept in registers.
+//
+// The element-wise arithmetic is that of `_row_sums` in stats.py, in float32; every sum
+// is a float64 sum of float32 values, every moment product a float64 product. The output
+// holds one row of `kSlots` doubles per batch row, in the order of `ROW_FIELDS` in
+// native.py. Built by native.py with the system C++ compiler; no other dependency.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <algorithm>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum Slot : int {
+  kCount,
+  kNonfinite,
+  kMaxActor,
+  kMaxRollout,
+  kSumActor,
+  kSumRollout,
+  kProbActor,
+  kProbRollout,
+  kProbDiff,
+  kProbActorSq,
+  kProbRolloutSq,
+  kProbCross,
+  kProbDiffSq,
+  kMaxProbDiff,
+  kMaxLogRatio,
+  kMaxNegLogRatio,
+  kLogDiff,
+  kLogDiffSq,
+  kLogRatio,
+  kKlK3,
+  kMultErrorM1,
+  kRatioM1,
+  kRatioSqM1,
+  kRatio,
+  kRatioSq,
+  kRatioHigh,
+  kRatioLow,
+  kSlots
+};
+
+constexpr int kLanes = 16;  // tokens per step: one 512-bit float32 vector
+typedef float f32 __attribute__((vector_size(4 * kLanes)));
+typedef int32_t i32 __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t u32 __attribute__((vector_size(4 * kLanes)));
+typedef double f64 __attribute__((vector_size(4 * kLanes)));  // the lower or upper half
+
+constexpr float kInf = INFINITY;
+constexpr float kLogProbFloor = -20.0f;
+constexpr float kRatioMin = 2.061153622438558e-09f;  // e^-20
+constexpr float kRatioMax = 485165195.4097903f;      // e^20
+constexpr float kLog2E = 1.4426950408889634f;
+
+template <typename T>
+inline T splat(typename std::remove_reference<decltype(T{}[0])>::type value) {
+  return T{} + value;
+}
+
+inline f32 floats_of(const float* values) {
+  f32 out;
+  std::memcpy(&out, values, sizeof out);
+  return out;
+}
+
+inline f32 floats_of(const uint16_t* bfloat16) {
+  typedef uint16_t u16 __attribute__((vector_size(2 * kLanes)));
+  u16 bits;
+  std::memcpy(&bits, bfloat16, sizeof bits);
+  return reinterpret_cast<f32>(__builtin_convertvector(bits, u32) << 16);
+}
+
+template <typename Mask>
+inline i32 nonzero(const Mask* values) {  // -1 where non-zero, 0 elsewhere
+  typedef Mask m __attribute__((vector_size(sizeof(Mask) * kLanes)));
+  m raw;
+  std::memcpy(&raw, values, sizeof raw);
+  return __builtin_convertvector(raw != 0, i32);
+}
+
+#if defined(__AVX512F__)
+// GCC widens 8 floats to 8 doubles in 128-bit pieces; one instruction does it.
+inline f64 lower(f32 x) {
+  return reinterpret_cast<f64>(_mm512_cvtps_pd(_mm512_castps512_ps256(reinterpret_cast<__m512>(x))));
+}
+
+inline f64 upper(f32 x) {
+  const __m512d halves = _mm512_castps_pd(reinterpret_cast<__m512>(x));
+  return reinterpret_cast<f64>(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(halves, 1))));
+}
+#else
+inline f64 lower(f32 x) {
+  return __builtin_convertvector(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7), f64);
+}
+
+inline f64 upper(f32 x) {
+  return __builtin_convertvector(
+      __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15), f64);
+}
+#endif
+
+// Two float64 halves of a float64 sum over the lanes.
+struct Sum {
+  f64 lo{}, hi{};
+  void add(f32 x) { lo += lower(x); hi += upper(x); }
+  void add_product(f32 x, f32 y) { lo += lower(x) * lower(y); hi += upper(x) * upper(y); }
+  double total() const {
+    double out = 0;
+    for (int k = 0; k < kLanes / 2; ++k) out += lo[k] + hi[k];
+    return out;
+  }
+};
+
+struct Max {
+  f32 value = splat<f32>(-kInf);
+  void add(f32 x) { value = x > value ? x : value; }
+  double total() const {
+    float out = -kInf;
+    for (int k = 0; k < kLanes; ++k) out = value[k] > out ? value[k] : out;
+    return out;
+  }
+};
+
+struct Count {
+  i32 value{};
+  void add(i32 flags) { value -= flags; }  // flags are -1 or 0
+  double total() const {
+    int64_t out = 0;
+    for (int k = 0; k < kLanes; ++k) out += value[k];
+    return static_cast<double>(out);
+  }
+};
+
+inline f32 select(i32 flags, f32 yes, f32 no) { return flags ? yes : no; }
+
+// e^x as 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by its Taylor series to
+// f^7 (truncation below 1e-8 relative). Rounding x log2 e costs |x| * 6e-8 relative, as
+// in the compiled path. For x >= -87 (log-probs are floored at -20); the result
+// overflows to +inf above about 88.7.
+inline f32 exp(f32 x) {
+  f32 t = x * kLog2E;
+  t = t < 128.0f ? t : splat<f32>(128.0f);
+  const f32 n = (t + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23
+  const f32 f = t - n;
+  f32 p = splat<f32>(1.5252733804059838e-05f);  // ln2^7 / 7!, then down to ln2^0 / 0!
+  p = p * f + 1.5403530393381606e-04f;
+  p = p * f + 1.3333558146428441e-03f;
+  p = p * f + 9.618129107628477e-03f;
+  p = p * f + 5.5504108664821576e-02f;
+  p = p * f + 2.402265069591007e-01f;
+  p = p * f + 6.931471805599453e-01f;
+  p = p * f + 1.0f;
+  const i32 exponent = (__builtin_convertvector(n, i32) + 127) << 23;
+  return p * reinterpret_cast<f32>(exponent);
+}
+
+// Whether any lane is set.
+inline bool any(i32 flags) {
+#if defined(__AVX512DQ__)
+  return _mm512_movepi32_mask(reinterpret_cast<__m512i>(flags)) != 0;
+#else
+  int32_t out = 0;
+  for (int k = 0; k < kLanes; ++k) out |= flags[k];
+  return out != 0;
+#endif
+}
+
+// (e^x - 1 - x) / x^2 for |x| < 1/2: the series of `_exp_tail` to x^8 / 8!.
+inline f32 exp_tail(f32 x) {
+  f32 tail = splat<f32>(2.48015873015873e-05f);
+  tail = tail * x + 0.0001984126984126984f;
+  tail = tail * x + 0.001388888888888889f;
+  tail = tail * x + 0.008333333333333333f;
+  tail = tail * x + 0.041666666666666664f;
+  tail = tail * x + 0.16666666666666666f;
+  tail = tail * x + 0.5f;
+  return tail;
+}
+
+inline f32 abs(f32 x) { return x < 0.0f ? -x : x; }
+
+struct Options {
+  float ratio_high_m1;  // rho > C counts as high: rho - 1 > C - 1
+  float ratio_low_m1;   // rho < 1/C counts as low: rho - 1 < 1/C - 1
+};
+
+// The running sums of one row.
+struct RowSums {
+  Count count, nonfinite, high, low;
+  Max max_a, max_b, max_diff, max_r, max_neg_r;
+  Sum sum_a, sum_b, pa, pb, diff, pa2, pb2, papb, diff2, abs_r, r2, r, k3, mult, rm1, rsqm1;
+  Sum ratio, ratio2;
+
+  template <bool kCatalog, bool kInputSums>
+  void add(f32 a, f32 b, i32 masked, const Options& options) {
+    const f32 minus_inf = splat<f32>(-kInf);
+    const f32 zero = splat<f32>(0.0f);
+    const f32 floor = splat<f32>(kLogProbFloor);
+    a = floor > a ? floor : a;  // NaN stays NaN
+    b = floor > b ? floor : b;
+    const i32 finite = (a < kInf) & (b < kInf);
+    const i32 counting = masked & finite;
+    count.add(counting);
+    nonfinite.add(masked & ~finite);
+    a = select(counting, a, zero);
+    b = select(counting, b, zero);
+    const f32 r_ = a - b;
+    const i32 near = abs(r_) < 0.5f;
+    const f32 curvature = r_ * r_ * exp_tail(r_);  // e^r - 1 - r
+    const f32 pb_ = exp(b);
+    // Near r = 0, pa = pb e^r (the value of `_row_sums` to float32 rounding): a second
+    // exponential only for vectors with a token farther out.
+    const f32 pa_near = pb_ * (1.0f + (r_ + curvature));
+    const i32 far_lanes = ~near;
+    f32 pa_ = pa_near;
+    f32 far = splat<f32>(1.0f);  // rho away from r = 0: pa / pb, clamped like r
+    if (any(far_lanes)) {
+      pa_ = select(near, pa_near, exp(a));
+      if constexpr (kCatalog) {
+        far = pa_ / pb_;
+        far = far < kRatioMin ? splat<f32>(kRatioMin) : far;
+        far = far > kRatioMax ? splat<f32>(kRatioMax) : far;
+      }
+    }
+    const f32 diff_ = abs(select(near, pb_ * (r_ + curvature), pa_ - pb_));
+    max_a.add(select(counting, a, minus_inf));
+    max_b.add(select(counting, b, minus_inf));
+    max_diff.add(select(counting, diff_, minus_inf));
+    if constexpr (kInputSums) {
+      sum_a.add(a);
+      sum_b.add(b);
+    }
+    const f32 wide_pa = select(counting, pa_, zero);
+    const f32 wide_pb = select(counting, pb_, zero);
+    const f32 wide_diff = select(counting, diff_, zero);
+    pa.add(wide_pa);
+    pb.add(wide_pb);
+    diff.add(wide_diff);
+    pa2.add_product(wide_pa, wide_pa);
+    pb2.add_product(wide_pb, wide_pb);
+    papb.add_product(wide_pa, wide_pb);
+    diff2.add_product(wide_diff, wide_diff);
+    if constexpr (kCatalog) {
+      max_r.add(select(counting, r_, minus_inf));
+      max_neg_r.add(select(counting, -r_, minus_inf));
+      const f32 abs_r_ = abs(r_);
+      abs_r.add(abs_r_);
+      r2.add_product(abs_r_, abs_r_);
+      r.add(r_);
+      const f32 ratio_ = select(near, 1.0f + (r_ + curvature), far);
+      const f32 ratio_m1 = select(near, r_ + curvature, far - 1.0f);
+      k3.add(select(near, curvature, ratio_m1 - r_));
+      mult.add(diff_ / (pa_ < pb_ ? pa_ : pb_));
+      rm1.add(ratio_m1);
+      rsqm1.add(ratio_m1 * (ratio_m1 + 2.0f));
+      ratio.add(select(counting, ratio_, zero));
+      ratio2.add(select(counting, ratio_ * ratio_, zero));
+      high.add(counting & (ratio_m1 > options.ratio_high_m1));
+      low.add(counting & (ratio_m1 < options.ratio_low_m1));
+    }
+  }
+
+  void write(double* out) const {
+    const double values[kSlots] = {
+        count.total(),   nonfinite.total(), max_a.total(),  max_b.total(),     sum_a.total(),
+        sum_b.total(),   pa.total(),        pb.total(),     diff.total(),      pa2.total(),
+        pb2.total(),     papb.total(),      diff2.total(),  max_diff.total(),  max_r.total(),
+        max_neg_r.total(), abs_r.total(),   r2.total(),     r.total(),         k3.total(),
+        mult.total(),    rm1.total(),       rsqm1.total(),  ratio.total(),     ratio2.total(),
+        high.total(),    low.total()};
+    std::memcpy(out, values, sizeof values);
+  }
+};
+
+// One row. `mask` holds 0 or 1 per token: other mask dtypes are converted row by row
+// first, which keeps this loop the same for all of them.
+template <typename LogProb, bool kCatalog, bool kInputSums>
+void reduce_row(const LogProb* b_row, const LogProb* a_row, const uint8_t* m_row,
+                int64_t width, const Options& options, double* out) {
+  const int64_t whole = width - width % kLanes;
+  RowSums sums;
+  for (int64_t j = 0; j < whole; j += kLanes) {
+    // The next kilobytes of the row on their way: its streams otherwise outrun the
+    // hardware prefetcher.
+    __builtin_prefetch(a_row + j + 1024);
+    __builtin_prefetch(b_row + j + 1024);
+    __builtin_prefetch(m_row + j + 1024);
+    sums.add<kCatalog, kInputSums>(floats_of(a_row + j), floats_of(b_row + j),
+                                   nonzero(m_row + j), options);
+  }
+  if (whole < width) {  // the last tokens, padded with masked-out zeros
+    LogProb a_tail[kLanes] = {}, b_tail[kLanes] = {};
+    uint8_t m_tail[kLanes] = {};
+    const int64_t rest = width - whole;
+    std::memcpy(a_tail, a_row + whole, rest * sizeof(LogProb));
+    std::memcpy(b_tail, b_row + whole, rest * sizeof(LogProb));
+    std::memcpy(m_tail, m_row + whole, rest);
+    sums.add<kCatalog, kInputSums>(floats_of(a_tail), floats_of(b_tail), nonzero(m_tail),
+                                   options);
+  }
+  sums.write(out);
+}
+
+template <typename LogProb, typename Mask>
+void reduce_rows(const LogProb* rollout, const LogProb* old, const Mask* mask, int64_t width,
+                 int64_t begin, int64_t end, int level, const Options& options, double* out) {
+  std::vector<uint8_t> flags(std::is_same_v<Mask, uint8_t> ? 0 : width);
+  for (int64_t row = begin; row < end; ++row) {
+    const LogProb* b_row = rollout + row * width;
+    const LogProb* a_row = old + row * width;
+    const uint8_t* m_row;
+    if constexpr (std::is_same_v<Mask, uint8_t>) {
+      m_row = mask + row * width;
+    } else {
+      const Mask* source = mask + row * width;
+      for (int64_t j = 0; j < width; ++j) flags[j] = source[j] != 0;
+      m_row = flags.data();
+    }
+    double* slots = out + row * kSlots;
+    switch (level) {  // bit 0: the catalog beyond the seed group; bit 1: sums of the inputs
+      case 0: reduce_row<LogProb, false, false>(b_row, a_row, m_row, width, options, slots); break;
+      case 1: reduce_row<LogProb, true, false>(b_row, a_row, m_row, width, options, slots); break;
+      case 2: reduce_row<LogProb, false, true>(b_row, a_row, m_row, width, options, slots); break;
+      default: reduce_row<LogProb, true, true>(b_row, a_row, m_row, width, options, slots); break;
+    }
+  }
+}
+
+template <typename LogProb, typename Mask>
+void run(const void* rollout, const void* old, const void* mask, int64_t rows, int64_t width,
+         int level, Options options, int threads, double* out) {
+  auto part = [&](int64_t begin, int64_t end) {
+    reduce_rows(static_cast<const LogProb*>(rollout), static_cast<const LogProb*>(old),
+                static_cast<const Mask*>(mask), width, begin, end, level, options, out);
+  };
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, rows));
+#if defined(_OPENMP)
+  // torch's own OpenMP pool when torch loaded libgomp (the same soname): its threads
+  // are warm, and no second pool competes with them for the cores.
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+  for (int64_t k = 0; k < parts; ++k) part(rows * k / parts, rows * (k + 1) / parts);
+#else
+  std::vector<std::thread> workers;
+  for (int64_t k = 1; k < parts; ++k) {
+    workers.emplace_back(part, rows * k / parts, rows * (k + 1) / parts);
+  }
+  part(0, rows / parts);
+  for (auto& worker : workers) worker.join();
+#endif
+}
+
+template <typename LogProb>
+int dispatch_mask(const void* rollout, const void* old, const void* mask, int mask_kind,
+                  int64_t rows, int64_t width, int level, Options options, int threads,
+                  double* out) {
+  switch (mask_kind) {
+    case 0: run<LogProb, uint8_t>(rollout, old, mask, rows, width, level, options, threads, out); return 0;
+    case 1: run<LogProb, int32_t>(rollout, old, mask, rows, width, level, options, threads, out); return 0;
+    case 2: run<LogProb, int64_t>(rollout, old, mask, rows, width, level, options, threads, out); return 0;
+    case 3: run<LogProb, float>(rollout, old, mask, rows, width, level, options, threads, out); return 0;
+    default: return 2;
+  }
+}
+
+}  // namespace
+
+extern "C" int rollout_row_slots() { return kSlots; }
+
+// log_prob_kind: 0 float32, 1 bfloat16. mask_kind: 0 bool/uint8, 1 int32, 2 int64,
+// 3 float32. Returns 0, or non-zero for a kind it does not know.
+extern "C" int rollout_row_sums(const void* rollout, const void* old, const void* mask,
+                                int log_prob_kind, int mask_kind, int64_t rows, int64_t width,
+                                int level, float ratio_high_m1, float ratio_low_m1,
+                                int threads, double* out) {
+  const Options options{ratio_high_m1, ratio_low_m1};
+  switch (log_prob_kind) {
+    case 0:
+      return dispatch_mask<float>(rollout, old, mask, mask_kind, rows, width, level,
+                                  options, threads, out);
+    case 1:
+      return dispatch_mask<uint16_t>(rollout, old, mask, mask_kind, rows, width, level,
+                                     options, threads, out);
+    default:
+      return 1;
+  }
+}

@@ -1,0 +1,169 @@
+"""The native CPU kernel (``row_sums.cpp``) against the reference and the torch arithmetic."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from conftest import REGIMES, make_batch
+from reference import assert_metrics_close, reference_metrics
+
+from lightning_rollout_debug import GROUPS, MismatchStats, native
+from lightning_rollout_debug.stats import ROW_FIELDS, _row_sums
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler here")
+
+ALL = frozenset(GROUPS)
+# Fields that are selections or counts of float32 values both sides compute alike.
+EXACT = (
+    "count",
+    "nonfinite",
+    "max_actor_log_prob",
+    "max_rollout_log_prob",
+    "max_log_ratio",
+    "max_neg_log_ratio",
+    "ratio_high",
+    "ratio_low",
+)
+
+
+@pytest.fixture
+def native_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Records, per fused update, whether the native kernel took it."""
+    calls: list[bool] = []
+    original = native.row_sums
+
+    def spy(*args: object) -> object:
+        rows = original(*args)  # type: ignore[arg-type]
+        calls.append(rows is not None)
+        return rows
+
+    monkeypatch.setattr(native, "row_sums", spy)
+    return calls
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "mask_dtype", [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32, torch.float16]
+)
+def test_native_updates_match_the_reference(
+    regime: str, dtype: torch.dtype, mask_dtype: torch.dtype, native_calls: list[bool]
+) -> None:
+    rng = np.random.default_rng(hash((regime, str(dtype), str(mask_dtype))) % 2**32)
+    stats = MismatchStats(compile=True)
+    batches = [
+        make_batch(
+            rng,
+            shape,
+            dtype=dtype,
+            regime=regime,
+            mask_kind=kind,
+            mask_dtype=mask_dtype,
+            special_rate=0.03,
+            with_ids=True,
+        )
+        for shape, kind in (
+            ((7, 100), "counts"),
+            ((3, 17), "prefix"),
+            ((5, 16), "binary"),
+            ((2, 1), "ones"),
+        )
+    ]
+    for batch in batches:
+        stats.update(*batch.args())
+    assert native_calls == [True] * len(batches)
+    want = reference_metrics(
+        [b.rollout for b in batches],
+        [b.old for b in batches],
+        [b.mask for b in batches],
+        rollout_ids=[b.rollout_ids for b in batches],
+        trainer_ids=[b.trainer_ids for b in batches],
+    )
+    assert_metrics_close(stats.compute(), want)
+
+
+@pytest.mark.parametrize("groups", [frozenset({"seed"}), frozenset({"seed", "sequence"}), ALL])
+@pytest.mark.parametrize("regime", ["matched", "near_floor", "unrelated"])
+def test_native_row_sums_match_the_torch_arithmetic(groups: frozenset[str], regime: str) -> None:
+    rng = np.random.default_rng(5)
+    batch = make_batch(
+        rng, (9, 333), regime=regime, mask_kind="counts", mask_dtype=torch.int64, special_rate=0.02
+    )
+    got = native.row_sums(batch.rollout, batch.old, batch.mask, groups, 2.0, ROW_FIELDS)
+    want = _row_sums(batch.rollout, batch.old, batch.mask, groups, 2.0)
+    assert got is not None
+    for name, value in want.items():
+        expected = value.to(torch.float64)
+        if name in EXACT:
+            assert torch.equal(got[name], expected), name
+        else:  # e^a or pb e^r, each within a few float32 ulp (|a| * 6e-8 at most)
+            torch.testing.assert_close(got[name], expected, rtol=3e-6, atol=1e-9, msg=name)
+
+
+def test_native_results_do_not_depend_on_the_thread_count() -> None:
+    rng = np.random.default_rng(8)
+    batch = make_batch(rng, (13, 1000), regime="mixed", special_rate=0.01)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            results.append(
+                native.row_sums(batch.rollout, batch.old, batch.mask, ALL, 2.0, ROW_FIELDS)
+            )
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0][name], results[1][name]) for name in ROW_FIELDS)
+
+
+def test_other_layouts_and_dtypes_go_the_torch_way(native_calls: list[bool]) -> None:
+    rng = np.random.default_rng(9)
+    batch = make_batch(rng, (300, 260), regime="matched", mask_kind="prefix")
+    cases = {
+        "transposed": (batch.rollout.T.contiguous().T, batch.old, batch.mask),  # native, copied
+        "mixed dtypes": (batch.rollout, batch.old.to(torch.bfloat16), batch.mask),
+        "float64": (batch.rollout.double(), batch.old.double(), batch.mask),
+    }
+    for args in cases.values():
+        stats = MismatchStats(compile=True)
+        stats.update(*args)
+        assert_metrics_close(stats.compute(), reference_metrics(*args))
+    assert native_calls == [True, False, False]
+
+
+def test_a_failed_build_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_compiler() -> str:
+        raise RuntimeError("no C++ compiler found (set $CXX)")
+
+    monkeypatch.setattr(native, "_library", {"function": None, "problem": None, "slots": None})
+    monkeypatch.setattr(native, "_compiler", no_compiler)
+    rng = np.random.default_rng(10)
+    batch = make_batch(rng, (300, 260), regime="matched", mask_kind="prefix")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stats = MismatchStats(compile=True)
+        stats.update(*batch.args())
+        stats.update(*batch.args())
+    messages = [str(w.message) for w in caught if "native CPU kernel" in str(w.message)]
+    assert len(messages) == 1 and "no C++ compiler found" in messages[0]
+    want = reference_metrics([batch.rollout] * 2, [batch.old] * 2, [batch.mask] * 2)
+    assert_metrics_close(stats.compute(), want)
+
+
+def test_the_exponential_is_accurate_over_the_log_prob_range() -> None:
+    """One token per row, so each row's sum is that token's pa; with b = 0, pa is e^a
+    below -0.5 and pb e^r (the series) above."""
+    old = torch.linspace(-20.0, 0.0, 20001).unsqueeze(1)
+    rollout = torch.zeros_like(old)
+    rows = native.row_sums(
+        rollout, old, torch.ones_like(old, dtype=torch.bool), frozenset({"seed"}), 2.0, ROW_FIELDS
+    )
+    assert rows is not None
+    exact = torch.exp(old.squeeze(1).double())
+    relative = ((rows["prob_actor"] - exact) / exact).abs()
+    # Rounding of a * log2(e) in float32, plus a few ulp of the series and the scaling.
+    assert torch.all(relative <= old.squeeze(1).double().abs() * 6e-8 + 3e-7)
+    assert torch.all(rows["prob_rollout"] == 1.0)
