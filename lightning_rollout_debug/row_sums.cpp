@@ -4,7 +4,7 @@
 // The element-wise arithmetic is that of `_row_sums` in stats.py, in float32; every sum
 // is a float64 sum of float32 values, every moment product a float64 product. The output
 // holds one row of `kSlots` doubles per batch row, in the order of `ROW_FIELDS` in
-// native.py. Built by native.py with the system C++ compiler; no other dependency.
+// stats.py. Built by native.py with the system C++ compiler; no other dependency.
 
 #include <cmath>
 #include <cstdint>
