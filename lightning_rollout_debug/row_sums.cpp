@@ -223,16 +223,8 @@ struct RowSums {
     // exponential only for vectors with a token farther out.
     const f32 pa_near = pb_ * (1.0f + (r_ + curvature));
     const i32 far_lanes = ~near;
-    f32 pa_ = pa_near;
-    f32 far = splat<f32>(1.0f);  // rho away from r = 0: pa / pb, clamped like r
-    if (any(far_lanes)) {
-      pa_ = select(near, pa_near, exp(a));
-      if constexpr (kCatalog) {
-        far = pa_ / pb_;
-        far = far < kRatioMin ? splat<f32>(kRatioMin) : far;
-        far = far > kRatioMax ? splat<f32>(kRatioMax) : far;
-      }
-    }
+    const bool some_far = any(far_lanes);
+    const f32 pa_ = some_far ? select(near, pa_near, exp(a)) : pa_near;
     const f32 diff_ = abs(select(near, pb_ * (r_ + curvature), pa_ - pb_));
     max_a.add(select(counting, a, minus_inf));
     max_b.add(select(counting, b, minus_inf));
@@ -257,11 +249,23 @@ struct RowSums {
       const f32 abs_r_ = abs(r_);
       abs_r.add(abs_r_);
       r2.add_product(abs_r_, abs_r_);
-      r.add(r_);
+      if constexpr (!kInputSums) r.add(r_);  // otherwise from the sums of the inputs
+      // Near r = 0: rho from the series, and e^|r| - 1 from the series at |r| (the
+      // values of `_row_sums` to float32 rounding). Farther out rho = pa / pb, clamped
+      // like r, and e^|r| - 1 = |pa - pb| / min(pa, pb): divisions only for vectors with
+      // such a token.
+      f32 far = splat<f32>(1.0f);
+      f32 mult_ = abs_r_ + abs_r_ * abs_r_ * exp_tail(abs_r_);
+      if (some_far) {
+        far = pa_ / pb_;
+        far = far < kRatioMin ? splat<f32>(kRatioMin) : far;
+        far = far > kRatioMax ? splat<f32>(kRatioMax) : far;
+        mult_ = select(near, mult_, diff_ / (pa_ < pb_ ? pa_ : pb_));
+      }
       const f32 ratio_ = select(near, 1.0f + (r_ + curvature), far);
       const f32 ratio_m1 = select(near, r_ + curvature, far - 1.0f);
       k3.add(select(near, curvature, ratio_m1 - r_));
-      mult.add(diff_ / (pa_ < pb_ ? pa_ : pb_));
+      mult.add(mult_);
       rm1.add(ratio_m1);
       rsqm1.add(ratio_m1 * (ratio_m1 + 2.0f));
       ratio.add(select(counting, ratio_, zero));
@@ -283,31 +287,48 @@ struct RowSums {
   }
 };
 
-// One row. `mask` holds 0 or 1 per token: other mask dtypes are converted row by row
-// first, which keeps this loop the same for all of them.
-template <typename LogProb, bool kCatalog, bool kInputSums>
-void reduce_row(const LogProb* b_row, const LogProb* a_row, const uint8_t* m_row,
-                int64_t width, const Options& options, double* out) {
-  const int64_t whole = width - width % kLanes;
+constexpr int64_t kBlock = 512;  // tokens whose mask is turned into bytes at a time
+
+// One row, a block of tokens at a time. A mask of another dtype than bool is first
+// turned into bytes for the block (in L1), which keeps the arithmetic the same for all.
+template <typename LogProb, typename Mask, bool kCatalog, bool kInputSums>
+void reduce_row(const LogProb* b_row, const LogProb* a_row, const Mask* m_row, int64_t width,
+                const Options& options, double* out) {
   RowSums sums;
-  for (int64_t j = 0; j < whole; j += kLanes) {
-    // The next kilobytes of the row on their way: its streams otherwise outrun the
-    // hardware prefetcher.
-    __builtin_prefetch(a_row + j + 1024);
-    __builtin_prefetch(b_row + j + 1024);
-    __builtin_prefetch(m_row + j + 1024);
-    sums.add<kCatalog, kInputSums>(floats_of(a_row + j), floats_of(b_row + j),
-                                   nonzero(m_row + j), options);
-  }
-  if (whole < width) {  // the last tokens, padded with masked-out zeros
-    LogProb a_tail[kLanes] = {}, b_tail[kLanes] = {};
-    uint8_t m_tail[kLanes] = {};
-    const int64_t rest = width - whole;
-    std::memcpy(a_tail, a_row + whole, rest * sizeof(LogProb));
-    std::memcpy(b_tail, b_row + whole, rest * sizeof(LogProb));
-    std::memcpy(m_tail, m_row + whole, rest);
-    sums.add<kCatalog, kInputSums>(floats_of(a_tail), floats_of(b_tail), nonzero(m_tail),
-                                   options);
+  uint8_t bytes[kBlock];
+  for (int64_t start = 0; start < width; start += kBlock) {
+    const int64_t count = std::min(kBlock, width - start);
+    const uint8_t* flags = bytes;
+    if constexpr (std::is_same_v<Mask, uint8_t>) {
+      flags = m_row + start;
+    } else {
+      for (int64_t j = 0; j < count; ++j) bytes[j] = m_row[start + j] != 0;
+    }
+    const LogProb* a = a_row + start;
+    const LogProb* b = b_row + start;
+    const int64_t whole = count - count % kLanes;
+    for (int64_t j = 0; j < whole; j += kLanes) {
+      // The next kilobytes of the row on their way: its streams otherwise outrun the
+      // hardware prefetcher.
+      __builtin_prefetch(a + j + 1024);
+      __builtin_prefetch(b + j + 1024);
+      const char* mask_ahead = reinterpret_cast<const char*>(m_row + start + j + 1024);
+      for (size_t line = 0; line < sizeof(Mask) * kLanes; line += 64) {
+        __builtin_prefetch(mask_ahead + line);
+      }
+      sums.add<kCatalog, kInputSums>(floats_of(a + j), floats_of(b + j), nonzero(flags + j),
+                                     options);
+    }
+    if (whole < count) {  // the last tokens of the row, padded with masked-out zeros
+      LogProb a_tail[kLanes] = {}, b_tail[kLanes] = {};
+      uint8_t m_tail[kLanes] = {};
+      const int64_t rest = count - whole;
+      std::memcpy(a_tail, a + whole, rest * sizeof(LogProb));
+      std::memcpy(b_tail, b + whole, rest * sizeof(LogProb));
+      std::memcpy(m_tail, flags + whole, rest);
+      sums.add<kCatalog, kInputSums>(floats_of(a_tail), floats_of(b_tail), nonzero(m_tail),
+                                     options);
+    }
   }
   sums.write(out);
 }
@@ -315,24 +336,16 @@ void reduce_row(const LogProb* b_row, const LogProb* a_row, const uint8_t* m_row
 template <typename LogProb, typename Mask>
 void reduce_rows(const LogProb* rollout, const LogProb* old, const Mask* mask, int64_t width,
                  int64_t begin, int64_t end, int level, const Options& options, double* out) {
-  std::vector<uint8_t> flags(std::is_same_v<Mask, uint8_t> ? 0 : width);
   for (int64_t row = begin; row < end; ++row) {
-    const LogProb* b_row = rollout + row * width;
-    const LogProb* a_row = old + row * width;
-    const uint8_t* m_row;
-    if constexpr (std::is_same_v<Mask, uint8_t>) {
-      m_row = mask + row * width;
-    } else {
-      const Mask* source = mask + row * width;
-      for (int64_t j = 0; j < width; ++j) flags[j] = source[j] != 0;
-      m_row = flags.data();
-    }
+    const LogProb* b = rollout + row * width;
+    const LogProb* a = old + row * width;
+    const Mask* m = mask + row * width;
     double* slots = out + row * kSlots;
     switch (level) {  // bit 0: the catalog beyond the seed group; bit 1: sums of the inputs
-      case 0: reduce_row<LogProb, false, false>(b_row, a_row, m_row, width, options, slots); break;
-      case 1: reduce_row<LogProb, true, false>(b_row, a_row, m_row, width, options, slots); break;
-      case 2: reduce_row<LogProb, false, true>(b_row, a_row, m_row, width, options, slots); break;
-      default: reduce_row<LogProb, true, true>(b_row, a_row, m_row, width, options, slots); break;
+      case 0: reduce_row<LogProb, Mask, false, false>(b, a, m, width, options, slots); break;
+      case 1: reduce_row<LogProb, Mask, true, false>(b, a, m, width, options, slots); break;
+      case 2: reduce_row<LogProb, Mask, false, true>(b, a, m, width, options, slots); break;
+      default: reduce_row<LogProb, Mask, true, true>(b, a, m, width, options, slots); break;
     }
   }
 }
