@@ -389,20 +389,25 @@ class MismatchStats:
             ]
 
         if cpu and fusion_wanted(self.compile, batch * width):
-            rows = native.row_sums(
-                inputs.rollout_log_probs,
-                inputs.old_log_probs,
-                inputs.mask,
-                self.groups,
-                self.is_threshold,
-                ROW_FIELDS,
-            )
-            if rows is not None:
-                ids = (inputs.rollout_token_ids, inputs.trainer_token_ids)
-                return [
-                    _state_from_rows(rows, inputs.mask, *ids, self.groups, self.seq_ratio_bounds)
-                ]
+            state = self._native_state(inputs)
+            if state is not None:
+                return [state]
         return run_fused(_batch_state, self.compile, batch * width, blocks)
+
+    def _native_state(self, inputs: MismatchInputs) -> Tensor | None:
+        """Packed state of a CPU batch from the native kernel; ``None`` where it does not apply."""
+        rows = native.row_sums(
+            inputs.rollout_log_probs,
+            inputs.old_log_probs,
+            inputs.mask,
+            self.groups,
+            self.is_threshold,
+            ROW_FIELDS,
+        )
+        if rows is None:
+            return None
+        ids = (inputs.rollout_token_ids, inputs.trainer_token_ids)
+        return _state_from_rows(rows, inputs.mask, *ids, self.groups, self.seq_ratio_bounds)
 
     # ---------------------------------------------------------------- compute
     def compute(self) -> dict[str, float]:
