@@ -20,37 +20,7 @@
 
 namespace {
 
-enum Slot : int {
-  kCount,
-  kNonfinite,
-  kMaxActor,
-  kMaxRollout,
-  kSumActor,
-  kSumRollout,
-  kProbActor,
-  kProbRollout,
-  kProbDiff,
-  kProbActorSq,
-  kProbRolloutSq,
-  kProbCross,
-  kProbDiffSq,
-  kMaxProbDiff,
-  kMaxLogRatio,
-  kMaxNegLogRatio,
-  kLogDiff,
-  kLogDiffSq,
-  kLogRatio,
-  kKlK3,
-  kMultErrorM1,
-  kRatioM1,
-  kRatioSqM1,
-  kRatio,
-  kRatioSq,
-  kRatioHigh,
-  kRatioLow,
-  kSlots
-};
-
+constexpr int kSlots = 27;  // the columns of the output: `ROW_FIELDS` in stats.py
 constexpr int kLanes = 16;  // tokens per step: one 512-bit float32 vector
 typedef float f32 __attribute__((vector_size(4 * kLanes)));
 typedef int32_t i32 __attribute__((vector_size(4 * kLanes)));
@@ -81,10 +51,9 @@ inline f32 floats_of(const uint16_t* bfloat16) {
   return reinterpret_cast<f32>(__builtin_convertvector(bits, u32) << 16);
 }
 
-template <typename Mask>
-inline i32 nonzero(const Mask* values) {  // -1 where non-zero, 0 elsewhere
-  typedef Mask m __attribute__((vector_size(sizeof(Mask) * kLanes)));
-  m raw;
+inline i32 nonzero(const uint8_t* values) {  // -1 where non-zero, 0 elsewhere
+  typedef uint8_t u8 __attribute__((vector_size(kLanes)));
+  u8 raw;
   std::memcpy(&raw, values, sizeof raw);
   return __builtin_convertvector(raw != 0, i32);
 }
@@ -222,8 +191,7 @@ struct RowSums {
     // Near r = 0, pa = pb e^r (the value of `_row_sums` to float32 rounding): a second
     // exponential only for vectors with a token farther out.
     const f32 pa_near = pb_ * (1.0f + (r_ + curvature));
-    const i32 far_lanes = ~near;
-    const bool some_far = any(far_lanes);
+    const bool some_far = any(~near);
     const f32 pa_ = some_far ? select(near, pa_near, exp(a)) : pa_near;
     const f32 diff_ = abs(select(near, pb_ * (r_ + curvature), pa_ - pb_));
     max_a.add(select(counting, a, minus_inf));
@@ -276,7 +244,7 @@ struct RowSums {
   }
 
   void write(double* out) const {
-    const double values[kSlots] = {
+    const double values[kSlots] = {  // in the order of `ROW_FIELDS`
         count.total(),   nonfinite.total(), max_a.total(),  max_b.total(),     sum_a.total(),
         sum_b.total(),   pa.total(),        pb.total(),     diff.total(),      pa2.total(),
         pb2.total(),     papb.total(),      diff2.total(),  max_diff.total(),  max_r.total(),
