@@ -3,8 +3,8 @@
 //
 // The element-wise arithmetic is that of `_row_sums` in stats.py, in float32; every sum
 // is a float64 sum of float32 values, every moment product a float64 product. The output
-// holds one row of `kSlots` doubles per batch row, in the order of `ROW_FIELDS` in
-// stats.py. Built by native.py with the system C++ compiler; no other dependency.
+// holds one row of `kSlots` doubles per batch row, named by `kColumns` (`ROW_FIELDS` in
+// stats.py). Built by native.py with the system C++ compiler; no other dependency.
 
 #include <cmath>
 #include <cstdint>
@@ -20,7 +20,23 @@
 
 namespace {
 
-constexpr int kSlots = 27;  // the columns of the output: `ROW_FIELDS` in stats.py
+// The columns of the output, each with the accumulator it comes from: the loader reads
+// the names (`rollout_row_column`) and checks them against `ROW_FIELDS` in stats.py.
+#define ROLLOUT_ROW_COLUMNS(X)                                                           \
+  X("count", count) X("nonfinite", nonfinite) X("max_actor_log_prob", max_a)            \
+  X("max_rollout_log_prob", max_b) X("sum_actor_log_prob", sum_a)                         \
+  X("sum_rollout_log_prob", sum_b) X("prob_actor", pa) X("prob_rollout", pb)              \
+  X("prob_diff", diff) X("prob_actor*prob_actor", pa2) X("prob_rollout*prob_rollout", pb2) \
+  X("prob_actor*prob_rollout", papb) X("prob_diff*prob_diff", diff2)                      \
+  X("max_prob_diff", max_diff) X("max_log_ratio", max_r) X("max_neg_log_ratio", max_neg_r) \
+  X("log_diff", abs_r) X("log_diff*log_diff", r2) X("log_ratio", r) X("kl_k3", k3)         \
+  X("mult_error_m1", mult) X("ratio_m1", rm1) X("ratio_sq_m1", rsqm1) X("ratio", ratio)    \
+  X("ratio_sq", ratio2) X("ratio_high", high) X("ratio_low", low)
+
+#define ROLLOUT_ROW_NAME(name, member) name,
+constexpr const char* kColumns[] = {ROLLOUT_ROW_COLUMNS(ROLLOUT_ROW_NAME)};
+#undef ROLLOUT_ROW_NAME
+constexpr int kSlots = sizeof kColumns / sizeof kColumns[0];
 constexpr int kLanes = 16;  // tokens per step: one 512-bit float32 vector
 typedef float f32 __attribute__((vector_size(4 * kLanes)));
 typedef int32_t i32 __attribute__((vector_size(4 * kLanes)));
@@ -244,13 +260,9 @@ struct RowSums {
   }
 
   void write(double* out) const {
-    const double values[kSlots] = {  // in the order of `ROW_FIELDS`
-        count.total(),   nonfinite.total(), max_a.total(),  max_b.total(),     sum_a.total(),
-        sum_b.total(),   pa.total(),        pb.total(),     diff.total(),      pa2.total(),
-        pb2.total(),     papb.total(),      diff2.total(),  max_diff.total(),  max_r.total(),
-        max_neg_r.total(), abs_r.total(),   r2.total(),     r.total(),         k3.total(),
-        mult.total(),    rm1.total(),       rsqm1.total(),  ratio.total(),     ratio2.total(),
-        high.total(),    low.total()};
+#define ROLLOUT_ROW_VALUE(name, member) member.total(),
+    const double values[kSlots] = {ROLLOUT_ROW_COLUMNS(ROLLOUT_ROW_VALUE)};
+#undef ROLLOUT_ROW_VALUE
     std::memcpy(out, values, sizeof values);
   }
 };
@@ -356,7 +368,10 @@ int dispatch_mask(const void* rollout, const void* old, const void* mask, int ma
 
 }  // namespace
 
-extern "C" int rollout_row_slots() { return kSlots; }
+// The name of output column `index`, or null past the last column.
+extern "C" const char* rollout_row_column(int index) {
+  return index >= 0 && index < kSlots ? kColumns[index] : nullptr;
+}
 
 // log_prob_kind: 0 float32, 1 bfloat16. mask_kind: 0 bool/uint8, 1 int32, 2 int64,
 // 3 float32. Returns 0, or non-zero for a kind it does not know.

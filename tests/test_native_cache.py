@@ -1,0 +1,563 @@
+"""The native kernel's cache: the user's own, verified before loading, never a crash.
+
+Whatever could crash or run someone else's code runs in a fresh process
+(``native_probe.py``), which reports the statistics of one update, whether the kernel
+served it, and its warnings; the statistics must equal the float64 reference whatever
+happened to the cache. Fallbacks run with ``TORCH_COMPILE_DISABLE=1``, so they take the
+eager path instead of compiling with inductor.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import stat
+import subprocess
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from native_probe import probe_batch
+from reference import assert_metrics_close, reference_metrics
+
+from lightning_rollout_debug import MismatchStats, native
+from lightning_rollout_debug import stats as stats_module
+from lightning_rollout_debug.stats import ROW_FIELDS
+from lightning_rollout_debug.tensorboard import TokenExtras
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler here"
+)
+
+PROBE = Path(__file__).with_name("native_probe.py")
+SETTINGS = (native.CACHE_ENV, native.SWITCH_ENV, "CXX", "XDG_CACHE_HOME")
+
+
+def child_env(cache: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS}
+    return {**env, native.CACHE_ENV: str(cache), "TORCH_COMPILE_DISABLE": "1", **extra}
+
+
+def run_probes(caches: list[Path], **extra: str) -> list[dict[str, Any]]:
+    """One update per cache folder in a fresh process (``PLANTED_MARKER``: ``<cache>.marker``)."""
+    result = subprocess.run(
+        [sys.executable, str(PROBE), *map(str, caches)],
+        env=child_env(caches[0], **extra),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
+    return [{**report, "stderr": result.stderr} for report in json.loads(result.stdout)]
+
+
+def run_probe(cache: Path, **extra: str) -> dict[str, Any]:
+    """One update in a fresh process with ``cache`` as the kernel cache."""
+    (report,) = run_probes([cache], **extra)
+    return report
+
+
+def assert_reference(report: dict[str, Any]) -> None:
+    rollout, old, mask = probe_batch()
+    assert_metrics_close(report["metrics"], reference_metrics([rollout], [old], [mask]))
+
+
+def kernel_warnings(report: dict[str, Any]) -> list[str]:
+    return [message for message in report["warnings"] if "native CPU kernel" in message]
+
+
+def prebuild(cache: Path, **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_rollout_debug.native"],
+        env=child_env(cache, **extra),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def compile_library(source: str, target: Path) -> Path:
+    """A shared library from C++ ``source`` (the test's own, never the kernel)."""
+    code = target.with_suffix(".cpp")
+    code.write_text(source)
+    subprocess.run(
+        ["c++", "-shared", "-fPIC", "-o", str(target), str(code)], check=True, timeout=300
+    )
+    return target
+
+
+def plant(library: Path, folder: Path, name: str, *, mode: int = 0o700) -> Path:
+    """``library`` under the kernel's name in ``folder``, with a matching digest record."""
+    target = folder / name
+    shutil.copyfile(library, target)
+    target.chmod(mode)
+    record = target.with_suffix(".sha256")
+    record.write_text(hashlib.sha256(target.read_bytes()).hexdigest() + "\n")
+    record.chmod(0o600)
+    return target
+
+
+def private_folder(path: Path) -> Path:
+    path.mkdir(parents=True)
+    path.chmod(0o700)
+    return path
+
+
+# A library whose constructor leaves a mark: loading it runs code.
+PLANTED = """
+#include <cstdio>
+#include <cstdlib>
+__attribute__((constructor)) static void planted() {
+  if (const char* path = std::getenv("PLANTED_MARKER")) {
+    if (FILE* file = std::fopen(path, "w")) { std::fputs("loaded", file); std::fclose(file); }
+  }
+}
+"""
+
+# A library with the kernel's entry points whose columns differ from the Python side's.
+OTHER_COLUMNS = """
+#include <cstdint>
+static const char* kColumns[] = {%s};
+extern "C" const char* rollout_row_column(int i) {
+  return i >= 0 && i < int(sizeof kColumns / sizeof *kColumns) ? kColumns[i] : nullptr;
+}
+extern "C" int rollout_row_sums(const void*, const void*, const void*, int, int, int64_t,
+                                int64_t, int, float, float, int, double*) { return 0; }
+"""
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A kernel built by the prebuild command into a private folder; returns its path."""
+    cache = tmp_path_factory.mktemp("built") / "cache"
+    result = prebuild(cache)
+    assert result.returncode == 0, result.stderr
+    return Path(result.stdout.strip())
+
+
+@pytest.fixture(scope="module")
+def planted_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return compile_library(PLANTED, tmp_path_factory.mktemp("planted") / "planted.so")
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """This process forgets its kernel and uses an empty cache of its own; returns it."""
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(native, "_kernel", {"function": None, "problem": None, "columns": ()})
+    for name in SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(native.CACHE_ENV, str(cache))
+    monkeypatch.setitem(stats_module._fusion, "disabled", "eager in these tests")
+    return cache
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[Any]:
+    """Records each call of ``native.<name>`` (which still runs)."""
+    calls: list[Any] = []
+    original = getattr(native, name)
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(native, name, spy)
+    return calls
+
+
+# ------------------------------------------------------------------------ where
+def test_the_cache_is_the_users_own_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert native.cache_folder() == tmp_path / "home" / ".cache" / "lightning-rollout-debug"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")  # the XDG rule: absolute only
+    assert native.cache_folder() == tmp_path / "home" / ".cache" / "lightning-rollout-debug"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert native.cache_folder() == tmp_path / "xdg" / "lightning-rollout-debug"
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "mine"))
+    assert native.cache_folder() == tmp_path / "mine"
+
+
+def test_the_prebuild_command_builds_once_and_later_processes_load_it(tmp_path: Path) -> None:
+    cache = tmp_path / "deep" / "cache"
+    result = prebuild(cache)
+    assert result.returncode == 0, result.stderr
+    library = Path(result.stdout.strip())
+    assert library.parent == cache and library.suffix == ".so"
+    # The first build says so: one line when it starts, one with how long it took.
+    assert f"building the native CPU kernel into {cache}" in result.stderr
+    assert "built the native CPU kernel in" in result.stderr
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    assert library.stat().st_mode & 0o022 == 0
+    digest = hashlib.sha256(library.read_bytes()).hexdigest()
+    assert library.with_suffix(".sha256").read_text().strip() == digest
+    built_at = library.stat().st_mtime_ns
+    report = run_probe(cache)
+    assert report["native"] and report["warnings"] == []
+    assert "building" not in report["stderr"]
+    assert library.stat().st_mtime_ns == built_at
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [library.name, library.with_suffix(".sha256").name, "build.lock"]
+    )
+    assert_reference(report)
+
+
+# ------------------------------------------------------------------------ trust
+# Each place gets a library under the kernel's name with a matching digest record, as an
+# attacker can compute both: only ownership and modes may stop it.
+def _open_folder(root: Path, planted: Path, name: str) -> Path:
+    folder = root / "shared"
+    folder.mkdir()
+    folder.chmod(0o777)  # as a folder another user created first, or made under umask 000
+    plant(planted, folder, name)
+    return folder
+
+
+def _writable_file(root: Path, planted: Path, name: str) -> Path:
+    folder = private_folder(root / "cache")
+    plant(planted, folder, name, mode=0o666)
+    return folder
+
+
+def _link(root: Path, planted: Path, name: str) -> Path:
+    folder = private_folder(root / "cache")
+    target = plant(planted, folder, name)
+    target.rename(root / "elsewhere.so")
+    target.symlink_to(root / "elsewhere.so")
+    return folder
+
+
+def _open_parent(root: Path, planted: Path, name: str) -> Path:
+    parent = root / "open"
+    parent.mkdir()
+    parent.chmod(0o777)  # not sticky: anyone may rename the cache folder in it
+    folder = private_folder(parent / "cache")
+    plant(planted, folder, name)
+    return folder
+
+
+def _other_owner(root: Path, planted: Path, name: str) -> Path:
+    folder = private_folder(root / "cache")
+    plant(planted, folder, name)
+    for path in (folder, *folder.iterdir()):
+        os.chown(path, 65534, 65534)
+    return folder
+
+
+def _own_folder(root: Path, planted: Path, name: str) -> Path:
+    folder = private_folder(root / "cache")
+    plant(planted, folder, name)
+    return folder
+
+
+PLACES: dict[str, tuple[Callable[[Path, Path, str], Path], str]] = {
+    "folder-others-can-write": (_open_folder, "is writable by other users"),
+    "file-others-can-write": (_writable_file, "is writable by other users"),
+    "symlink": (_link, "is not a regular file"),
+    "parent-others-can-write": (_open_parent, "is open to other users"),
+    "folder-of-another-user": (_other_owner, "belongs to user 65534"),
+}
+"""Untrusted places, and what the warning says of each."""
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory: pytest.TempPathFactory, built: Path) -> dict[str, Any]:
+    """Libraries planted in every place, and in the user's own folder (the control, and
+    kernels with other columns), each tried by a process that has not loaded one yet."""
+    root = tmp_path_factory.mktemp("plant")
+    evil = compile_library(PLANTED, root / "planted.so")
+    folders = {}
+    for place, (make, _) in PLACES.items():
+        if place == "folder-of-another-user" and os.geteuid() != 0:
+            continue  # giving a folder away needs root
+        folders[place] = make(private_folder(root / place), evil, built.name)
+    folders["own-folder"] = _own_folder(private_folder(root / "own"), evil, built.name)
+    for change in ("reordered", "fewer"):
+        names = list(ROW_FIELDS)
+        if change == "reordered":
+            names[-2], names[-1] = names[-1], names[-2]  # the same count, another order
+        else:
+            names.pop()
+        source = OTHER_COLUMNS % ", ".join(f'"{name}"' for name in names)
+        library = compile_library(source, root / f"{change}.so")
+        folders[change] = _own_folder(private_folder(root / change), library, built.name)
+    reports = run_probes(list(folders.values()))
+    return {
+        name: {**report, "marked": Path(f"{folder}.marker").exists()}
+        for (name, folder), report in zip(folders.items(), reports, strict=True)
+    }
+
+
+@pytest.mark.parametrize("place", list(PLACES))
+def test_a_library_planted_where_others_can_write_is_never_loaded(
+    planted: dict[str, Any], place: str
+) -> None:
+    if place not in planted:
+        pytest.skip("giving a folder to another user needs root")
+    report = planted[place]
+    assert not report["marked"], "the planted library was loaded"
+    assert not report["native"]
+    (message,) = kernel_warnings(report)
+    assert PLACES[place][1] in message, message
+    assert native.CACHE_ENV in message  # the fix
+    assert_reference(report)
+
+
+def test_the_planted_library_does_run_code_when_loaded(planted: dict[str, Any]) -> None:
+    """The control for the test above, and a kernel without its entry points: in the
+    user's own folder with a matching record the library loads (its mark appears), the
+    missing entry points are found, and the update falls back with the same numbers."""
+    report = planted["own-folder"]
+    assert report["marked"] and not report["native"]
+    (message,) = kernel_warnings(report)
+    assert "lacks the kernel's entry points" in message
+    assert_reference(report)
+
+
+@pytest.mark.parametrize("change", ["reordered", "fewer"])
+def test_the_columns_are_checked_by_name(planted: dict[str, Any], change: str) -> None:
+    report = planted[change]
+    assert not report["native"]
+    (message,) = kernel_warnings(report)
+    assert "computes the columns" in message and "'ratio_low'" in message
+    assert_reference(report)
+
+
+# ------------------------------------------------------------------ integrity
+def _truncate(library: Path) -> None:
+    library.write_bytes(library.read_bytes()[: library.stat().st_size // 2])
+
+
+def _flip(library: Path) -> None:
+    data = bytearray(library.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    library.write_bytes(bytes(data))
+
+
+def _unrecorded(library: Path) -> None:
+    library.with_suffix(".sha256").unlink()  # a build that died before its record
+
+
+DAMAGES = {"truncated": _truncate, "flipped": _flip, "unrecorded": _unrecorded}
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory: pytest.TempPathFactory, built: Path) -> dict[str, Any]:
+    """Copies of a built cache, each damaged one way, tried by one fresh process."""
+    root = tmp_path_factory.mktemp("damaged")
+    folders = {}
+    for name, damage in DAMAGES.items():
+        folders[name] = root / name
+        shutil.copytree(built.parent, folders[name])
+        damage(folders[name] / built.name)
+    reports = run_probes(list(folders.values()))
+    return {name: (folders[name], report) for name, report in zip(folders, reports, strict=True)}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_library_is_rebuilt_never_loaded(
+    damaged: dict[str, Any], built: Path, damage: str
+) -> None:
+    """dlopen of a truncated library dies of SIGBUS: the digest check must come first."""
+    folder, report = damaged[damage]
+    assert report["native"] and kernel_warnings(report) == []
+    assert f"building the native CPU kernel into {folder}" in report["stderr"]
+    library = folder / built.name
+    digest = hashlib.sha256(library.read_bytes()).hexdigest()
+    assert library.with_suffix(".sha256").read_text().strip() == digest
+    assert library.read_bytes() == built.read_bytes()
+    assert_reference(report)
+
+
+# ----------------------------------------------------------------- concurrency
+THREADS = """
+import threading, warnings
+from lightning_rollout_debug import native
+builds = []
+original = native._compile
+native._compile = lambda *args: builds.append(args) or original(*args)
+results = []
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    check = lambda: results.append(native.available())
+    threads = [threading.Thread(target=check) for _ in range(4)]
+    for thread in threads: thread.start()
+    for thread in threads: thread.join()
+print(len(builds), results, [str(w.message) for w in caught])
+"""
+
+
+def test_threads_building_at_once_build_once(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    result = subprocess.run(
+        [sys.executable, "-c", THREADS],
+        env=child_env(cache),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert result.stdout.strip() == "1 [True, True, True, True] []", result.stderr
+    names = sorted(path.suffix or path.name for path in cache.iterdir())
+    assert names == [".lock", ".sha256", ".so"]  # no partial file left behind
+
+
+def test_processes_building_at_once_leave_one_kernel(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    probes = [
+        subprocess.Popen(
+            [sys.executable, str(PROBE)],
+            env=child_env(cache),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    reports = [json.loads(probe.communicate(timeout=300)[0])[0] for probe in probes]
+    assert [probe.returncode for probe in probes] == [0, 0]
+    for report in reports:
+        assert report["native"] and report["warnings"] == []
+        assert_reference(report)
+    (library,) = cache.glob("*.so")
+    assert sorted(path.name for path in cache.iterdir()) == sorted(
+        [library.name, library.with_suffix(".sha256").name, "build.lock"]
+    )
+
+
+# ----------------------------------------------------------------- operations
+def test_an_unusable_cache_is_found_before_compiling(
+    fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    compiles = count_calls(monkeypatch, "_run")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(native.CACHE_ENV, str(blocker / "cache"))
+    with pytest.warns(RuntimeWarning, match="cannot be created") as caught:
+        assert not native.available()
+    assert native.CACHE_ENV in str(caught[0].message)
+    assert compiles == []
+
+
+def test_a_full_disk_is_found_before_compiling(
+    fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiles = count_calls(monkeypatch, "_run")
+    real_fsync = os.fsync
+
+    def full(descriptor: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    rollout, old, mask = probe_batch()
+    stats = MismatchStats(compile=True)
+    with pytest.warns(RuntimeWarning, match="is not writable \\(No space left on device\\)"):
+        stats.update(rollout, old, mask)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert compiles == []
+    assert [path.name for path in fresh_kernel.iterdir()] == ["build.lock"]  # no probe left
+    assert_metrics_close(stats.compute(), reference_metrics([rollout], [old], [mask]))
+
+
+@pytest.mark.parametrize("value", ["0", "false", "OFF", "no"])
+def test_the_switch_turns_the_kernel_off_silently(
+    fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    compiles = count_calls(monkeypatch, "_run")
+    monkeypatch.setenv(native.SWITCH_ENV, value)
+    rollout, old, mask = probe_batch()
+    stats = MismatchStats(compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stats.update(rollout, old, mask)
+    assert not native.available() and compiles == [] and not fresh_kernel.exists()
+    assert_metrics_close(stats.compute(), reference_metrics([rollout], [old], [mask]))
+
+
+def test_an_unknown_switch_value_is_named(
+    fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(native.SWITCH_ENV, "maybe")
+    with pytest.warns(RuntimeWarning, match="'maybe' is not one of 0, false, off, no"):
+        assert not native.available()
+
+
+def test_a_compiler_command_with_arguments_works(tmp_path: Path, built: Path) -> None:
+    report = run_probe(tmp_path / "cache", CXX=f"env {shutil.which('c++') or 'g++'}")
+    assert report["native"] and report["warnings"] == []
+    (library,) = (tmp_path / "cache").glob("*.so")
+    assert library.name != built.name  # another compiler command, another kernel
+    assert_reference(report)
+
+
+def test_a_compiler_that_does_not_exist_is_named(tmp_path: Path) -> None:
+    report = run_probe(tmp_path / "cache", CXX="no-such-c++ -O2")
+    (message,) = kernel_warnings(report)
+    assert "CXX='no-such-c++ -O2' names no program on the PATH" in message
+    assert not list((tmp_path / "cache").glob("*.so"))
+    assert_reference(report)
+
+
+def test_a_kernel_that_rejects_its_arguments_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    rejecting = {"function": lambda *args: 3, "problem": None, "columns": ROW_FIELDS}
+    monkeypatch.setattr(native, "_kernel", rejecting)
+    monkeypatch.setitem(stats_module._fusion, "disabled", "eager in these tests")
+    rollout, old, mask = probe_batch()
+    stats = MismatchStats(compile=True)
+    with pytest.warns(RuntimeWarning, match=r"rejected its arguments \(status 3\)"):
+        stats.update(rollout, old, mask)
+    stats.update(rollout, old, mask)  # silent from now on
+    want = reference_metrics([rollout] * 2, [old] * 2, [mask] * 2)
+    assert_metrics_close(stats.compute(), want)
+
+
+# -------------------------------------------------------------------- threads
+def test_updates_from_several_threads_are_all_counted() -> None:
+    """Each thread adds batches to one window: no update is lost, the result is exact."""
+    generator = torch.Generator().manual_seed(4)
+    batches = [
+        (
+            torch.log(torch.rand(8, 50 + i, generator=generator) * 0.9 + 0.05),
+            torch.log(torch.rand(8, 50 + i, generator=generator) * 0.9 + 0.05),
+            torch.rand(8, 50 + i, generator=generator) < 0.7,
+        )
+        for i in range(24)
+    ]
+    stats, extras = MismatchStats(compile=False), TokenExtras(compile=False)
+    barrier = threading.Barrier(6)
+
+    def feed(part: int) -> None:
+        barrier.wait()
+        for batch in batches[part::6]:
+            for _ in range(20):
+                stats.update(*batch)
+                extras.update(*batch)
+
+    threads = [threading.Thread(target=feed, args=(part,)) for part in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    rollout, old, mask = ([b[i] for b in batches for _ in range(20)] for i in range(3))
+    got = stats.compute()
+    assert got["rollout_tokens"] == sum(int(m.sum()) for m in mask)
+    assert_metrics_close(got, reference_metrics(rollout, old, mask))
+    for histogram in extras.summary(extras.state).histograms.values():
+        assert histogram.num == got["rollout_tokens"]
+    # A copy or a pickle gets a lock of its own and the same window.
+    assert pickle.loads(pickle.dumps(stats)).compute() == got
+    copied = copy.deepcopy(stats)
+    copied.update(*batches[0])
+    assert stats.compute() == got
