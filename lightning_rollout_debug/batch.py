@@ -110,11 +110,16 @@ def require(sources: Sequence[Any], key: str) -> Any:
     value = lookup(sources, key)
     if value is None:
         # `.keys()`: iterating a TensorDict yields its rows, not its keys.
-        found = sorted({str(k) for source in sources for k in source.keys()})  # noqa: SIM118
+        keys = {str(k): source[k] for source in sources for k in source.keys()}  # noqa: SIM118
+        found = sorted(name for name, held in keys.items() if held is not None)
+        empty = sorted(name for name, held in keys.items() if held is None)
+        said = f"Keys present: {found or 'none'}."
+        if empty:
+            said += f" Keys holding None: {empty}."
         raise BatchError(
             f"missing:{key}",
             f"The batch has no `{key}`; expected a [batch, response_length] tensor under that "
-            f"key. Keys present: {found or 'none'}.",
+            f"key. {said}",
         )
     return value
 
@@ -244,6 +249,7 @@ def check_inputs(
         check_token_ids(*ids, mask, names=(*id_names, mask_name))
         tensors.update(zip(id_names, ids, strict=True))
     _check_one_device(tensors)
+    _check_readable(tensors)
     return MismatchInputs(rollout_log_probs, old_log_probs, mask, *ids)
 
 
@@ -276,7 +282,9 @@ def check_token_ids(
                 f"`{name}` has shape {tuple(value.shape)} but `{first}` has shape {shape}; "
                 f"expected the same [batch, response_length] shape for both.",
             )
-    _check_one_device({first: rollout_token_ids, second: trainer_token_ids, mask_name: mask})
+    tensors = {first: rollout_token_ids, second: trainer_token_ids, mask_name: mask}
+    _check_one_device(tensors)
+    _check_readable(tensors)
 
 
 def _check_one_device(tensors: dict[str, Tensor]) -> None:
@@ -284,6 +292,20 @@ def _check_one_device(tensors: dict[str, Tensor]) -> None:
     if len(set(devices.values())) > 1:
         found = ", ".join(f"`{name}` on {device}" for name, device in devices.items())
         raise BatchError("device", f"The tensors are on different devices ({found}); expected one.")
+
+
+def _check_readable(tensors: dict[str, Tensor]) -> None:
+    """Refuse tensors whose values cannot be read: meta, sparse or nested ones."""
+    for name, value in tensors.items():
+        if value.is_meta or value.layout != torch.strided or value.is_nested:
+            kind = "meta" if value.is_meta else "nested" if value.is_nested else str(value.layout)
+            raise BatchError(
+                f"data:{name}",
+                f"`{name}` is a {kind.removeprefix('torch.')} tensor of shape "
+                f"{tuple(value.shape)}, which the statistics cannot read; expected a dense, "
+                "strided tensor with its data on a CPU or an accelerator (a meta tensor has "
+                "none).",
+            )
 
 
 def _check_tensor(name: str, value: Any, dtypes: tuple[torch.dtype, ...], what: str) -> None:

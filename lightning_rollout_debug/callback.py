@@ -38,6 +38,7 @@ from lightning_rollout_debug.stats import (
     MismatchStats,
     compile_problems,
     merge_states,
+    state_problems,
     validate_groups,
     validate_is_threshold,
     validate_seq_ratio_bounds,
@@ -242,9 +243,7 @@ class RolloutDebugCallback(Callback):
             # first rank (of each group: they hold the same tokens) alone carries it on.
             self._stats.load_state(self._restored_window.to(pl_module.device))
             if self._extras is not None and self._restored_extras is not None:
-                restored = self._restored_extras
-                if restored.shape == (self._extras.size,):
-                    self._extras.load_state(restored.to(pl_module.device))
+                self._extras.load_state(self._restored_extras.to(pl_module.device))
         self._restored_window = None
         self._restored_extras = None
 
@@ -300,6 +299,14 @@ class RolloutDebugCallback(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored_window = self._restored_extras = None
+        self._batches_in_window = 0
+        problems = _checkpoint_problems(state_dict)
+        if not problems:
+            problems = state_problems(state_dict["window"])
+        if problems:
+            self._reject_checkpoint(problems, "the window starts empty")
+            return
         saved = state_dict.get("config", {})
         if saved and saved != self._config():
             rank_zero_warn(
@@ -308,8 +315,29 @@ class RolloutDebugCallback(Callback):
                 category=RolloutDebugWarning,
             )
         self._restored_window = state_dict["window"]
-        self._restored_extras = state_dict.get("extras_window")
-        self._batches_in_window = int(state_dict.get("batches_in_window", 0))
+        self._batches_in_window = state_dict.get("batches_in_window", 0)
+        extras = state_dict.get("extras_window")
+        if self._extras is not None and extras is not None:
+            problems = self._extras.state_problems(extras)
+            if (
+                problems
+                and isinstance(extras, torch.Tensor)
+                and extras.shape != (self._extras.size,)
+            ):
+                return  # saved with other histograms or another k: those start empty
+            if problems:
+                self._reject_checkpoint(problems, "the histograms and worst tokens start empty")
+                return
+            self._restored_extras = extras
+
+    def _reject_checkpoint(self, problems: Sequence[str], consequence: str) -> None:
+        message = (
+            f"RolloutDebugCallback(prefix={self.prefix!r}): the checkpoint's state cannot be "
+            f"restored: {'; '.join(problems)}."
+        )
+        if self.strict:
+            raise ValueError(message)
+        rank_zero_warn(f"{message} Training goes on; {consequence}.", category=RolloutDebugWarning)
 
     # --------------------------------------------------------------- helpers
     def _update(self, outputs: Any, batch: Any) -> None:
@@ -331,24 +359,41 @@ class RolloutDebugCallback(Callback):
                 inputs.rollout_token_ids,
                 inputs.trainer_token_ids,
             )
-            if self._extras is not None:
-                self._extras.update(
-                    inputs.rollout_log_probs,
-                    inputs.old_log_probs,
-                    inputs.mask,
-                    _token_ids(sources, inputs),
-                    batch_index=self._batches_in_window - 1,
-                    rank=self._rank,
-                )
         except BatchError as error:
             # A list or tuple batch: say so. No local may hold the error (its traceback holds
             # this frame, and with it the batch and any autograd graph, until a gc cycle).
             self._skip_batch(batch_type_error(batch, error))
+            return
         except Exception as error:
             if self.strict:
                 raise
             self._warn_once(
                 type(error).__name__, f"Could not update the statistics ({error!r}); skipped."
+            )
+            return
+        if self._extras is not None:
+            self._update_extras(self._extras, sources, inputs)
+
+    def _update_extras(
+        self, extras: TokenExtras, sources: Sequence[Any], inputs: MismatchInputs
+    ) -> None:
+        """Add the batch to the histograms and worst tokens (its statistics are counted)."""
+        try:
+            extras.update(
+                inputs.rollout_log_probs,
+                inputs.old_log_probs,
+                inputs.mask,
+                _token_ids(sources, inputs),
+                batch_index=self._batches_in_window - 1,
+                rank=self._rank,
+            )
+        except Exception as error:
+            if self.strict:
+                raise
+            self._warn_once(
+                f"extras:{type(error).__name__}",
+                f"Could not add a batch to the histograms and worst tokens ({error!r}); they "
+                "miss it, the statistics count it.",
             )
 
     def _should_log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
@@ -499,6 +544,21 @@ class RolloutDebugCallback(Callback):
             "token_ids_keys": self.token_ids_keys,
             "groups": self.groups,
         }
+
+
+def _checkpoint_problems(state_dict: Any) -> list[str]:
+    """What is wrong with the keys and plain values of the callback's checkpoint state."""
+    if not isinstance(state_dict, Mapping):
+        return [f"its state is a {type(state_dict).__name__}, not a dict"]
+    problems = []
+    if "window" not in state_dict:
+        problems.append(f"it has no `window` (keys: {sorted(map(str, state_dict))})")
+    batches = state_dict.get("batches_in_window", 0)
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 0:
+        problems.append(f"`batches_in_window` is {batches!r}; expected an int >= 0")
+    if not isinstance(state_dict.get("config", {}), Mapping):
+        problems.append(f"`config` is a {type(state_dict['config']).__name__}, not a dict")
+    return problems
 
 
 def _rank_in(group: Any, trainer: pl.Trainer) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -162,6 +163,64 @@ def identity_state(device: torch.device | str | None = None) -> Tensor:
     )
 
 
+_ID_COUNTS = ("id_updates", "id_rows", "id_diff", "id_diff_rows")
+_COUNTED = ("nonfinite", "ratio_high", "ratio_low", "sequences", "seq_outside", *_ID_COUNTS)
+"""The sums that count tokens or rows: whole numbers."""
+
+
+def state_problems(state: Any, what: str = "the window") -> list[str]:
+    """Why ``state`` cannot be a packed window of real tokens (nothing wrong: ``[]``).
+
+    Checks the type, dtype and shape, then the values: counts are whole numbers, extremes
+    are no NaN, squared spreads are not negative, and an empty window is the identity.
+
+    Example:
+        >>> state_problems(identity_state())
+        []
+        >>> state_problems(torch.zeros(STATE_SIZE, dtype=torch.int64))
+        ['the window has dtype torch.int64; expected float64']
+    """
+    problems = tensor_problems(state, (STATE_SIZE,), what)
+    if problems:
+        return problems
+    values = state.tolist()
+    count = values[_COUNT]
+    for name, value in [("the token count", count)] + [
+        (f"the count `{name}`", values[_SUM_AT[name]]) for name in _COUNTED
+    ]:
+        if not (math.isfinite(value) and value >= 0 and value == int(value)):
+            problems.append(f"{name} of {what} is {value!r}; expected a whole number >= 0")
+    for table, kind in ((_MAX_AT, "maximum"), (_MIN_AT, "minimum")):
+        problems += [
+            f"the {kind} `{name}` of {what} is NaN"
+            for name, at in table.items()
+            if math.isnan(values[at])
+        ]
+    for (left, right), at in _COMOMENT_AT.items():
+        if left == right and values[at] < 0:
+            problems.append(f"the squared spread of `{left}` in {what} is negative")
+    if count == 0 and not problems:
+        empty = identity_state().tolist()
+        # Tokens that did not count, and token ids, are compared without counting tokens.
+        kept = {_SUM_AT[name] for name in ("nonfinite", *_ID_COUNTS)}
+        if any(values[i] != empty[i] for i in range(STATE_SIZE) if i not in kept):
+            problems.append(f"{what} holds no tokens but its other statistics are not empty")
+    return problems
+
+
+def tensor_problems(value: Any, shape: tuple[int, ...], what: str) -> list[str]:
+    """Why ``value`` is not a float64 tensor of ``shape`` with readable data (or ``[]``)."""
+    if not isinstance(value, Tensor):
+        return [f"{what} is a {type(value).__name__}; expected a float64 tensor"]
+    if value.is_meta or value.layout != torch.strided:
+        return [f"{what} is a {value.device.type} {value.layout} tensor whose data cannot be read"]
+    if value.dtype != torch.float64:
+        return [f"{what} has dtype {value.dtype}; expected float64"]
+    if tuple(value.shape) != shape:
+        return [f"{what} has shape {tuple(value.shape)}; expected {shape}"]
+    return []
+
+
 def merge_states(states: Tensor) -> Tensor:
     """Merge packed states stacked as ``[n, STATE_SIZE]`` into one, exactly.
 
@@ -201,14 +260,34 @@ def merge_states(states: Tensor) -> Tensor:
     )
 
 
-class MismatchStats:
+class ThreadSafeWindow:
+    """A window whose changes hold a lock, so several threads may feed one instance.
+
+    Copies and pickles get a lock of their own (a lock itself cannot be pickled).
+    """
+
+    _lock: threading.Lock
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_lock", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+class MismatchStats(ThreadSafeWindow):
     """Mergeable statistics of the mismatch between rollout and trainer log-probabilities.
 
     Feed it ``[batch, response_length]`` tensors with :meth:`update` (any device, any
     floating dtype, any number of batches); read every metric with :meth:`compute`. The
     window is everything since construction or :meth:`reset`. Two instances merge
     exactly with :meth:`merge`, so per-rank or per-batch windows combine into the
-    statistics of all their tokens.
+    statistics of all their tokens. :meth:`update` and :meth:`merge` are safe to call from
+    several threads at once: each batch's arithmetic runs unlocked, and only adding its
+    state to the window holds a lock.
 
     Args:
         is_threshold: ``C`` of the importance-ratio group: ``rho > C`` counts as high,
@@ -261,6 +340,7 @@ class MismatchStats:
         self.compile = compile
         self.chunk_tokens = chunk_tokens
         self._state: Tensor | None = None
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ state
     @property
@@ -284,21 +364,36 @@ class MismatchStats:
         """Replace the window with a packed state vector of length :data:`STATE_SIZE`."""
         if state.shape != (STATE_SIZE,):
             raise ValueError(f"A packed state has shape ({STATE_SIZE},); got {tuple(state.shape)}.")
-        self._state = state.detach().to(torch.float64).clone()
+        copied = state.detach().to(torch.float64).clone()
+        with self._lock:
+            self._state = copied
 
     def reset(self) -> None:
         """Start a new, empty window."""
-        self._state = None
+        with self._lock:
+            self._state = None
 
     def merge(self, other: MismatchStats | Tensor) -> MismatchStats:
         """Add the window of ``other`` (statistics or a packed state) to this one."""
         incoming = other.state if isinstance(other, MismatchStats) else other
-        if self._state is None:
-            self.load_state(incoming)
-        else:
-            incoming = incoming.to(device=self._state.device, dtype=torch.float64)
-            self._state = merge_states(torch.stack([self._state, incoming]))
+        if incoming.shape != (STATE_SIZE,):
+            raise ValueError(
+                f"A packed state has shape ({STATE_SIZE},); got {tuple(incoming.shape)}."
+            )
+        self._add([incoming.detach().to(torch.float64).clone()])
         return self
+
+    def _add(self, parts: list[Tensor], device: torch.device | None = None) -> None:
+        """Merge packed states into the window, under the lock.
+
+        The window ends on ``device`` (by default where it is, else where ``parts`` are).
+        """
+        with self._lock:
+            if self._state is not None:
+                parts = [self._state, *parts]
+            device = parts[0].device if device is None else device
+            parts = [part.to(device) for part in parts]
+            self._state = parts[0] if len(parts) == 1 else merge_states(torch.stack(parts))
 
     def synced(
         self,
@@ -346,17 +441,14 @@ class MismatchStats:
         )
         batch, width = inputs.mask.shape
         device = inputs.mask.device
-        parts = [] if self._state is None else [self._state.to(device)]
         if batch * width > 0:
-            parts.extend(self._block_states(inputs))
-        elif "token_ids" in self.groups and inputs.rollout_token_ids is not None:
-            # An empty batch with token ids still compared ids: zero differences, not NaN.
-            empty = identity_state(device)
-            empty[_SUM_AT["id_updates"]] = 1.0
-            parts.append(empty)
-        if not parts:
-            parts.append(identity_state(device))
-        self._state = parts[0] if len(parts) == 1 else merge_states(torch.stack(parts))
+            parts = self._block_states(inputs)
+        else:
+            parts = [identity_state(device)]
+            if "token_ids" in self.groups and inputs.rollout_token_ids is not None:
+                # An empty batch with token ids still compared ids: zero differences, not NaN.
+                parts[0][_SUM_AT["id_updates"]] = 1.0
+        self._add(parts, device)
 
     def _block_states(self, inputs: MismatchInputs) -> list[Tensor]:
         """Packed states of the batch: one fused block, or eager chunks of rows."""
@@ -519,11 +611,9 @@ def run_fused(
     ``compile`` is ``None`` (compile batches of at least 65,536 tokens), ``True`` or
     ``False``. Where compilation fails, one warning says so and the process stays eager.
     """
-    wanted = fusion_wanted(compile, tokens)
-    compiled = _compiled(function) if wanted and _fusion["disabled"] is None else None
-    if compiled is not None:
-        try:
-            return blocks(compiled, True)
+    if fusion_wanted(compile, tokens) and _fusion["disabled"] is None:
+        try:  # torch.compile may raise when called, or at the first call of its result
+            return blocks(_compiled(function), True)
         except Exception as error:  # compilation unavailable here: stay eager from now on
             _disable_fusion(error)
     return blocks(function, False)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import re
 import sys
+import threading
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,11 +35,13 @@ from torch import Tensor
 
 from lightning_rollout_debug.batch import TOKEN_ID_DTYPES, check_inputs, check_token_ids
 from lightning_rollout_debug.stats import (
+    ThreadSafeWindow,
     compile_problems,
     counting_tokens,
     exp,
     prob_diff,
     run_fused,
+    tensor_problems,
 )
 
 
@@ -284,11 +287,12 @@ class ExtrasSummary:
 
 
 # ------------------------------------------------------------------------ the state
-class TokenExtras:
+class TokenExtras(ThreadSafeWindow):
     """Histograms and worst tokens of a window of tokens, kept on the batch's device.
 
     Feed it the same ``[B, T]`` tensors as :class:`~lightning_rollout_debug.MismatchStats`
-    with :meth:`update`; :attr:`state` is one packed float64 vector of fixed length
+    with :meth:`update` (from several threads if need be: adding a batch to the window
+    holds a lock); :attr:`state` is one packed float64 vector of fixed length
     :attr:`size`, and :meth:`merge_states` merges several (windows, or every rank's) into
     one. :meth:`summary` reads a merged state on the host.
 
@@ -353,6 +357,7 @@ class TokenExtras:
         self._worst_at = offset
         self.size = offset + worst_tokens_k * _F
         self._state: Tensor | None = None
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ state
     @property
@@ -380,11 +385,53 @@ class TokenExtras:
             raise ValueError(
                 f"A packed extras state has shape ({self.size},); got {tuple(state.shape)}."
             )
-        self._state = state.detach().to(torch.float64).clone()
+        copied = state.detach().to(torch.float64).clone()
+        with self._lock:
+            self._state = copied
 
     def reset(self) -> None:
         """Start a new, empty window."""
-        self._state = None
+        with self._lock:
+            self._state = None
+
+    def state_problems(self, state: Any, what: str = "the extras window") -> list[str]:
+        """Why ``state`` cannot be a packed extras window of real tokens (or ``[]``).
+
+        Bin counts are whole numbers that add up to the histogram's count, extremes and
+        sums are no NaN, and every worst-token candidate is a real token or a
+        placeholder.
+        """
+        problems = tensor_problems(state, (self.size,), what)
+        if problems:
+            return problems
+        values = state.tolist()
+        offset = 0
+        for name, spec in self._histograms:
+            bins = len(spec.edges) + 1
+            counts = values[offset : offset + bins + 1]  # the bins, then their total
+            moments = values[offset + bins + 1 : offset + bins + len(_MOMENTS)]
+            offset += bins + len(_MOMENTS)
+            if not all(math.isfinite(c) and c >= 0 and c == int(c) for c in counts):
+                problems.append(f"the bins of `{name}` in {what} are not whole numbers >= 0")
+            elif sum(counts[:-1]) != counts[-1]:
+                problems.append(f"the bins of `{name}` in {what} do not add up to its count")
+            if any(math.isnan(m) for m in moments) or moments[-1] < 0:
+                problems.append(f"the extremes or sums of `{name}` in {what} are not real")
+        for start in range(self._worst_at, self.size, _F):
+            row = dict(zip(WORST_FIELDS, values[start : start + _F], strict=True))
+            if row["abs_log_ratio"] == -math.inf:
+                continue  # a placeholder
+            labels = [row[name] for name in ("batch", "row", "position", "rank", "token_id")]
+            if (
+                not all(math.isfinite(v) for v in row.values())
+                or row["abs_log_ratio"] < 0
+                or not all(v == int(v) for v in labels)
+                or min(row["row"], row["position"], row["rank"]) < 0
+                or row["token_id"] < -1
+            ):
+                problems.append(f"a worst-token candidate in {what} is no real token: {row}")
+                break
+        return problems
 
     def merge_states(self, states: Tensor) -> Tensor:
         """Merge packed states stacked as ``[n, size]`` into one, on their device.
@@ -430,7 +477,7 @@ class TokenExtras:
             check_token_ids(token_ids, token_ids, mask, names=("token_ids", "token_ids", "mask"))
         batch, width = mask.shape
         device = mask.device
-        parts = [] if self._state is None else [self._state.to(device)]
+        parts = []
         if batch * width > 0:
             rows = max(1, self.chunk_tokens // width)
             # As tensors made by fill kernels (no copy from the host): a compiler would
@@ -456,9 +503,12 @@ class TokenExtras:
                 ]
 
             parts += run_fused(TokenExtras._chunk_state, self.compile, batch * width, chunks)
-        if not parts:
-            parts.append(self.identity_state(device))
-        self._state = parts[0] if len(parts) == 1 else self.merge_states(torch.stack(parts))
+        with self._lock:
+            if self._state is not None:
+                parts.insert(0, self._state.to(device))
+            if not parts:
+                parts.append(self.identity_state(device))
+            self._state = parts[0] if len(parts) == 1 else self.merge_states(torch.stack(parts))
 
     def _chunk_state(
         self,

@@ -87,6 +87,15 @@ def test_require_names_the_key_and_the_keys_present() -> None:
     assert require(sources, "responses") is sources[1]["responses"]
 
 
+def test_a_key_holding_none_is_not_listed_as_present() -> None:
+    sources = [{"old_log_probs": None, "rollout_log_probs": t(1, 1)}]
+    with pytest.raises(BatchError) as info:
+        require(sources, "old_log_probs")
+    message = str(info.value)
+    assert "Keys present: ['rollout_log_probs']." in message
+    assert "Keys holding None: ['old_log_probs']." in message
+
+
 # -------------------------------------------------------------------------- masks
 def test_select_mask_prefers_the_response_mask() -> None:
     response, attention = t(2, 3), torch.ones(2, 3)
@@ -236,16 +245,19 @@ def test_token_ids_on_another_device() -> None:
         check_inputs(t(2, 3), t(2, 3), t(2, 3), ids(2, 3), ids(2, 3, device="meta"))
 
 
-def test_check_inputs_reads_metadata_only() -> None:
-    """On meta tensors (no data at all) a valid batch passes: nothing reads values."""
-    inputs = check_inputs(
-        t(2, 3, device="meta"),
-        t(2, 3, device="meta"),
-        t(2, 3, device="meta"),
-        ids(2, 3, device="meta"),
-        ids(2, 3, device="meta"),
-    )
-    assert inputs.mask.device.type == "meta"
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_tensors_without_readable_data_are_refused(which: int) -> None:
+    """Meta tensors (no data at all), sparse and nested ones: refused from their metadata."""
+    names = ("rollout_log_probs", "old_log_probs", "response_mask")
+    on_meta = [t(2, 3, device="meta") for _ in names]
+    with raises("data:rollout_log_probs", "`rollout_log_probs` is a meta tensor", "(2, 3)"):
+        check_inputs(*on_meta)
+    sparse = [t(2, 3), t(2, 3), t(2, 3)]
+    sparse[which] = sparse[which].to_sparse()
+    with raises(f"data:{names[which]}", "sparse_coo tensor", "dense, strided"):
+        check_inputs(*sparse)
+    with raises("data:rollout_token_ids", "`rollout_token_ids` is a meta tensor"):
+        check_token_ids(ids(2, 3, device="meta"), ids(2, 3, device="meta"), on_meta[2])
 
 
 # ------------------------------------------------------------------ extract_inputs

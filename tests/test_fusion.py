@@ -4,13 +4,30 @@ from __future__ import annotations
 
 import math
 import warnings
+from pathlib import Path
+from typing import Any
 
 import pytest
+import pytorch_lightning as pl
 import torch
+from lightning_helpers import TRAINER_DEFAULTS, RolloutModule, at_step, make_batches, read_scalars
+from pytorch_lightning.loggers import TensorBoardLogger
 from reference import assert_metrics_close, reference_metrics
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_rollout_debug import GROUPS, METRIC_NAMES, MismatchStats, native
+from lightning_rollout_debug import (
+    GROUPS,
+    METRIC_NAMES,
+    MismatchStats,
+    RolloutDebugCallback,
+    RolloutDebugWarning,
+    native,
+)
+from lightning_rollout_debug import stats as stats_module
 from lightning_rollout_debug.tensorboard import TokenExtras
+
+LOG_RATIO_TAG = "training/rollout_log_ratio_hist"
+NAMES = [n for g in GROUPS if g != "token_ids" for n in METRIC_NAMES[g]]
 
 
 @pytest.fixture(params=["native", "torch.compile"])
@@ -133,3 +150,54 @@ def test_the_callback_passes_compile_through_and_validates_it() -> None:
     for build in (RolloutDebugCallback, MismatchStats, TokenExtras):
         with pytest.raises(ValueError, match=r"`compile` must be None \(auto\), True or False"):
             build(compile="yes")  # type: ignore[arg-type]
+
+
+def _compile_raising_at(when: str) -> Any:
+    """A stand-in for ``torch.compile`` that fails as a broken install does."""
+
+    def compile(function: Any, **kwargs: Any) -> Any:
+        if when == "construction":
+            raise RuntimeError("Python 3.13+ is not supported by torch.compile here")
+
+        def first_call(*args: Any, **kw: Any) -> Any:
+            raise RuntimeError("inductor: no working C++ compiler")
+
+        return first_call
+
+    return compile
+
+
+@pytest.mark.parametrize("when", ["construction", "first call"])
+def test_a_failing_torch_compile_counts_every_batch_eagerly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inductor_only: None, when: str
+) -> None:
+    """``torch.compile`` raising when called or when its result first runs: one warning,
+    then eager arithmetic for the statistics and the extras; no batch is skipped."""
+    monkeypatch.setattr(stats_module, "_fusion", {"functions": {}, "disabled": None})
+    monkeypatch.setattr(torch, "compile", _compile_raising_at(when))
+    batches = make_batches(4, batch_size=[3, 4, 2, 5], width=[7, 5, 9, 6], seed=21)
+    callback = RolloutDebugCallback(compile=True, worst_tokens_k=3)
+    logger = TensorBoardLogger(str(tmp_path), name="tb", version=0)
+    trainer = pl.Trainer(
+        **{**TRAINER_DEFAULTS, "max_steps": 4, "log_every_n_steps": 2},
+        logger=logger,
+        callbacks=[callback],
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(RolloutModule(batches))
+    compile_warnings = [w for w in caught if "torch.compile is not usable" in str(w.message)]
+    assert len(compile_warnings) == 1, [str(w.message) for w in caught]
+    assert not [w for w in caught if issubclass(w.category, RolloutDebugWarning)]
+    scalars = read_scalars(tmp_path / "tb" / "version_0")
+    events = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"histograms": 0})
+    events.Reload()
+    histograms = {e.step: e.histogram_value.num for e in events.Histograms(LOG_RATIO_TAG)}
+    for step, window in ((1, batches[:2]), (3, batches[2:])):
+        want = reference_metrics(
+            [b["rollout_log_probs"] for b in window],
+            [b["old_log_probs"] for b in window],
+            [b["response_mask"] for b in window],
+        )
+        assert_metrics_close(at_step(scalars, step, "training/"), want.select(list(NAMES)))
+        assert histograms[step] == want["rollout_tokens"]

@@ -275,6 +275,12 @@ BAD_CASES = [
         ["`old_log_probs` on meta", "`rollout_log_probs` on cpu", "`response_mask` on cpu", "one"],
     ),
     BadCase(
+        "meta-tensors",
+        lambda b: _with(b, **{k: b[k].to("meta") for k in (ROLLOUT, OLD, MASK)}),
+        "data:rollout_log_probs",
+        ["`rollout_log_probs` is a meta tensor of shape (3, 5)", "cannot read", "dense"],
+    ),
+    BadCase(
         "list-batch",
         lambda b: [b[ROLLOUT], b[OLD], b[MASK]],
         "type:batch",
@@ -686,3 +692,78 @@ def test_checkpoint_holds_the_configuration_and_a_mismatch_warns(tmp_path: Path)
         before, after = same.catalog()[step], changed.catalog()[step]
         assert before["rollout_tokens"] == after["rollout_tokens"]  # the window carried on
         assert after["rollout_is_ratio_frac_high"] <= before["rollout_is_ratio_frac_high"]
+
+
+# Damaged callback states in a checkpoint: (how, what the warning names, what survives).
+# "window": nothing of the checkpoint's window; "extras": its statistics, not its extras.
+Damage = Callable[[dict[str, Any]], Any]
+DAMAGED_STATES: dict[str, tuple[Damage, str, str]] = {
+    "no-window": (lambda s: _without(s, "window"), "no `window`", "window"),
+    "list-window": (lambda s: _with(s, window=s["window"].tolist()), "is a list", "window"),
+    "int64-window": (
+        lambda s: _with(s, window=s["window"].to(torch.int64)),
+        "dtype torch.int64; expected float64",
+        "window",
+    ),
+    "nan-window": (
+        lambda s: _with(s, window=torch.full_like(s["window"], math.nan)),
+        "the token count of the window is nan",
+        "window",
+    ),
+    "short-window": (lambda s: _with(s, window=s["window"][:-1]), "has shape", "window"),
+    "negative-count": (
+        lambda s: _with(s, window=s["window"].index_fill(0, torch.tensor([0]), -3.0)),
+        "-3.0; expected a whole number >= 0",
+        "window",
+    ),
+    "bad-batch-count": (
+        lambda s: _with(s, batches_in_window="one"),
+        "`batches_in_window` is 'one'",
+        "window",
+    ),
+    "not-a-dict": (lambda s: list(s.values()), "not a dict", "window"),
+    "nan-extras": (
+        lambda s: _with(s, extras_window=torch.full_like(s["extras_window"], math.nan)),
+        "the bins of `rollout_log_ratio_hist` in the extras window",
+        "extras",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Batch]]:
+    """A checkpoint at step 4 whose callback window holds batch 3 (step 2 logged 0-2)."""
+    tmp_path = tmp_path_factory.mktemp("saved")
+    module, _, _ = _resume_fit(tmp_path, "a", RolloutDebugCallback())
+    ckpt = tmp_path / "a" / "epoch=0-step=4.ckpt"
+    key = RolloutDebugCallback().state_key
+    assert torch.load(ckpt, weights_only=False)["callbacks"][key]["batches_in_window"] == 1
+    return ckpt, module.batches
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+@pytest.mark.parametrize("damage", list(DAMAGED_STATES))
+def test_a_damaged_checkpoint_state_starts_an_empty_window(
+    tmp_path: Path, saved_checkpoint: tuple[Path, list[Batch]], damage: str, strict: bool
+) -> None:
+    original, batches = saved_checkpoint
+    corrupt, fragment, lost = DAMAGED_STATES[damage]
+    checkpoint = torch.load(original, weights_only=False)
+    key = RolloutDebugCallback().state_key
+    checkpoint["callbacks"][key] = corrupt(checkpoint["callbacks"][key])
+    damaged = tmp_path / "damaged.ckpt"
+    torch.save(checkpoint, damaged)
+    callback = RolloutDebugCallback(strict=strict)
+    if strict:
+        with pytest.raises(ValueError, match="checkpoint's state cannot be restored") as info:
+            _resume_fit(tmp_path, "b", callback, str(damaged))
+        assert fragment in str(info.value)
+        return
+    resumed, logger, messages = _resume_fit(tmp_path, "b", callback, str(damaged))
+    assert resumed.seen == [4, 5, 6, 7]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith("RolloutDebugCallback(prefix='training/'): the checkpoint")
+    assert fragment in messages[0] and "Training goes on" in messages[0]
+    # The window after the resume: batch 3 (saved) is lost with the damaged window only.
+    first = batches[4:6] if lost == "window" else batches[3:6]
+    assert_windows(logger, {5: first, 7: batches[6:]})

@@ -22,6 +22,7 @@ from lightning_helpers import TRAINER_DEFAULTS, RolloutModule, make_batch, read_
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_rollout_debug import RolloutDebugCallback
@@ -503,14 +504,24 @@ def test_update_and_merge_use_no_op_that_waits_for_the_device() -> None:
     assert not WAITING_OPS & set(recorder.names)
 
 
-def test_update_runs_on_the_meta_device() -> None:
-    """Nothing data-dependent reaches the host: a meta tensor has no data to read."""
+def test_update_runs_on_fake_tensors() -> None:
+    """Nothing data-dependent reaches the host: a fake tensor has no data to read."""
+    extras = TokenExtras(worst_tokens_k=5)
+    with FakeTensorMode() as fake:
+        values = fake.from_tensor(torch.randn(4, 8))
+        ids = fake.from_tensor(torch.zeros(4, 8, dtype=torch.long))
+        mask = fake.from_tensor(torch.ones(4, 8))
+        extras.update(values, values, mask, ids)
+        extras.update(values, values, mask, ids)
+        assert isinstance(extras.state, FakeTensor) and extras.state.shape == (extras.size,)
+
+
+def test_tensors_without_data_are_refused() -> None:
     extras = TokenExtras(worst_tokens_k=5)
     values = torch.randn(4, 8, device="meta")
-    ids = torch.zeros(4, 8, dtype=torch.long, device="meta")
-    extras.update(values, values, torch.ones(4, 8, device="meta"), ids)
-    extras.update(values, values, torch.ones(4, 8, device="meta"), ids)
-    assert extras.state.device.type == "meta" and extras.state.shape == (extras.size,)
+    with pytest.raises(ValueError, match="is a meta tensor"):
+        extras.update(values, values, torch.ones(4, 8, device="meta"))
+    assert extras.state.device.type == "cpu"  # the window never moved
 
 
 PLACE = ("row", "position", "responses")
