@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_rollout_debug import MismatchStats, RolloutDebugCallback
-from lightning_rollout_debug.tensorboard import TokenExtras
+from lightning_rollout_debug.extras import TokenExtras
 
 
 class Timed(RolloutDebugCallback):

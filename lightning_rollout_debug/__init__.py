@@ -7,7 +7,8 @@ from lightning_rollout_debug.alerts import (
 )
 from lightning_rollout_debug.batch import BatchError
 from lightning_rollout_debug.callback import RolloutDebugCallback, RolloutDebugWarning
-from lightning_rollout_debug.stats import GROUPS, METRIC_NAMES, MismatchStats
+from lightning_rollout_debug.catalog import GROUPS, METRIC_NAMES
+from lightning_rollout_debug.stats import MismatchStats
 
 __all__ = [
     "DEFAULT_ALERT_RANGES",

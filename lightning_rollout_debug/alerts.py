@@ -13,8 +13,8 @@ inclusive). A value outside its range is a *crossing*; what happens then is ``on
   window's reduction, so every rank decides the same).
 * ``"raise"``: :class:`RolloutAlertError` naming every metric out of range, on every rank.
 
-The defaults (:data:`DEFAULT_ALERT_RANGES`) come from public reference points; see
-``docs/tensorboard.md``.
+The defaults (:data:`DEFAULT_ALERT_RANGES`) are declared with their metrics in
+:mod:`.catalog` and come from public reference points; see ``docs/tensorboard.md``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lightning_rollout_debug.stats import GROUPS, METRIC_NAMES
+from lightning_rollout_debug.catalog import DEFAULT_ALERT_RANGES, GROUPS, METRIC_NAMES
 
 AlertAction = Literal["warn", "stop", "raise"]
 """What to do when a metric leaves its range."""
@@ -33,21 +33,6 @@ ALERT_ACTIONS: tuple[str, ...] = ("warn", "stop", "raise")
 """The valid values of ``on_alert``."""
 
 Bound = float | None
-
-DEFAULT_ALERT_RANGES: dict[str, tuple[Bound, Bound]] = {
-    # verl's FAQ: below about 0.005 is normal, above 0.01 points to an engine precision bug.
-    "rollout_probs_diff_mean": (None, 0.01),
-    # MiniMax-M1: about 0.987 with the bf16 LM head (the bug), about 0.997 after the FP32
-    # fix. 0.99 sits between the two: a fixed setup passes, the reported bug is flagged.
-    "rollout_actor_probs_pearson_corr": (0.99, None),
-    # NeMo-RL: near 1.0 is healthy, above about 1.05 is worth investigating.
-    "rollout_actor_mult_prob_error": (None, 1.05),
-    # NeMo-RL: a generation KL below about 1e-3 is typical. 1e-2 is ten times that, about
-    # what a token-level |r| of 0.1-0.15 gives (k3 ~ r^2 / 2): flags real drift (stale
-    # weights, a wrong sampler setting) without firing on bf16 noise.
-    "rollout_actor_kl_k3": (None, 0.01),
-}
-"""The ranges used when ``alert_ranges=None`` (metrics of disabled groups are left out)."""
 
 
 class RolloutAlertError(RuntimeError):

@@ -1,4 +1,4 @@
-"""RolloutDebugCallback: Lightning glue around the statistics of ``stats.py``."""
+"""RolloutDebugCallback: Lightning glue around the statistics and the TensorBoard extras."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from lightning_rollout_debug.alerts import (
     enabled_metric_names,
     resolve_alert_ranges,
 )
+from lightning_rollout_debug.backends import compile_problems
 from lightning_rollout_debug.batch import (
     RESPONSES_KEY,
     BatchError,
@@ -32,25 +33,22 @@ from lightning_rollout_debug.batch import (
     lookup,
     tensor_sources,
 )
+from lightning_rollout_debug.catalog import GROUPS, METRIC_NAMES
+from lightning_rollout_debug.extras import (
+    ExtrasSummary,
+    TokenExtras,
+    extras_problems,
+    token_ids_for,
+    update_together,
+)
+from lightning_rollout_debug.layout import merge_states, state_problems
 from lightning_rollout_debug.stats import (
-    GROUPS,
-    METRIC_NAMES,
     MismatchStats,
-    compile_problems,
-    merge_states,
-    state_problems,
     validate_groups,
     validate_is_threshold,
     validate_seq_ratio_bounds,
 )
-from lightning_rollout_debug.tensorboard import (
-    ExtrasSummary,
-    TokenExtras,
-    dashboard_layout,
-    extras_problems,
-    token_ids_for,
-    write_extras,
-)
+from lightning_rollout_debug.tensorboard import dashboard_layout, write_extras
 
 POSITIVE_LOG_PROB_TOLERANCE = 1e-3
 """Log-probs above this (nats) are reported: no log-probability is above 0."""
@@ -352,13 +350,22 @@ class RolloutDebugCallback(Callback):
             )
             if fallback is not None:
                 self._warn_once("mask-fallback", fallback)
-            self._stats.update(
-                inputs.rollout_log_probs,
-                inputs.old_log_probs,
-                inputs.mask,
-                inputs.rollout_token_ids,
-                inputs.trainer_token_ids,
+            together = self._extras is not None and update_together(
+                self._stats,
+                self._extras,
+                inputs,
+                _token_ids(sources, inputs),
+                batch_index=self._batches_in_window - 1,
+                rank=self._rank,
             )
+            if not together:
+                self._stats.update(
+                    inputs.rollout_log_probs,
+                    inputs.old_log_probs,
+                    inputs.mask,
+                    inputs.rollout_token_ids,
+                    inputs.trainer_token_ids,
+                )
         except BatchError as error:
             # A list or tuple batch: say so. No local may hold the error (its traceback holds
             # this frame, and with it the batch and any autograd graph, until a gc cycle).
@@ -371,7 +378,7 @@ class RolloutDebugCallback(Callback):
                 type(error).__name__, f"Could not update the statistics ({error!r}); skipped."
             )
             return
-        if self._extras is not None:
+        if self._extras is not None and not together:
             self._update_extras(self._extras, sources, inputs)
 
     def _update_extras(

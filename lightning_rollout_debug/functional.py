@@ -19,12 +19,9 @@ from lightning_rollout_debug.batch import (
     extract_inputs,
     tensor_sources,
 )
-from lightning_rollout_debug.stats import (
-    METRIC_NAMES,
-    MismatchStats,
-    paired_moments,
-    pearson_from_moments,
-)
+from lightning_rollout_debug.catalog import METRIC_NAMES, pearson_from_moments
+from lightning_rollout_debug.rows import paired_moments
+from lightning_rollout_debug.stats import MismatchStats
 
 __all__ = [
     "calculate_debug_metrics",

@@ -19,7 +19,7 @@ from lightning_rollout_debug.alerts import (
     RolloutAlertWarning,
     resolve_alert_ranges,
 )
-from lightning_rollout_debug.stats import GROUPS, METRIC_NAMES
+from lightning_rollout_debug.catalog import GROUPS, METRIC_NAMES
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),

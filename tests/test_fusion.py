@@ -21,10 +21,10 @@ from lightning_rollout_debug import (
     MismatchStats,
     RolloutDebugCallback,
     RolloutDebugWarning,
+    backends,
     native,
 )
-from lightning_rollout_debug import stats as stats_module
-from lightning_rollout_debug.tensorboard import TokenExtras
+from lightning_rollout_debug.extras import TokenExtras
 
 LOG_RATIO_TAG = "training/rollout_log_ratio_hist"
 NAMES = [n for g in GROUPS if g != "token_ids" for n in METRIC_NAMES[g]]
@@ -34,13 +34,13 @@ NAMES = [n for g in GROUPS if g != "token_ids" for n in METRIC_NAMES[g]]
 def fused_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each fused CPU update once through the native kernel and once through inductor."""
     if request.param == "torch.compile":
-        monkeypatch.setattr(native, "row_sums", lambda *args: None)
+        monkeypatch.setattr(native, "row_sums", lambda *args, **kwargs: None)
     return request.param
 
 
 @pytest.fixture
 def inductor_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "row_sums", lambda *args: None)
+    monkeypatch.setattr(native, "row_sums", lambda *args, **kwargs: None)
 
 
 def _batch(dtype: torch.dtype, rows: int = 96, width: int = 1024) -> tuple[torch.Tensor, ...]:
@@ -173,7 +173,7 @@ def test_a_failing_torch_compile_counts_every_batch_eagerly(
 ) -> None:
     """``torch.compile`` raising when called or when its result first runs: one warning,
     then eager arithmetic for the statistics and the extras; no batch is skipped."""
-    monkeypatch.setattr(stats_module, "_fusion", {"functions": {}, "disabled": None})
+    monkeypatch.setattr(backends, "_fusion", {"functions": {}, "disabled": None})
     monkeypatch.setattr(torch, "compile", _compile_raising_at(when))
     batches = make_batches(4, batch_size=[3, 4, 2, 5], width=[7, 5, 9, 6], seed=21)
     callback = RolloutDebugCallback(compile=True, worst_tokens_k=3)

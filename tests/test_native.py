@@ -11,7 +11,7 @@ from conftest import REGIMES, make_batch
 from reference import assert_metrics_close, reference_metrics
 
 from lightning_rollout_debug import GROUPS, MismatchStats, native
-from lightning_rollout_debug.stats import ROW_FIELDS, _row_sums
+from lightning_rollout_debug.rows import ROW_FIELDS, row_sums, rows_for
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler here")
 
@@ -35,8 +35,8 @@ def native_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     calls: list[bool] = []
     original = native.row_sums
 
-    def spy(*args: object) -> object:
-        rows = original(*args)  # type: ignore[arg-type]
+    def spy(*args: object, **kwargs: object) -> object:
+        rows = original(*args, **kwargs)  # type: ignore[arg-type]
         calls.append(rows is not None)
         return rows
 
@@ -92,8 +92,8 @@ def test_native_row_sums_match_the_torch_arithmetic(groups: frozenset[str], regi
     batch = make_batch(
         rng, (9, 333), regime=regime, mask_kind="counts", mask_dtype=torch.int64, special_rate=0.02
     )
-    got = native.row_sums(batch.rollout, batch.old, batch.mask, groups, 2.0, ROW_FIELDS)
-    want = _row_sums(batch.rollout, batch.old, batch.mask, groups, 2.0)
+    got = native.row_sums(batch.rollout, batch.old, batch.mask, rows_for(groups), 2.0, ROW_FIELDS)
+    want = row_sums(batch.rollout, batch.old, batch.mask, groups, 2.0)
     assert got is not None
     for name, value in want.items():
         expected = value.to(torch.float64)
@@ -112,7 +112,9 @@ def test_native_results_do_not_depend_on_the_thread_count() -> None:
         for count in (1, 3):
             torch.set_num_threads(count)
             results.append(
-                native.row_sums(batch.rollout, batch.old, batch.mask, ALL, 2.0, ROW_FIELDS)
+                native.row_sums(
+                    batch.rollout, batch.old, batch.mask, rows_for(ALL), 2.0, ROW_FIELDS
+                )
             )
     finally:
         torch.set_num_threads(threads)
@@ -158,9 +160,9 @@ def test_the_exponential_is_accurate_over_the_log_prob_range() -> None:
     below -0.5 and pb e^r (the series) above."""
     old = torch.linspace(-20.0, 0.0, 20001).unsqueeze(1)
     rollout = torch.zeros_like(old)
-    rows = native.row_sums(
-        rollout, old, torch.ones_like(old, dtype=torch.bool), frozenset({"seed"}), 2.0, ROW_FIELDS
-    )
+    seed = rows_for(frozenset({"seed"}))
+    mask = torch.ones_like(old, dtype=torch.bool)
+    rows = native.row_sums(rollout, old, mask, seed, 2.0, ROW_FIELDS)
     assert rows is not None
     exact = torch.exp(old.squeeze(1).double())
     relative = ((rows["prob_actor"] - exact) / exact).abs()

@@ -29,10 +29,9 @@ import torch
 from native_probe import probe_batch
 from reference import assert_metrics_close, reference_metrics
 
-from lightning_rollout_debug import MismatchStats, native
-from lightning_rollout_debug import stats as stats_module
-from lightning_rollout_debug.stats import ROW_FIELDS
-from lightning_rollout_debug.tensorboard import TokenExtras
+from lightning_rollout_debug import MismatchStats, backends, native
+from lightning_rollout_debug.extras import TokenExtras
+from lightning_rollout_debug.rows import ROW_FIELDS
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler here"
@@ -159,7 +158,7 @@ def fresh_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     for name in SETTINGS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(native.CACHE_ENV, str(cache))
-    monkeypatch.setitem(stats_module._fusion, "disabled", "eager in these tests")
+    monkeypatch.setitem(backends._fusion, "disabled", "eager in these tests")
     return cache
 
 
@@ -513,7 +512,7 @@ def test_a_compiler_that_does_not_exist_is_named(tmp_path: Path) -> None:
 def test_a_kernel_that_rejects_its_arguments_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     rejecting = {"function": lambda *args: 3, "problem": None, "columns": ROW_FIELDS}
     monkeypatch.setattr(native, "_kernel", rejecting)
-    monkeypatch.setitem(stats_module._fusion, "disabled", "eager in these tests")
+    monkeypatch.setitem(backends._fusion, "disabled", "eager in these tests")
     rollout, old, mask = probe_batch()
     stats = MismatchStats(compile=True)
     with pytest.warns(RuntimeWarning, match=r"rejected its arguments \(status 3\)"):

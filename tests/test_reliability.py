@@ -724,7 +724,7 @@ DAMAGED_STATES: dict[str, tuple[Damage, str, str]] = {
     "not-a-dict": (lambda s: list(s.values()), "not a dict", "window"),
     "nan-extras": (
         lambda s: _with(s, extras_window=torch.full_like(s["extras_window"], math.nan)),
-        "the bins of `rollout_log_ratio_hist` in the extras window",
+        "the count `rollout_log_ratio_hist[0]` of the extras window is nan",
         "extras",
     ),
 }

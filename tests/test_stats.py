@@ -18,16 +18,10 @@ from reference import ALL_NAMES, NAMES, assert_metrics_close, reference_metrics
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_rollout_debug.stats import (
-    GROUPS,
-    METRIC_NAMES,
-    STATE_SIZE,
-    MismatchStats,
-    identity_state,
-    merge_states,
-    state_problems,
-)
-from lightning_rollout_debug.tensorboard import TokenExtras
+from lightning_rollout_debug.catalog import GROUPS, METRIC_NAMES
+from lightning_rollout_debug.extras import TokenExtras
+from lightning_rollout_debug.layout import STATE_SIZE, identity_state, merge_states, state_problems
+from lightning_rollout_debug.stats import MismatchStats
 
 C_VALUES = st.sampled_from([2.0, 1.5, 1.01, 5.0, 3])
 BOUNDS = st.sampled_from([(0.99, 1.01), (0.5, 2.0), (1.0, 1.0), (0.9, 1.0), (0.999999, 1.5)])

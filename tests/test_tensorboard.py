@@ -26,9 +26,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_rollout_debug import RolloutDebugCallback
-from lightning_rollout_debug.stats import LOG_PROB_FLOOR
-from lightning_rollout_debug.tensorboard import (
-    DASHBOARD,
+from lightning_rollout_debug.catalog import DASHBOARD
+from lightning_rollout_debug.extras import (
     HISTOGRAMS,
     LOG_RATIO_BINS,
     LOG_RATIO_EDGES,
@@ -37,8 +36,9 @@ from lightning_rollout_debug.tensorboard import (
     WORST_FIELDS,
     QuarterOctaveBins,
     TokenExtras,
-    dashboard_layout,
 )
+from lightning_rollout_debug.rows import LOG_PROB_FLOOR
+from lightning_rollout_debug.tensorboard import dashboard_layout
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),

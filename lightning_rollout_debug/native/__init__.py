@@ -1,7 +1,7 @@
 """The fused CPU pass of an update: ``row_sums.cpp``, built once per machine and user.
 
 On CPUs one hand-vectorised loop computes every row reduction of an update
-(``stats._row_sums``) with float64 sums kept in registers, about twice as fast as the
+(``rows.row_sums``) with float64 sums kept in registers, about twice as fast as the
 code ``torch.compile`` generates for the same arithmetic. It is built on first use with
 the system C++ compiler (``$CXX``, else ``c++``, ``g++`` or ``clang++``) and loaded with
 :mod:`ctypes`. Where it cannot be built or loaded, one warning says why and updates use
@@ -43,6 +43,7 @@ import time
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,24 @@ _OFF = frozenset({"0", "false", "off", "no"})
 _ON = frozenset({"", "1", "true", "on", "yes"})
 _LOG_PROB_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 _MASK_KINDS = {torch.bool: 0, torch.uint8: 0, torch.int32: 1, torch.int64: 2, torch.float32: 3}
-_CATALOG_GROUPS = frozenset({"log_space", "kl", "importance_ratio"})
+# The columns the kernel computes only at its catalog level (bit 0 of `level`).
+_CATALOG_COLUMNS = frozenset(
+    {
+        "max_log_ratio",
+        "max_neg_log_ratio",
+        "log_diff",
+        "log_diff*log_diff",
+        "log_ratio",
+        "kl_k3",
+        "mult_error_m1",
+        "ratio_m1",
+        "ratio_sq_m1",
+        "ratio",
+        "ratio_sq",
+        "ratio_high",
+        "ratio_low",
+    }
+)
 
 _LOG = logging.getLogger(__name__)
 _LOG.setLevel(logging.INFO)
@@ -90,6 +108,34 @@ _kernel: dict[str, Any] = {"function": None, "problem": None, "columns": ()}
 _process_lock = threading.Lock()
 
 
+EXTRAS_MOMENTS = 8
+"""Per-row moments of the extras the kernel writes before the worst-token pairs."""
+MAX_WORST_TOKENS = 64
+"""The most worst tokens per row the kernel keeps (``kMaxWorst``)."""
+
+
+@dataclass(frozen=True)
+class ExtrasRequest:
+    """What the kernel accumulates for the TensorBoard extras in the same pass.
+
+    ``ratio_bins`` and ``diff_bins`` are ``(low, octaves)`` of quarter-octave bins: signed
+    for ``r``, unsigned for ``|pa - pb|`` (``extras.QuarterOctaveBins``).
+    """
+
+    ratio_bins: tuple[int, int]
+    diff_bins: tuple[int, int]
+    histograms: bool
+    k: int
+
+    def settings(self) -> list[int]:
+        """The integers the kernel reads."""
+        return [*self.ratio_bins, *self.diff_bins, int(self.histograms), self.k]
+
+    def bin_count(self) -> int:
+        """The bins of both histograms together."""
+        return 2 * (4 * self.ratio_bins[1] + 1) + 1 + 4 * self.diff_bins[1] + 2
+
+
 class KernelUnavailable(RuntimeError):
     """The kernel cannot be built or loaded here; the message says why and what to do."""
 
@@ -97,7 +143,7 @@ class KernelUnavailable(RuntimeError):
 def available(fields: Sequence[str] | None = None) -> bool:
     """Whether the kernel is usable (building it now if needed); warns once if it is not.
 
-    ``fields`` are the column names the caller expects (``stats.ROW_FIELDS`` by default).
+    ``fields`` are the column names the caller expects (``rows.ROW_FIELDS`` by default).
     """
     return _function(fields) is not None
 
@@ -106,11 +152,21 @@ def row_sums(
     rollout_log_probs: Tensor,
     old_log_probs: Tensor,
     mask: Tensor,
-    groups: frozenset[str],
+    needed: frozenset[str],
     is_threshold: float,
     fields: tuple[str, ...],
+    extras: ExtrasRequest | None = None,
 ) -> dict[str, Tensor] | None:
-    """The ``[B]`` row reductions named by ``fields`` (``stats.ROW_FIELDS``), or ``None``.
+    """The ``[B]`` row reductions named by ``fields`` (``rows.ROW_FIELDS``), or ``None``.
+
+    ``needed`` are the row quantities the update uses (``rows.rows_for(groups)``): the
+    kernel skips the arithmetic of the others (their columns then mean nothing).
+
+    With ``extras``, the same pass also fills the histograms and the worst-token
+    candidates: ``"extras_rows"`` (``[B, EXTRAS_MOMENTS + 2 k]``: per row the maxima of
+    ``r``, ``-r``, ``d = |pa - pb|`` and ``-d``, the sums of ``r``, ``r^2``, ``d``,
+    ``d^2``, then ``k`` pairs ``(|r|, position)``, largest first not guaranteed, ``-inf``
+    and ``-1`` for no token) and ``"extras_bins"`` (the bin counts of both histograms).
 
     ``None`` when the kernel does not apply: tensors off the CPU, log-probs that are not
     both float32 or both bfloat16, or a kernel that is turned off or could not be built,
@@ -133,7 +189,15 @@ def row_sums(
     rollout, old, mask = (t.contiguous() for t in (rollout_log_probs, old_log_probs, mask))
     rows, width = mask.shape
     out = torch.empty(rows, len(fields), dtype=torch.float64)
-    level = bool(groups & _CATALOG_GROUPS) | (2 if "sequence" in groups else 0)
+    level = bool(needed & _CATALOG_COLUMNS) | (2 if "sum_actor_log_prob" in needed else 0)
+    pointers: list[int | None] = [None, None, None]
+    if extras is not None:
+        if not 0 <= extras.k <= MAX_WORST_TOKENS:
+            return None
+        settings = torch.tensor(extras.settings(), dtype=torch.int32)
+        extras_rows = torch.empty(rows, EXTRAS_MOMENTS + 2 * extras.k, dtype=torch.float64)
+        bins = torch.zeros(extras.bin_count() if extras.histograms else 0, dtype=torch.float64)
+        pointers = [settings.data_ptr(), extras_rows.data_ptr(), bins.data_ptr()]
     try:
         status = function(
             rollout.data_ptr(),
@@ -148,13 +212,17 @@ def row_sums(
             1.0 / is_threshold - 1.0,
             torch.get_num_threads(),
             out.data_ptr(),
+            *pointers,
         )
     except Exception as error:  # ctypes refusing the arguments: the torch path takes over
         status = repr(error)
     if status != 0:
         _give_up(f"the kernel rejected its arguments (status {status})")
         return None
-    return dict(zip(fields, out.unbind(1), strict=True))
+    found = dict(zip(fields, out.unbind(1), strict=True))
+    if extras is not None:
+        found.update(extras_rows=extras_rows, extras_bins=bins)
+    return found
 
 
 def cache_folder() -> Path:
@@ -218,7 +286,7 @@ class _Off(KernelUnavailable):
 
 def _expected(fields: Sequence[str] | None) -> tuple[str, ...]:
     if fields is None:
-        from lightning_rollout_debug.stats import ROW_FIELDS  # stats imports this module
+        from lightning_rollout_debug.rows import ROW_FIELDS
 
         fields = ROW_FIELDS
     return tuple(fields)
@@ -257,6 +325,9 @@ def _bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> Any:
         raise KernelUnavailable(
             f"{path} computes the columns {columns}, but the statistics expect {list(fields)}"
         )
+    shape = getattr(library, "rollout_extras_shape", None)
+    if shape is None or (shape(0), shape(1)) != (EXTRAS_MOMENTS, MAX_WORST_TOKENS):
+        raise KernelUnavailable(f"{path} lays out the extras otherwise than this package")
     function.restype = ctypes.c_int
     function.argtypes = [
         *(ctypes.c_void_p,) * 3,
@@ -268,7 +339,7 @@ def _bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> Any:
         ctypes.c_float,
         ctypes.c_float,
         ctypes.c_int,
-        ctypes.c_void_p,
+        *(ctypes.c_void_p,) * 4,
     ]
     return function
 

@@ -1,16 +1,17 @@
 // Row sums of the rollout mismatch statistics on CPUs: one pass over a [rows, width]
 // batch of float32 or bfloat16 log-probabilities, every row's sums kept in registers.
 //
-// The element-wise arithmetic is that of `_row_sums` in stats.py, in float32; every sum
+// The element-wise arithmetic is that of `row_sums` in rows.py, in float32; every sum
 // is a float64 sum of float32 values, every moment product a float64 product. The output
 // holds one row of `kSlots` doubles per batch row, named by `kColumns` (`ROW_FIELDS` in
-// stats.py). Built by native.py with the system C++ compiler; no other dependency.
+// rows.py). Built by native.py with the system C++ compiler; no other dependency.
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <algorithm>
+#include <new>
 #include <thread>
 #include <vector>
 
@@ -21,7 +22,7 @@
 namespace {
 
 // The columns of the output, each with the accumulator it comes from: the loader reads
-// the names (`rollout_row_column`) and checks them against `ROW_FIELDS` in stats.py.
+// the names (`rollout_row_column`) and checks them against `ROW_FIELDS` in rows.py.
 #define ROLLOUT_ROW_COLUMNS(X)                                                           \
   X("count", count) X("nonfinite", nonfinite) X("max_actor_log_prob", max_a)            \
   X("max_rollout_log_prob", max_b) X("sum_actor_log_prob", sum_a)                         \
@@ -186,6 +187,9 @@ struct RowSums {
   Max max_a, max_b, max_diff, max_r, max_neg_r;
   Sum sum_a, sum_b, pa, pb, diff, pa2, pb2, papb, diff2, abs_r, r2, r, k3, mult, rm1, rsqm1;
   Sum ratio, ratio2;
+  // The last vector's r, |pa - pb| and counting lanes, for the extras (kept in registers).
+  f32 last_r{}, last_diff{};
+  i32 last_counting{};
 
   template <bool kCatalog, bool kInputSums>
   void add(f32 a, f32 b, i32 masked, const Options& options) {
@@ -204,12 +208,15 @@ struct RowSums {
     const i32 near = abs(r_) < 0.5f;
     const f32 curvature = r_ * r_ * exp_tail(r_);  // e^r - 1 - r
     const f32 pb_ = exp(b);
-    // Near r = 0, pa = pb e^r (the value of `_row_sums` to float32 rounding): a second
+    // Near r = 0, pa = pb e^r (the value of `row_sums` in rows.py to float32 rounding): a second
     // exponential only for vectors with a token farther out.
     const f32 pa_near = pb_ * (1.0f + (r_ + curvature));
     const bool some_far = any(~near);
     const f32 pa_ = some_far ? select(near, pa_near, exp(a)) : pa_near;
     const f32 diff_ = abs(select(near, pb_ * (r_ + curvature), pa_ - pb_));
+    last_r = r_;
+    last_diff = diff_;
+    last_counting = counting;
     max_a.add(select(counting, a, minus_inf));
     max_b.add(select(counting, b, minus_inf));
     max_diff.add(select(counting, diff_, minus_inf));
@@ -235,7 +242,7 @@ struct RowSums {
       r2.add_product(abs_r_, abs_r_);
       if constexpr (!kInputSums) r.add(r_);  // otherwise from the sums of the inputs
       // Near r = 0: rho from the series, and e^|r| - 1 from the series at |r| (the
-      // values of `_row_sums` to float32 rounding). Farther out rho = pa / pb, clamped
+      // values of `row_sums` to float32 rounding). Farther out rho = pa / pb, clamped
       // like r, and e^|r| - 1 = |pa - pb| / min(pa, pb): divisions only for vectors with
       // such a token.
       f32 far = splat<f32>(1.0f);
@@ -267,13 +274,129 @@ struct RowSums {
   }
 };
 
+// ------------------------------------------------------------------ the extras
+// Histograms with fixed quarter-octave bins (`QuarterOctaveBins` in extras.py), read off
+// each float32 value's bits, and the k tokens of each row with the largest |r|.
+constexpr int kMaxWorst = 64;        // the largest k served here
+constexpr int kCopies = 4;           // interleaved copies of the bins: no increment waits
+constexpr int kMoments = 8;          // per row: max r, max -r, max d, max -d, sums, squares
+
+struct ExtrasRequest {
+  int ratio_low, ratio_octaves;  // signed bins of r: 2 * (4 * octaves + 1) + 1 of them
+  int diff_low, diff_octaves;    // unsigned bins of |pa - pb|: 4 * octaves + 2 of them
+  int histograms;                // 0: no histograms
+  int k;                         // worst tokens kept per row (0 ... kMaxWorst)
+  double* rows;                  // [rows, kMoments + 2 k]: moments, then (|r|, position) pairs
+  double* bins;                  // [ratio bins + diff bins], summed over the rows
+};
+
+inline int ratio_bins(const ExtrasRequest& x) { return 2 * (4 * x.ratio_octaves + 1) + 1; }
+inline int diff_bins(const ExtrasRequest& x) { return 4 * x.diff_octaves + 2; }
+
+// The bin of each value, as `QuarterOctaveBins.index` computes it for float32.
+inline i32 signed_bin(f32 x, int low, int octaves) {
+  const int top = 4 * octaves;
+  const i32 bits = reinterpret_cast<i32>(x);
+  const i32 negative = bits < 0;  // -1 where negative
+  // For x < 0 the bins close on the other side: one ulp less turns "<=" into "<".
+  const i32 steps = ((bits & 0x7fffffff) + negative) >> 21;
+  i32 side = steps - ((127 + low) << 2);
+  side = side < -1 ? splat<i32>(-1) : side;
+  side = side > top ? splat<i32>(top) : side;
+  side = side + 1;
+  return (negative ? -side : side) + (top + 1);
+}
+
+inline i32 unsigned_bin(f32 x, int low, int octaves) {
+  const int top = 4 * octaves;
+  i32 bin = (reinterpret_cast<i32>(x) >> 21) - ((127 + low) << 2);
+  bin = bin < -1 ? splat<i32>(-1) : bin;
+  bin = bin > top ? splat<i32>(top) : bin;
+  return bin + 1;
+}
+
+// The extras of one row; `counts` are the bins of the part of the rows a thread takes.
+struct RowExtras {
+  const ExtrasRequest& request;
+  int64_t* counts;  // kCopies copies of [ratio bins + diff bins]
+  Max r_max, r_neg_max, d_max, d_neg_max;
+  Sum r_sum, r_sq, d_sum, d_sq;
+  float keys[kMaxWorst];
+  int64_t positions[kMaxWorst];
+  int filled = 0;
+  float threshold = -1.0f;  // a token enters with |r| above it (any while not full)
+
+  RowExtras(const ExtrasRequest& request_, int64_t* counts_)
+      : request(request_), counts(counts_) {}
+
+  void add(f32 r, f32 d, i32 counting, int64_t position) {
+    const f32 minus_inf = splat<f32>(-kInf);
+    const f32 zero = splat<f32>(0.0f);
+    if (request.histograms) {
+      r_max.add(select(counting, r, minus_inf));
+      r_neg_max.add(select(counting, -r, minus_inf));
+      d_max.add(select(counting, d, minus_inf));
+      d_neg_max.add(select(counting, -d, minus_inf));
+      r_sum.add(r);  // zero where not counting
+      r_sq.add_product(r, r);
+      const f32 wide_d = select(counting, d, zero);
+      d_sum.add(wide_d);
+      d_sq.add_product(wide_d, wide_d);
+      const i32 r_bin = signed_bin(r, request.ratio_low, request.ratio_octaves);
+      const i32 d_bin = unsigned_bin(d, request.diff_low, request.diff_octaves) + ratio_bins(request);
+      const int stride = ratio_bins(request) + diff_bins(request);
+      for (int lane = 0; lane < kLanes; ++lane) {
+        if (counting[lane]) {
+          int64_t* copy = counts + (lane % kCopies) * stride;
+          ++copy[r_bin[lane]];
+          ++copy[d_bin[lane]];
+        }
+      }
+    }
+    if (request.k) {
+      const f32 key = select(counting, abs(r), splat<f32>(-1.0f));
+      if (any(key > threshold)) {
+        for (int lane = 0; lane < kLanes; ++lane) {
+          if (key[lane] > threshold) insert(key[lane], position + lane);
+        }
+      }
+    }
+  }
+
+  void insert(float key, int64_t position) {
+    if (filled < request.k) {
+      keys[filled] = key;
+      positions[filled++] = position;
+      if (filled < request.k) return;
+    } else {
+      int smallest = 0;
+      for (int i = 1; i < filled; ++i) smallest = keys[i] < keys[smallest] ? i : smallest;
+      keys[smallest] = key;
+      positions[smallest] = position;
+    }
+    threshold = keys[0];
+    for (int i = 1; i < filled; ++i) threshold = keys[i] < threshold ? keys[i] : threshold;
+  }
+
+  void write(double* out) const {
+    const double moments[kMoments] = {r_max.total(), r_neg_max.total(), d_max.total(),
+                                      d_neg_max.total(), r_sum.total(), r_sq.total(),
+                                      d_sum.total(), d_sq.total()};
+    std::memcpy(out, moments, sizeof moments);
+    for (int i = 0; i < request.k; ++i) {
+      out[kMoments + 2 * i] = i < filled ? keys[i] : -kInf;
+      out[kMoments + 2 * i + 1] = i < filled ? static_cast<double>(positions[i]) : -1.0;
+    }
+  }
+};
+
 constexpr int64_t kBlock = 512;  // tokens whose mask is turned into bytes at a time
 
 // One row, a block of tokens at a time. A mask of another dtype than bool is first
 // turned into bytes for the block (in L1), which keeps the arithmetic the same for all.
 template <typename LogProb, typename Mask, bool kCatalog, bool kInputSums>
 void reduce_row(const LogProb* b_row, const LogProb* a_row, const Mask* m_row, int64_t width,
-                const Options& options, double* out) {
+                const Options& options, double* out, RowExtras* extras) {
   RowSums sums;
   uint8_t bytes[kBlock];
   for (int64_t start = 0; start < width; start += kBlock) {
@@ -298,6 +421,7 @@ void reduce_row(const LogProb* b_row, const LogProb* a_row, const Mask* m_row, i
       }
       sums.add<kCatalog, kInputSums>(floats_of(a + j), floats_of(b + j), nonzero(flags + j),
                                      options);
+      if (extras) extras->add(sums.last_r, sums.last_diff, sums.last_counting, start + j);
     }
     if (whole < count) {  // the last tokens of the row, padded with masked-out zeros
       LogProb a_tail[kLanes] = {}, b_tail[kLanes] = {};
@@ -308,6 +432,7 @@ void reduce_row(const LogProb* b_row, const LogProb* a_row, const Mask* m_row, i
       std::memcpy(m_tail, flags + whole, rest);
       sums.add<kCatalog, kInputSums>(floats_of(a_tail), floats_of(b_tail), nonzero(m_tail),
                                      options);
+      if (extras) extras->add(sums.last_r, sums.last_diff, sums.last_counting, start + whole);
     }
   }
   sums.write(out);
@@ -315,53 +440,71 @@ void reduce_row(const LogProb* b_row, const LogProb* a_row, const Mask* m_row, i
 
 template <typename LogProb, typename Mask>
 void reduce_rows(const LogProb* rollout, const LogProb* old, const Mask* mask, int64_t width,
-                 int64_t begin, int64_t end, int level, const Options& options, double* out) {
+                 int64_t begin, int64_t end, int level, const Options& options, double* out,
+                 const ExtrasRequest* request, int64_t* counts) {
   for (int64_t row = begin; row < end; ++row) {
     const LogProb* b = rollout + row * width;
     const LogProb* a = old + row * width;
     const Mask* m = mask + row * width;
     double* slots = out + row * kSlots;
+    RowExtras* extras = nullptr;
+    alignas(64) unsigned char storage[sizeof(RowExtras)];
+    if (request) extras = new (storage) RowExtras(*request, counts);
     switch (level) {  // bit 0: the catalog beyond the seed group; bit 1: sums of the inputs
-      case 0: reduce_row<LogProb, Mask, false, false>(b, a, m, width, options, slots); break;
-      case 1: reduce_row<LogProb, Mask, true, false>(b, a, m, width, options, slots); break;
-      case 2: reduce_row<LogProb, Mask, false, true>(b, a, m, width, options, slots); break;
-      default: reduce_row<LogProb, Mask, true, true>(b, a, m, width, options, slots); break;
+      case 0: reduce_row<LogProb, Mask, false, false>(b, a, m, width, options, slots, extras); break;
+      case 1: reduce_row<LogProb, Mask, true, false>(b, a, m, width, options, slots, extras); break;
+      case 2: reduce_row<LogProb, Mask, false, true>(b, a, m, width, options, slots, extras); break;
+      default: reduce_row<LogProb, Mask, true, true>(b, a, m, width, options, slots, extras); break;
     }
+    if (extras) extras->write(request->rows + row * (kMoments + 2 * request->k));
   }
 }
 
 template <typename LogProb, typename Mask>
 void run(const void* rollout, const void* old, const void* mask, int64_t rows, int64_t width,
-         int level, Options options, int threads, double* out) {
-  auto part = [&](int64_t begin, int64_t end) {
-    reduce_rows(static_cast<const LogProb*>(rollout), static_cast<const LogProb*>(old),
-                static_cast<const Mask*>(mask), width, begin, end, level, options, out);
-  };
+         int level, Options options, int threads, double* out, const ExtrasRequest* request) {
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, rows));
+  // Each part counts into bins of its own (kCopies interleaved copies); summed at the end,
+  // in a fixed order, so the result does not depend on the threads.
+  const int stride = request ? ratio_bins(*request) + diff_bins(*request) : 0;
+  std::vector<int64_t> counts(request && request->histograms ? parts * kCopies * stride : 0);
+  auto part = [&](int64_t begin, int64_t end, int64_t index) {
+    int64_t* own = counts.empty() ? nullptr : counts.data() + index * kCopies * stride;
+    reduce_rows(static_cast<const LogProb*>(rollout), static_cast<const LogProb*>(old),
+                static_cast<const Mask*>(mask), width, begin, end, level, options, out,
+                request, own);
+  };
 #if defined(_OPENMP)
   // torch's own OpenMP pool when torch loaded libgomp (the same soname): its threads
   // are warm, and no second pool competes with them for the cores.
 #pragma omp parallel for num_threads(parts) schedule(static, 1)
-  for (int64_t k = 0; k < parts; ++k) part(rows * k / parts, rows * (k + 1) / parts);
+  for (int64_t k = 0; k < parts; ++k) part(rows * k / parts, rows * (k + 1) / parts, k);
 #else
   std::vector<std::thread> workers;
   for (int64_t k = 1; k < parts; ++k) {
-    workers.emplace_back(part, rows * k / parts, rows * (k + 1) / parts);
+    workers.emplace_back(part, rows * k / parts, rows * (k + 1) / parts, k);
   }
-  part(0, rows / parts);
+  part(0, rows / parts, 0);
   for (auto& worker : workers) worker.join();
 #endif
+  if (!counts.empty()) {
+    for (int bin = 0; bin < stride; ++bin) {
+      int64_t total = 0;
+      for (int64_t copy = 0; copy < parts * kCopies; ++copy) total += counts[copy * stride + bin];
+      request->bins[bin] = static_cast<double>(total);
+    }
+  }
 }
 
 template <typename LogProb>
 int dispatch_mask(const void* rollout, const void* old, const void* mask, int mask_kind,
                   int64_t rows, int64_t width, int level, Options options, int threads,
-                  double* out) {
+                  double* out, const ExtrasRequest* x) {
   switch (mask_kind) {
-    case 0: run<LogProb, uint8_t>(rollout, old, mask, rows, width, level, options, threads, out); return 0;
-    case 1: run<LogProb, int32_t>(rollout, old, mask, rows, width, level, options, threads, out); return 0;
-    case 2: run<LogProb, int64_t>(rollout, old, mask, rows, width, level, options, threads, out); return 0;
-    case 3: run<LogProb, float>(rollout, old, mask, rows, width, level, options, threads, out); return 0;
+    case 0: run<LogProb, uint8_t>(rollout, old, mask, rows, width, level, options, threads, out, x); return 0;
+    case 1: run<LogProb, int32_t>(rollout, old, mask, rows, width, level, options, threads, out, x); return 0;
+    case 2: run<LogProb, int64_t>(rollout, old, mask, rows, width, level, options, threads, out, x); return 0;
+    case 3: run<LogProb, float>(rollout, old, mask, rows, width, level, options, threads, out, x); return 0;
     default: return 2;
   }
 }
@@ -374,20 +517,35 @@ extern "C" const char* rollout_row_column(int index) {
 }
 
 // log_prob_kind: 0 float32, 1 bfloat16. mask_kind: 0 bool/uint8, 1 int32, 2 int64,
-// 3 float32. Returns 0, or non-zero for a kind it does not know.
+// 3 float32. `extras`: null, or what the extras take: the histograms' bins (`ints`:
+// ratio low, ratio octaves, diff low, diff octaves, histograms on, k) and where they go
+// (`rows`: [rows, 8 + 2 k], `bins`). Returns 0, or non-zero for arguments it does not know.
 extern "C" int rollout_row_sums(const void* rollout, const void* old, const void* mask,
                                 int log_prob_kind, int mask_kind, int64_t rows, int64_t width,
                                 int level, float ratio_high_m1, float ratio_low_m1,
-                                int threads, double* out) {
+                                int threads, double* out, const int* ints, double* extras_rows,
+                                double* bins) {
   const Options options{ratio_high_m1, ratio_low_m1};
+  ExtrasRequest request{};
+  const ExtrasRequest* x = nullptr;
+  if (ints) {
+    request = ExtrasRequest{ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], extras_rows, bins};
+    if (request.k < 0 || request.k > kMaxWorst || (request.histograms && !bins) || !extras_rows) {
+      return 3;
+    }
+    x = &request;
+  }
   switch (log_prob_kind) {
     case 0:
       return dispatch_mask<float>(rollout, old, mask, mask_kind, rows, width, level,
-                                  options, threads, out);
+                                  options, threads, out, x);
     case 1:
       return dispatch_mask<uint16_t>(rollout, old, mask, mask_kind, rows, width, level,
-                                     options, threads, out);
+                                     options, threads, out, x);
     default:
       return 1;
   }
 }
+
+// The shape of the extras' rows: `kMoments` moments, then up to `kMaxWorst` pairs.
+extern "C" int rollout_extras_shape(int which) { return which == 0 ? kMoments : kMaxWorst; }

@@ -1,0 +1,150 @@
+"""Which path serves an update: the native CPU kernel, ``torch.compile``, or eager torch.
+
+* On CPUs, float32 and bfloat16 log-probs in batches of at least 65,536 tokens (every
+  batch with ``compile=True``) go through the native kernel (:mod:`.native`).
+* Everything else that is fused goes through ``torch.compile`` of the same torch
+  arithmetic (:mod:`.rows`), which keeps nothing per token in memory and takes the whole
+  batch in one call.
+* Smaller batches, ``compile=False``, and every case where the kernel or the compiler
+  is unavailable run eagerly, in chunks of rows that bound the temporary memory.
+
+Every path computes the same row quantities (:data:`~.rows.ROWS_OF_GROUP`) and the same
+packed state, to float32 rounding. A path that fails falls back to the next with one
+warning, and the batch is counted in full.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_rollout_debug import native
+from lightning_rollout_debug.batch import MismatchInputs
+from lightning_rollout_debug.rows import ROW_FIELDS, batch_state, rows_for, state_from_rows
+
+
+def statistics_states(
+    inputs: MismatchInputs,
+    *,
+    groups: frozenset[str],
+    is_threshold: float,
+    seq_ratio_bounds: tuple[float, float],
+    compile: bool | None,
+    chunk_tokens: int | None,
+) -> list[Tensor]:
+    """Packed states of a non-empty batch: one fused block, or eager chunks of rows."""
+    tensors = (
+        inputs.rollout_log_probs,
+        inputs.old_log_probs,
+        inputs.mask,
+        inputs.rollout_token_ids,
+        inputs.trainer_token_ids,
+    )
+    options = {"groups": groups, "is_threshold": is_threshold, "seq_ratio_bounds": seq_ratio_bounds}
+    batch, width = inputs.mask.shape
+    cpu = inputs.mask.device.type == "cpu"
+
+    def blocks(state_of: Callable[..., Tensor], fused: bool) -> list[Tensor]:
+        # The compiled pass stores nothing per token, so one call takes the whole batch
+        # (up to 2^26 tokens, which keeps its per-row partial sums small); eager
+        # arithmetic goes in chunks that bound its temporaries.
+        eager_chunk = chunk_tokens or (1 << 16 if cpu else 1 << 22)
+        rows = max(1, (1 << 26 if fused else eager_chunk) // width)
+        return [
+            state_of(*(None if t is None else t[start : start + rows] for t in tensors), **options)
+            for start in range(0, batch, rows)
+        ]
+
+    if cpu and fusion_wanted(compile, batch * width):
+        rows = native.row_sums(
+            inputs.rollout_log_probs,
+            inputs.old_log_probs,
+            inputs.mask,
+            rows_for(groups),
+            is_threshold,
+            ROW_FIELDS,
+        )
+        if rows is not None:
+            ids = (inputs.rollout_token_ids, inputs.trainer_token_ids)
+            return [state_from_rows(rows, inputs.mask, *ids, groups, seq_ratio_bounds)]
+    # On CPUs torch.compile only when asked for: where the kernel cannot serve, a
+    # compilation (tens of seconds) costs more than eager arithmetic saves.
+    return run_fused(batch_state, bool(compile) if cpu else compile, batch * width, blocks)
+
+
+def compile_problems(compile: object) -> list[str]:
+    """What is wrong with a ``compile`` argument (nothing: ``[]``)."""
+    if compile in (None, True, False):
+        return []
+    return [f"`compile` must be None (auto), True or False, got {compile!r}."]
+
+
+# ------------------------------------------------------------ torch.compile
+_FUSE_MIN_TOKENS = 1 << 16
+_fusion: dict[str, Any] = {"functions": {}, "disabled": None}
+# Inductor stores a reused element-wise result in memory once its expression exceeds 50
+# operations on CPUs; recomputing it in registers is cheaper than a round trip to memory.
+# Fused multiply-adds round once instead of twice: faster and no less exact.
+# Up to 64 reductions share one loop (16 by default), so the catalog reads the batch once.
+_COMPILE_OPTIONS = {
+    "realize_cpu_opcount_threshold": 1000,
+    "cpp.enable_floating_point_contract_flag": "fast",
+    "cpp.max_horizontal_fusion_size": 64,
+}
+
+
+def run_fused(
+    function: Callable[..., Tensor],
+    compile: bool | None,
+    tokens: int,
+    blocks: Callable[[Callable[..., Tensor], bool], list[Tensor]],
+) -> list[Tensor]:
+    """``blocks(function, fused)`` with ``function`` compiled when this batch should be.
+
+    ``compile`` is ``None`` (compile batches of at least 65,536 tokens), ``True`` or
+    ``False``. Where compilation fails, one warning says so and the process stays eager.
+    """
+    if fusion_wanted(compile, tokens) and _fusion["disabled"] is None:
+        try:  # torch.compile may raise when called, or at the first call of its result
+            return blocks(_compiled(function), True)
+        except Exception as error:  # compilation unavailable here: stay eager from now on
+            _disable_fusion(error)
+    return blocks(function, False)
+
+
+def fusion_wanted(compile: bool | None, tokens: int) -> bool:
+    """Whether a batch of ``tokens`` goes through a fused pass under this ``compile``."""
+    return compile is True or (compile is None and tokens >= _FUSE_MIN_TOKENS)
+
+
+def _compiled(function: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    if function not in _fusion["functions"]:
+        import torch._inductor.config as inductor_config  # imported only when compiling
+
+        # Options an older inductor does not know are left out (it would reject them).
+        options = {k: v for k, v in _COMPILE_OPTIONS.items() if _has_option(inductor_config, k)}
+        _fusion["functions"][function] = torch.compile(function, dynamic=True, options=options)
+    return _fusion["functions"][function]
+
+
+def _has_option(config: Any, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not hasattr(config, part):
+            return False
+        config = getattr(config, part)
+    return True
+
+
+def _disable_fusion(error: Exception) -> None:
+    _fusion["disabled"] = repr(error)
+    warnings.warn(
+        f"torch.compile is not usable here ({error!r}); the rollout statistics use eager "
+        "arithmetic (the same results to float32 rounding, slower). Pass compile=False to "
+        "skip the attempt.",
+        RuntimeWarning,
+        stacklevel=3,
+    )

@@ -1,0 +1,347 @@
+"""The metric catalog: every metric declared once.
+
+A :class:`Metric` names its group, its formula on a merged window (read on the host),
+its chart on the TensorBoard dashboard and, for some, a default alert range. Everything
+else is derived from :data:`CATALOG`: :data:`GROUPS` and :data:`METRIC_NAMES` (what
+the callback logs, in order), :data:`DASHBOARD` (the custom-scalars layout),
+:data:`DEFAULT_ALERT_RANGES`, and the documentation test, which checks that
+``docs/metrics.md`` defines every name.
+
+Adding a metric that follows from the existing state is one entry here and one row in
+``docs/metrics.md``; see ``docs/contributing.md``.
+
+Example:
+    >>> from lightning_rollout_debug.layout import identity_state
+    >>> empty = metrics_from_state(identity_state().tolist())
+    >>> empty["rollout_tokens"], empty["rollout_probs_diff_valid"]
+    (0.0, 0.0)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lightning_rollout_debug.layout import STATE
+
+_AT = STATE.at
+# A side of the Pearson correlation counts as constant when its spread is below what
+# float32 arithmetic can resolve.
+_CONSTANT_RELATIVE_STD = 8 * torch.finfo(torch.float32).eps
+
+Bound = float | None
+
+
+class Window:
+    """A merged window of statistics on the host, with the readings formulas need.
+
+    Undefined readings are NaN: a mean without tokens, a standard deviation of fewer
+    than two tokens, an extreme of an empty window.
+    """
+
+    def __init__(self, state: Sequence[float]) -> None:
+        self.state = state
+        self.n = state[_AT["count"]]
+        """Counting tokens."""
+        self.sequences = state[_AT["sequences"]]
+        """Sequences with at least one counting token."""
+
+    def __getitem__(self, slot: str) -> float:
+        return self.state[_AT[slot]]
+
+    def mean(self, name: str) -> float:
+        """The mean of a token-level variable."""
+        return self[name] if self.n >= 1 else math.nan
+
+    def std(self, name: str) -> float:
+        """The sample standard deviation (``n - 1``) of a token-level variable."""
+        return (
+            math.sqrt(max(self[f"{name}*{name}"], 0.0) / (self.n - 1)) if self.n >= 2 else math.nan
+        )
+
+    def per_token(self, name: str) -> float:
+        """A sum divided by the token count."""
+        return self[name] / self.n if self.n >= 1 else math.nan
+
+    def per_sequence(self, name: str) -> float:
+        """A sum over sequences divided by their number."""
+        return self[name] / self.sequences if self.sequences >= 1 else math.nan
+
+    def extreme(self, slot: str) -> float:
+        """A maximum or minimum over the tokens (NaN without any)."""
+        value = self[slot]
+        return value if self.n >= 1 and math.isfinite(value) else math.nan
+
+    def sequence_extreme(self, slot: str) -> float:
+        """A maximum or minimum over the sequences (NaN without any)."""
+        return self[slot] if self.sequences >= 1 else math.nan
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric: where it is logged, how it comes from the window, where it is charted.
+
+    Args:
+        name: the un-prefixed name (``training/<name>`` by default).
+        group: the group that turns it on (``groups=[...]``).
+        value: its value from a merged :class:`Window` (NaN where undefined).
+        chart: ``(category, chart title)`` on the dashboard; metrics sharing a title
+            share a chart.
+        alert: the default allowed ``(low, high)`` range (either bound ``None``), if any.
+    """
+
+    name: str
+    group: str
+    value: Callable[[Window], float]
+    chart: tuple[str, str]
+    alert: tuple[Bound, Bound] | None = None
+
+
+def _exp(x: float) -> float:
+    """``math.exp`` that overflows to ``inf`` instead of raising (absurd positive log-probs)."""
+    return math.exp(x) if x < 709.0 else math.inf
+
+
+def pearson_from_moments(
+    n: float, mean_x: float, mean_y: float, m_xx: float, m_yy: float, m_xy: float
+) -> float:
+    """Pearson correlation from a count, two means and the centred co-moments.
+
+    NaN when ``n < 2`` or when either side is constant: its standard deviation is
+    below what float32 arithmetic resolves relative to its mean.
+    """
+    if n < 2:
+        return math.nan
+    for m_self, center in ((m_xx, mean_x), (m_yy, mean_y)):
+        if math.sqrt(max(m_self, 0.0) / n) <= _CONSTANT_RELATIVE_STD * abs(center):
+            return math.nan
+        if m_self <= 0.0:
+            return math.nan
+    return max(-1.0, min(1.0, m_xy / math.sqrt(m_xx * m_yy)))
+
+
+def _pearson(w: Window) -> float:
+    return pearson_from_moments(
+        w.n,
+        w["prob_actor"],
+        w["prob_rollout"],
+        w["prob_actor*prob_actor"],
+        w["prob_rollout*prob_rollout"],
+        w["prob_actor*prob_rollout"],
+    )
+
+
+def _ess(w: Window) -> float:
+    return w["ratio"] ** 2 / (w.n * w["ratio_sq"]) if w["ratio_sq"] > 0 else math.nan
+
+
+AGREEMENT, DIVERGENCE, SEQUENCES, HEALTH = "agreement", "divergence", "sequences", "health"
+CATEGORIES = (AGREEMENT, DIVERGENCE, SEQUENCES, HEALTH)
+"""The dashboard's categories, in order."""
+
+_PROBS_DIFF = (AGREEMENT, "probability diff |pa - pb|: max, mean, std")
+_LOG_DIFF = (AGREEMENT, "log-prob diff |a - b|: max, mean, std")
+_RATIO = (DIVERGENCE, "importance ratio: mean, min, max")
+_RATIO_FRACTIONS = (DIVERGENCE, "importance ratio: fraction above C, below 1/C")
+_PPL = (SEQUENCES, "perplexity: actor, rollout")
+_PPL_DIFF = (SEQUENCES, "log-perplexity diff: mean, max abs")
+_GEO = (SEQUENCES, "geometric-mean ratio: min, max")
+
+CATALOG: tuple[Metric, ...] = (
+    # ---------------------------------------------------------------- seed
+    Metric(
+        "rollout_probs_diff_valid",
+        "seed",
+        lambda w: 1.0 if w.n >= 1 else 0.0,
+        (HEALTH, "window has tokens (1) or not (0)"),
+    ),
+    Metric("rollout_probs_diff_max", "seed", lambda w: w.extreme("max_prob_diff"), _PROBS_DIFF),
+    # verl's FAQ: below about 0.005 is normal, above 0.01 points to an engine precision bug.
+    Metric(
+        "rollout_probs_diff_mean",
+        "seed",
+        lambda w: w.mean("prob_diff"),
+        _PROBS_DIFF,
+        alert=(None, 0.01),
+    ),
+    Metric("rollout_probs_diff_std", "seed", lambda w: w.std("prob_diff"), _PROBS_DIFF),
+    # MiniMax-M1: about 0.987 with the bf16 LM head (the bug), about 0.997 after the FP32
+    # fix. 0.99 sits between the two: a fixed setup passes, the reported bug is flagged.
+    Metric(
+        "rollout_actor_probs_pearson_corr",
+        "seed",
+        _pearson,
+        (AGREEMENT, "Pearson correlation of pa and pb"),
+        alert=(0.99, None),
+    ),
+    # ----------------------------------------------------------- log space
+    Metric(
+        "rollout_log_probs_diff_max", "log_space", lambda w: w.extreme("max_log_diff"), _LOG_DIFF
+    ),
+    Metric("rollout_log_probs_diff_mean", "log_space", lambda w: w.mean("log_diff"), _LOG_DIFF),
+    Metric("rollout_log_probs_diff_std", "log_space", lambda w: w.std("log_diff"), _LOG_DIFF),
+    # ------------------------------------------------------------------ kl
+    Metric(
+        "rollout_actor_kl_k1",
+        "kl",
+        lambda w: -w.per_token("log_ratio"),
+        (DIVERGENCE, "KL(rollout || actor): k1, k3"),
+    ),
+    # NeMo-RL: a generation KL below about 1e-3 is typical. 1e-2 is ten times that, about
+    # what a token-level |r| of 0.1-0.15 gives (k3 ~ r^2 / 2): flags real drift (stale
+    # weights, a wrong sampler setting) without firing on bf16 noise.
+    Metric(
+        "rollout_actor_kl_k3",
+        "kl",
+        lambda w: w.per_token("kl_k3"),
+        (DIVERGENCE, "KL(rollout || actor): k1, k3"),
+        alert=(None, 0.01),
+    ),
+    # NeMo-RL: near 1.0 is healthy, above about 1.05 is worth investigating.
+    Metric(
+        "rollout_actor_mult_prob_error",
+        "kl",
+        lambda w: 1.0 + w.per_token("mult_error_m1"),
+        (DIVERGENCE, "multiplicative probability error"),
+        alert=(None, 1.05),
+    ),
+    # ----------------------------------------------------- importance ratio
+    Metric(
+        "rollout_is_ratio_mean", "importance_ratio", lambda w: 1.0 + w.per_token("ratio_m1"), _RATIO
+    ),
+    Metric(
+        "rollout_is_ratio_min",
+        "importance_ratio",
+        lambda w: math.exp(w["min_log_ratio"]) if w.n >= 1 else math.nan,
+        _RATIO,
+    ),
+    Metric(
+        "rollout_is_ratio_max",
+        "importance_ratio",
+        lambda w: math.exp(w["max_log_ratio"]) if w.n >= 1 else math.nan,
+        _RATIO,
+    ),
+    Metric(
+        "rollout_is_ratio_frac_high",
+        "importance_ratio",
+        lambda w: w.per_token("ratio_high"),
+        _RATIO_FRACTIONS,
+    ),
+    Metric(
+        "rollout_is_ratio_frac_low",
+        "importance_ratio",
+        lambda w: w.per_token("ratio_low"),
+        _RATIO_FRACTIONS,
+    ),
+    Metric(
+        "rollout_is_chi2",
+        "importance_ratio",
+        lambda w: w.per_token("ratio_sq_m1"),
+        (DIVERGENCE, "importance ratio: chi-square"),
+    ),
+    Metric(
+        "rollout_is_ess",
+        "importance_ratio",
+        _ess,
+        (DIVERGENCE, "importance ratio: effective sample size (fraction)"),
+    ),
+    # ------------------------------------------------------------- sequence
+    Metric("actor_ppl", "sequence", lambda w: w.per_sequence("seq_ppl_actor"), _PPL),
+    Metric("rollout_ppl", "sequence", lambda w: w.per_sequence("seq_ppl_rollout"), _PPL),
+    Metric(
+        "rollout_actor_log_ppl_diff",
+        "sequence",
+        lambda w: -w.per_sequence("seq_log_ratio"),
+        _PPL_DIFF,
+    ),
+    Metric(
+        "rollout_actor_log_ppl_abs_diff_max",
+        "sequence",
+        lambda w: w.sequence_extreme("max_seq_abs_log_ratio"),
+        _PPL_DIFF,
+    ),
+    Metric(
+        "rollout_seq_geo_ratio_min",
+        "sequence",
+        lambda w: _exp(w["min_seq_log_ratio"]) if w.sequences >= 1 else math.nan,
+        _GEO,
+    ),
+    Metric(
+        "rollout_seq_geo_ratio_max",
+        "sequence",
+        lambda w: _exp(w["max_seq_log_ratio"]) if w.sequences >= 1 else math.nan,
+        _GEO,
+    ),
+    Metric(
+        "rollout_seq_frac_outside",
+        "sequence",
+        lambda w: w.per_sequence("seq_outside"),
+        (SEQUENCES, "fraction of sequences outside the ratio band"),
+    ),
+    # --------------------------------------------------------------- health
+    Metric("rollout_tokens", "health", lambda w: w.n, (HEALTH, "tokens")),
+    Metric("rollout_sequences", "health", lambda w: w.sequences, (HEALTH, "sequences")),
+    Metric(
+        "rollout_nonfinite_tokens",
+        "health",
+        lambda w: w["nonfinite"],
+        (HEALTH, "non-finite tokens dropped"),
+    ),
+    # ------------------------------------------------------------ token ids
+    Metric(
+        "rollout_token_diff_count",
+        "token_ids",
+        lambda w: w["id_diff"] if w["id_updates"] >= 1 else math.nan,
+        (HEALTH, "token-id diffs: count"),
+    ),
+    Metric(
+        "rollout_token_diff_seq_frac",
+        "token_ids",
+        lambda w: w["id_diff_rows"] / w["id_rows"] if w["id_rows"] >= 1 else math.nan,
+        (HEALTH, "token-id diffs: fraction of sequences"),
+    ),
+)
+"""Every metric, in the order of ``docs/metrics.md``."""
+
+GROUPS: tuple[str, ...] = tuple(dict.fromkeys(metric.group for metric in CATALOG))
+"""The metric groups, in the order of ``docs/metrics.md``."""
+
+METRIC_NAMES: dict[str, tuple[str, ...]] = {
+    group: tuple(metric.name for metric in CATALOG if metric.group == group) for group in GROUPS
+}
+"""The un-prefixed metric names of each group."""
+
+DEFAULT_ALERT_RANGES: dict[str, tuple[Bound, Bound]] = {
+    metric.name: metric.alert for metric in CATALOG if metric.alert is not None
+}
+"""The ranges used when ``alert_ranges=None`` (metrics of disabled groups are left out)."""
+
+
+def _dashboard() -> tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...]:
+    charts: dict[tuple[str, str], list[str]] = {}
+    for metric in CATALOG:
+        charts.setdefault(metric.chart, []).append(metric.name)
+    return tuple(
+        (
+            category,
+            tuple(
+                (title, tuple(names))
+                for (where, title), names in charts.items()
+                if where == category
+            ),
+        )
+        for category in CATEGORIES
+    )
+
+
+DASHBOARD = _dashboard()
+"""The custom-scalars dashboard: ``(category, ((chart title, metric names), ...))``."""
+
+
+def metrics_from_state(state: Sequence[float]) -> dict[str, float]:
+    """Every metric of the catalog from a packed state on the host (NaN if undefined)."""
+    window = Window(state)
+    return {metric.name: metric.value(window) for metric in CATALOG}

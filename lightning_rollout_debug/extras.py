@@ -1,0 +1,697 @@
+"""Device-side histograms and worst tokens of a window: :class:`TokenExtras`.
+
+Next to the statistics, :class:`TokenExtras` keeps one packed float64 vector on the
+batch's device, laid out by a :class:`~lightning_rollout_debug.layout.Layout`:
+
+* two histograms with FIXED bins, of the log ratio ``r = a - b`` and of
+  ``abs(exp(a) - exp(b))`` over the counting tokens, each with its count, minimum,
+  maximum, sum and sum of squares (what ``SummaryWriter.add_histogram_raw`` takes);
+* the ``k`` counting tokens with the largest ``abs(r)``, with where they came from.
+
+An update is masked arithmetic (a bin index from each value's bits, ``scatter_add_``
+into a fixed-size tensor, ``topk``) with no host synchronisation. Because the bins are
+fixed, windows and ranks merge exactly: bin counts, counts and sums add, extremes fold,
+and the best ``k`` of all candidates are kept. :meth:`TokenExtras.summary` reads a
+merged vector, copied to the host once; the writers of :mod:`.tensorboard` draw it.
+
+Tokens count exactly as in the statistics: log-probs are floored at
+:data:`~lightning_rollout_debug.rows.LOG_PROB_FLOOR` first, and a token counts where
+the mask is non-zero and both log-probs are finite.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_rollout_debug import native
+from lightning_rollout_debug.backends import compile_problems, fusion_wanted, run_fused
+from lightning_rollout_debug.batch import (
+    TOKEN_ID_DTYPES,
+    MismatchInputs,
+    check_inputs,
+    check_token_ids,
+)
+from lightning_rollout_debug.layout import Block, Layout
+from lightning_rollout_debug.rows import (
+    ROW_FIELDS,
+    counting_tokens,
+    exp,
+    prob_diff,
+    rows_for,
+    state_from_rows,
+)
+from lightning_rollout_debug.stats import MismatchStats, ThreadSafeWindow
+
+
+class QuarterOctaveBins:
+    """Fixed logarithmic bins whose index is read off a float's bits, exactly and fast.
+
+    The edges are ``2**e * (1, 1.25, 1.5, 1.75)`` for ``e = low ... low + octaves - 1``,
+    then ``2**(low + octaves)``: four bins per octave (about 13 per decade, each at most
+    25 % wide), all of them exactly representable in float32 and float64. For a positive
+    float, the exponent and the two leading mantissa bits ARE the bin, so the index is a
+    shift of the bit pattern: several times cheaper than the binary search of
+    ``torch.bucketize``, with the same result (``bucketize(x, edges, right=True)``).
+
+    Unsigned bins (for values >= 0) are ``(-inf, m_0)``, ``[m_j, m_{j+1})``, ``[m_top,
+    inf)`` over the magnitudes ``m``. Signed bins mirror them: ``(-inf, -m_top)``, ...,
+    ``[-m_{j+1}, -m_j)``, ..., ``[-m_0, m_0)`` (zero and anything smaller than ``m_0``),
+    ..., ``[m_top, inf)``.
+
+    Args:
+        low: ``m_0 = 2**low``, the smallest magnitude edge.
+        octaves: the number of octaves above it (``m_top = 2**(low + octaves)``).
+        signed: mirror the bins to negative values.
+    """
+
+    def __init__(self, low: int, octaves: int, *, signed: bool) -> None:
+        self.low, self.octaves, self.signed = low, octaves, signed
+        self.top = 4 * octaves  # index of the largest magnitude edge
+        magnitudes = [2.0 ** (low + j // 4) * (1 + (j % 4) / 4) for j in range(self.top + 1)]
+        negative = [-m for m in reversed(magnitudes)] if signed else []
+        self.edges: tuple[float, ...] = (*negative, *magnitudes)
+        """The sorted edges; ``len(edges) + 1`` bins."""
+
+    def index(self, values: Tensor) -> Tensor:
+        """The bin of each of the (finite, contiguous) float32 or float64 ``values``."""
+        if values.dtype == torch.float64:
+            int_dtype, shift, bias, magnitude = torch.int64, 50, 1023, (1 << 63) - 1
+        elif values.dtype == torch.float32:
+            int_dtype, shift, bias, magnitude = torch.int32, 21, 127, (1 << 31) - 1
+        else:
+            raise TypeError(f"QuarterOctaveBins: float32 or float64 values, got {values.dtype}")
+        bits = values.view(int_dtype)
+        offset = (bias + self.low) << 2
+        if not self.signed:
+            # A negative value has the sign bit set: a negative int, clamped to bin 0.
+            return ((bits >> shift) - offset).clamp_(-1, self.top).add_(1).long()
+        negative = bits < 0
+        # For x < 0 the bins close on the other side (x in [-m_{j+1}, -m_j) when
+        # abs(x) in (m_j, m_{j+1}]): one unit less in the last place turns "<=" into "<".
+        steps = ((bits & magnitude) - negative.to(int_dtype)) >> shift
+        side = (steps - offset).clamp_(-1, self.top).add_(1)
+        return torch.where(negative, -side, side).add_(self.top + 1).long()
+
+
+LOG_RATIO_BINS = QuarterOctaveBins(-20, 25, signed=True)
+"""Bins of the log-ratio histogram: symmetric, four per octave from ``2**-20`` (about
+1e-6) to ``2**5 = 32`` on each side (``abs(r) <= 20`` after the floor), with a central
+bin ``[-2**-20, 2**-20)`` that holds exact zeros (identical log-probs) and differences
+below float32 resolution."""
+
+PROBS_DIFF_BINS = QuarterOctaveBins(-27, 27, signed=False)
+"""Bins of the ``abs(pa - pb)`` histogram: four per octave from ``2**-27`` (about 7e-9)
+to 1; the first bin holds exact zeros and differences below the floor's probability
+scale (``e**-20``, about 2e-9)."""
+
+LOG_RATIO_EDGES: tuple[float, ...] = LOG_RATIO_BINS.edges
+"""Edges of the log-ratio histogram (202: 203 bins)."""
+
+PROBS_DIFF_EDGES: tuple[float, ...] = PROBS_DIFF_BINS.edges
+"""Edges of the ``abs(pa - pb)`` histogram (109: 110 bins)."""
+
+HISTOGRAMS: tuple[tuple[str, QuarterOctaveBins], ...] = (
+    ("rollout_log_ratio_hist", LOG_RATIO_BINS),
+    ("rollout_probs_diff_hist", PROBS_DIFF_BINS),
+)
+"""The histograms: un-prefixed TensorBoard tag and bins.
+
+With edges ``e_0 < ... < e_{n-1}`` there are ``n + 1`` bins: ``(-inf, e_0)``,
+``[e_{i-1}, e_i)`` and ``[e_{n-1}, inf)``, which is ``numpy.searchsorted(edges, x,
+side="right")`` and TensorBoard's own convention (a bucket holds values below its limit).
+"""
+
+WORST_FIELDS: tuple[str, ...] = (
+    "abs_log_ratio",
+    "log_ratio",
+    "actor_prob",
+    "rollout_prob",
+    "batch",
+    "row",
+    "position",
+    "token_id",
+    "rank",
+)
+"""Columns of a worst-token candidate in the packed state (``token_id`` is -1 if unknown)."""
+
+_F = len(WORST_FIELDS)
+_MOMENTS = ("num", "min", "max", "sum", "sum_squares")
+_PLACEHOLDER = (-math.inf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0)
+"""A candidate that loses against any token (no token id)."""
+
+
+def extras_problems(*, histograms: Any, worst_tokens_k: Any, dashboard_layout: Any) -> list[str]:
+    """Return what is wrong with the TensorBoard-extras arguments (empty if nothing)."""
+    problems = []
+    for name, value in (("histograms", histograms), ("dashboard_layout", dashboard_layout)):
+        if not isinstance(value, bool):
+            problems.append(f"`{name}` must be True or False, got {value!r}.")
+    if (
+        isinstance(worst_tokens_k, bool)
+        or not isinstance(worst_tokens_k, int)
+        or worst_tokens_k < 0
+    ):
+        problems.append(
+            f"`worst_tokens_k` must be an int >= 0 (0 turns the table off), got {worst_tokens_k!r}."
+        )
+    return problems
+
+
+# ------------------------------------------------------------------------ summaries
+@dataclass(frozen=True)
+class Histogram:
+    """A merged fixed-bin histogram, on the host.
+
+    ``counts[i]`` is the number of values in bin ``i`` of ``edges`` (see
+    :data:`HISTOGRAMS` for the convention); ``num`` is their total.
+    """
+
+    edges: tuple[float, ...]
+    counts: tuple[float, ...]
+    num: float
+    min: float
+    max: float
+    sum: float
+    sum_squares: float
+
+    def bucket_limits(self) -> list[float]:
+        """Upper limit of every bin, as TensorBoard wants it (the last is ``DBL_MAX``)."""
+        return [*self.edges, sys.float_info.max]
+
+    def support(self) -> slice:
+        """The bins from the first to the last non-empty one (empty if there is none)."""
+        filled = [i for i, count in enumerate(self.counts) if count > 0]
+        return slice(filled[0], filled[-1] + 1) if filled else slice(0, 0)
+
+
+@dataclass(frozen=True)
+class WorstToken:
+    """One of the tokens with the largest ``abs(r)`` of a window.
+
+    ``batch`` is the index of the training batch within the window (0 for the first
+    batch after the previous logged step), ``row`` and ``position`` locate the token in
+    that batch's ``[B, T]`` tensors, ``token_id`` is ``None`` when the batch had no ids.
+    """
+
+    log_ratio: float
+    actor_prob: float
+    rollout_prob: float
+    batch: int
+    row: int
+    position: int
+    token_id: int | None
+    rank: int
+
+
+@dataclass(frozen=True)
+class ExtrasSummary:
+    """What a window's extras show: its histograms (by tag) and worst tokens, worst first."""
+
+    histograms: dict[str, Histogram]
+    worst_tokens: list[WorstToken]
+
+
+# ------------------------------------------------------------------------ the state
+class TokenExtras(ThreadSafeWindow):
+    """Histograms and worst tokens of a window of tokens, kept on the batch's device.
+
+    Feed it the same ``[B, T]`` tensors as :class:`~lightning_rollout_debug.MismatchStats`
+    with :meth:`update` (from several threads if need be: adding a batch to the window
+    holds a lock); :attr:`state` is one packed float64 vector of fixed length
+    :attr:`size`, and :meth:`merge_states` merges several (windows, or every rank's) into
+    one. :meth:`summary` reads a merged state on the host.
+
+    Args:
+        histograms: keep the two fixed-bin histograms of :data:`HISTOGRAMS`.
+        worst_tokens_k: keep the ``k`` tokens with the largest ``abs(r)``; 0 keeps none.
+        chunk_tokens: rows are processed in chunks of about this many tokens, which
+            bounds the temporary memory of an update.
+        compile: fuse each chunk's arithmetic with ``torch.compile``, as
+            :class:`~lightning_rollout_debug.MismatchStats` does (``None``: for batches of
+            at least 65,536 tokens, falling back to eager arithmetic where compilation
+            is unavailable).
+
+    Example:
+        >>> import torch
+        >>> extras = TokenExtras(worst_tokens_k=1)
+        >>> rollout = torch.log(torch.tensor([[0.5, 0.25, 0.9]]))
+        >>> actor = torch.log(torch.tensor([[0.5, 0.20, 0.9]]))
+        >>> extras.update(rollout, actor, torch.tensor([[1, 1, 0]]), batch_index=3)
+        >>> summary = extras.summary(extras.state)
+        >>> summary.histograms["rollout_log_ratio_hist"].num
+        2.0
+        >>> worst = summary.worst_tokens[0]
+        >>> worst.batch, worst.row, worst.position, round(worst.actor_prob, 6)
+        (3, 0, 1, 0.2)
+    """
+
+    def __init__(
+        self,
+        *,
+        histograms: bool = True,
+        worst_tokens_k: int = 10,
+        chunk_tokens: int = 1 << 18,
+        compile: bool | None = None,
+    ) -> None:
+        problems = extras_problems(
+            histograms=histograms, worst_tokens_k=worst_tokens_k, dashboard_layout=True
+        )
+        if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+            problems.append(f"`chunk_tokens` must be a positive int, got {chunk_tokens!r}.")
+        problems += compile_problems(compile)
+        if problems:
+            raise ValueError("Invalid TokenExtras arguments:\n- " + "\n- ".join(problems))
+        self.histograms = histograms
+        self.worst_tokens_k = worst_tokens_k
+        self.chunk_tokens = chunk_tokens
+        self.compile = compile
+        self._histograms = HISTOGRAMS if histograms else ()
+        self.layout = extras_layout(self._histograms, worst_tokens_k)
+        """The packed state: each histogram as ``[bin counts..., num, min, max, sum,
+        sum_squares]``, then ``k`` candidates of :data:`WORST_FIELDS`."""
+        self._worst_at = self.layout.size - worst_tokens_k * _F
+        self.size = self.layout.size
+        self._state: Tensor | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def state(self) -> Tensor:
+        """The packed float64 state vector (the identity when nothing was added)."""
+        return self.identity_state() if self._state is None else self._state
+
+    def identity_state(self, device: torch.device | str | None = None) -> Tensor:
+        """The packed state of an empty window, built with fill kernels on ``device``."""
+        return self.layout.identity(device)
+
+    def load_state(self, state: Tensor) -> None:
+        """Replace the window with a packed state vector of length :attr:`size`."""
+        if state.shape != (self.size,):
+            raise ValueError(
+                f"A packed extras state has shape ({self.size},); got {tuple(state.shape)}."
+            )
+        copied = state.detach().to(torch.float64).clone()
+        with self._lock:
+            self._state = copied
+
+    def reset(self) -> None:
+        """Start a new, empty window."""
+        with self._lock:
+            self._state = None
+
+    def state_problems(self, state: Any, what: str = "the extras window") -> list[str]:
+        """Why ``state`` cannot be a packed extras window of real tokens (or ``[]``)."""
+        return self.layout.problems(state, what)
+
+    def merge_states(self, states: Tensor) -> Tensor:
+        """Merge packed states stacked as ``[n, size]`` into one, on their device.
+
+        Bin counts, counts and sums add, minima and maxima fold, and the ``k`` candidates
+        with the largest ``abs(r)`` among all ``n * k`` are kept.
+        """
+        return self.layout.merge(states)
+
+    # ----------------------------------------------------------------- update
+    @torch.no_grad()
+    def update(
+        self,
+        rollout_log_probs: Tensor,
+        old_log_probs: Tensor,
+        mask: Tensor,
+        token_ids: Tensor | None = None,
+        *,
+        batch_index: int = 0,
+        rank: int = 0,
+    ) -> None:
+        """Add one batch to the window.
+
+        Args:
+            rollout_log_probs: ``[B, T]`` log-probs the rollout engine recorded (``b``).
+            old_log_probs: ``[B, T]`` log-probs the trainer recomputed (``a``).
+            mask: ``[B, T]``; a position counts where it is non-zero.
+            token_ids: optional ``[B, T]`` integer ids of the sampled tokens, shown in the
+                worst-tokens table.
+            batch_index: the batch's index within the window, shown in the table.
+            rank: the process's rank, shown in the table.
+
+        Raises:
+            ValueError: the tensors have the wrong type, rank, shape, dtype or devices.
+        """
+        inputs = check_inputs(rollout_log_probs, old_log_probs, mask)
+        if token_ids is not None:
+            check_token_ids(token_ids, token_ids, mask, names=("token_ids", "token_ids", "mask"))
+        batch, width = mask.shape
+        device = mask.device
+        parts = []
+        native_state = self._native_state(inputs, token_ids, batch_index, rank)
+        if native_state is not None:
+            parts.append(native_state)
+        elif batch * width > 0:
+            rows = max(1, self.chunk_tokens // width)
+            # As tensors made by fill kernels (no copy from the host): a compiler would
+            # otherwise specialise on every new batch index.
+            labels = [
+                torch.full((), float(value), dtype=torch.float64, device=device)
+                for value in (batch_index, rank)
+            ]
+
+            def chunks(state_of: Callable[..., Tensor], fused: bool) -> list[Tensor]:
+                return [
+                    state_of(
+                        self,
+                        inputs.rollout_log_probs[start : start + rows],
+                        inputs.old_log_probs[start : start + rows],
+                        inputs.mask[start : start + rows],
+                        None if token_ids is None else token_ids[start : start + rows],
+                        start,
+                        labels[0],
+                        labels[1],
+                    )
+                    for start in range(0, batch, rows)
+                ]
+
+            compile = self.compile if device.type != "cpu" else bool(self.compile)
+            parts += run_fused(TokenExtras._chunk_state, compile, batch * width, chunks)
+        self._add(parts, device)
+
+    def _add(self, parts: list[Tensor], device: torch.device) -> None:
+        """Merge packed states into the window, under the lock; it ends on ``device``."""
+        with self._lock:
+            if self._state is not None:
+                parts = [self._state.to(device), *parts]
+            if not parts:
+                parts.append(self.identity_state(device))
+            self._state = parts[0] if len(parts) == 1 else self.merge_states(torch.stack(parts))
+
+    # ------------------------------------------------------------ native kernel
+    def kernel_request(self) -> native.ExtrasRequest | None:
+        """What the native kernel accumulates for these extras (``None``: k too large)."""
+        if self.worst_tokens_k > native.MAX_WORST_TOKENS:
+            return None
+        return native.ExtrasRequest(
+            ratio_bins=(LOG_RATIO_BINS.low, LOG_RATIO_BINS.octaves),
+            diff_bins=(PROBS_DIFF_BINS.low, PROBS_DIFF_BINS.octaves),
+            histograms=bool(self._histograms),
+            k=self.worst_tokens_k,
+        )
+
+    def _native_state(
+        self, inputs: MismatchInputs, token_ids: Tensor | None, batch_index: int, rank: int
+    ) -> Tensor | None:
+        """The batch's state from one native pass; ``None`` where the kernel does not apply."""
+        batch, width = inputs.mask.shape
+        request = self.kernel_request()
+        if not (inputs.mask.device.type == "cpu" and batch * width > 0 and request):
+            return None
+        if not fusion_wanted(self.compile, batch * width):
+            return None
+        rows = native.row_sums(
+            inputs.rollout_log_probs,
+            inputs.old_log_probs,
+            inputs.mask,
+            frozenset(),
+            2.0,
+            ROW_FIELDS,
+            extras=request,
+        )
+        if rows is None:
+            return None
+        return self.state_from_kernel(rows, inputs, token_ids, batch_index, rank)
+
+    def state_from_kernel(
+        self,
+        rows: dict[str, Tensor],
+        inputs: MismatchInputs,
+        token_ids: Tensor | None,
+        batch_index: int,
+        rank: int,
+    ) -> Tensor:
+        """The packed state of a batch from the kernel's extras (``native.row_sums``).
+
+        The histograms' moments fold the kernel's per-row ones; the worst tokens are the
+        best ``k`` of the kernel's per-row candidates (the best ``k`` of each row hold
+        the best ``k`` of the batch), read back from the inputs at their places.
+        """
+        f64 = torch.float64
+        out, bins = rows["extras_rows"], rows["extras_bins"]
+        parts = []
+        if self._histograms:
+            moments = out[:, : native.EXTRAS_MOMENTS]
+            largest, totals = moments[:, :4].amax(0), moments[:, 4:].sum(0)
+            split = len(LOG_RATIO_EDGES) + 1
+            for counts, high, negative_low, total, squares in (
+                (bins[:split], largest[0], largest[1], totals[0], totals[1]),
+                (bins[split:], largest[2], largest[3], totals[2], totals[3]),
+            ):
+                summary = [counts.sum(), -negative_low, high, total, squares]
+                parts += [counts, torch.stack(summary).to(f64)]
+        k = self.worst_tokens_k
+        if k:
+            pairs = out[:, native.EXTRAS_MOMENTS :].reshape(-1, k, 2)
+            keys, places = pairs[..., 0].flatten(), pairs[..., 1].flatten()
+            top = torch.topk(keys, min(k, keys.numel()))
+            row = top.indices // k
+            position = places.index_select(0, top.indices).long().clamp(min=0)
+            real = torch.isfinite(top.values)
+
+            def pick(values: Tensor) -> Tensor:
+                return torch.where(real, values[row, position].to(f64), 0.0)
+
+            a, b, r, _, _ = counting_tokens(
+                inputs.rollout_log_probs[row, position].unsqueeze(1),
+                inputs.old_log_probs[row, position].unsqueeze(1),
+                torch.ones(len(row), 1, dtype=torch.bool),
+            )
+            a, b, r = (torch.where(real, x.squeeze(1).to(f64), 0.0) for x in (a, b, r))
+            count = len(row)
+            columns = [
+                top.values,
+                r,
+                torch.exp(a),
+                torch.exp(b),
+                torch.full((count,), float(batch_index), dtype=f64),
+                row.to(f64),
+                position.to(f64),
+                torch.full((count,), -1.0, dtype=f64) if token_ids is None else pick(token_ids),
+                torch.full((count,), float(rank), dtype=f64),
+            ]
+            found = torch.stack(columns, dim=1)
+            if count < k:
+                options: dict[str, Any] = {"dtype": f64, "device": found.device}
+                found = torch.cat([found, self._empty_candidates(k - count, options)])
+            parts.append(found.flatten())
+        return torch.cat(parts)
+
+    def _chunk_state(
+        self,
+        rollout_log_probs: Tensor,
+        old_log_probs: Tensor,
+        mask: Tensor,
+        token_ids: Tensor | None,
+        first_row: int,
+        batch_index: Tensor,
+        rank: Tensor,
+    ) -> Tensor:
+        f64 = torch.float64
+        a, b, r, masked, finite = counting_tokens(rollout_log_probs, old_log_probs, mask)
+        counting = masked & finite
+        parts = []
+        if self._histograms:
+            keep = counting.flatten()
+            weight = keep.to(f64)
+            # The same abs(pa - pb) as the statistics; r and the diff are zero where a
+            # token does not count.
+            values = {
+                "rollout_log_ratio_hist": r,
+                "rollout_probs_diff_hist": prob_diff(exp(a), exp(b), r),
+            }
+            for name, spec in self._histograms:
+                parts.append(_histogram_state(values[name].flatten(), keep, weight, spec))
+        if self.worst_tokens_k:
+            parts.append(
+                self._candidates(a, b, r, counting, token_ids, first_row, batch_index, rank)
+            )
+        return torch.cat(parts)
+
+    def _candidates(
+        self,
+        a: Tensor,
+        b: Tensor,
+        r: Tensor,
+        counting: Tensor,
+        token_ids: Tensor | None,
+        first_row: int,
+        batch_index: Tensor,
+        rank: Tensor,
+    ) -> Tensor:
+        """The chunk's ``k`` tokens with the largest ``abs(r)``, as ``[k * F]`` (no sync)."""
+        f64 = torch.float64
+        width = r.shape[1]
+        key = torch.where(counting, r.abs(), -math.inf).flatten()
+        k = min(self.worst_tokens_k, key.numel())
+        top = torch.topk(key, k)
+        index = top.indices
+
+        def pick(values: Tensor) -> Tensor:
+            # A picked token that does not count (fewer counting tokens than k) may hold
+            # NaN or inf in `a`: zero it, its key of -inf drops it anyway.
+            picked = values.flatten().index_select(0, index).to(f64)
+            return torch.where(torch.isfinite(top.values), picked, 0.0)
+
+        options: dict[str, Any] = {"dtype": f64, "device": r.device}
+        columns = [
+            top.values.to(f64),
+            pick(r),
+            torch.exp(pick(a)),
+            torch.exp(pick(b)),
+            batch_index.expand(k),
+            (index // width + first_row).to(f64),
+            (index % width).to(f64),
+            torch.full((k,), -1.0, **options) if token_ids is None else pick(token_ids),
+            rank.expand(k),
+        ]
+        found = torch.stack(columns, dim=1)
+        missing = self.worst_tokens_k - k
+        if missing:
+            found = torch.cat([found, self._empty_candidates(missing, options)])
+        return found.flatten()
+
+    @staticmethod
+    def _empty_candidates(count: int, options: dict[str, Any]) -> Tensor:
+        """``count`` placeholder candidates that lose against any token."""
+        return torch.tensor(_PLACEHOLDER, **options).repeat(count, 1)
+
+    # --------------------------------------------------------------- summary
+    def summary(self, state: Tensor | Sequence[float]) -> ExtrasSummary:
+        """Read a (merged) packed state: histograms by tag and worst tokens, worst first.
+
+        Give it a host tensor or a list: reading a device tensor copies it to the host.
+        """
+        values = state.tolist() if isinstance(state, Tensor) else list(state)
+        if len(values) != self.size:
+            raise ValueError(f"A packed extras state has {self.size} values; got {len(values)}.")
+        histograms = {}
+        offset = 0
+        for name, spec in self._histograms:
+            edges = spec.edges
+            bins = len(edges) + 1
+            moments = values[offset + bins : offset + bins + len(_MOMENTS)]
+            histograms[name] = Histogram(edges, tuple(values[offset : offset + bins]), *moments)
+            offset += bins + len(_MOMENTS)
+        worst = []
+        for start in range(self._worst_at, self.size, _F):
+            row = dict(zip(WORST_FIELDS, values[start : start + _F], strict=True))
+            if row["abs_log_ratio"] == -math.inf:
+                continue
+            worst.append(
+                WorstToken(
+                    log_ratio=row["log_ratio"],
+                    actor_prob=row["actor_prob"],
+                    rollout_prob=row["rollout_prob"],
+                    batch=int(row["batch"]),
+                    row=int(row["row"]),
+                    position=int(row["position"]),
+                    token_id=None if row["token_id"] < 0 else int(row["token_id"]),
+                    rank=int(row["rank"]),
+                )
+            )
+        return ExtrasSummary(histograms, worst)
+
+
+def _histogram_state(
+    values: Tensor, keep: Tensor, weight: Tensor, bins: QuarterOctaveBins
+) -> Tensor:
+    """``[bin counts..., num, min, max, sum, sum_squares]`` of ``values`` where ``keep``.
+
+    ``values`` (float32 or float64) must be zero where ``keep`` is false, so plain sums
+    skip those tokens; ``weight`` is ``keep`` as float64.
+    """
+    counts = torch.zeros(len(bins.edges) + 1, dtype=torch.float64, device=values.device)
+    counts.scatter_add_(0, bins.index(values), weight)
+    exact = values.to(torch.float64)
+    moments = [
+        weight.sum(),
+        torch.where(keep, values, math.inf).amin().to(torch.float64),
+        torch.where(keep, values, -math.inf).amax().to(torch.float64),
+        exact.sum(),
+        torch.dot(exact, exact),
+    ]
+    return torch.cat([counts, torch.stack(moments)])
+
+
+def extras_layout(
+    histograms: Sequence[tuple[str, QuarterOctaveBins]], worst_tokens_k: int
+) -> Layout:
+    """The packed extras state: per histogram its bins and moments, then the candidates."""
+    blocks = []
+    for name, spec in histograms:
+        bins = tuple(f"{name}[{i}]" for i in range(len(spec.edges) + 1))
+        blocks += [
+            Block("sum", (*bins, f"{name}.num"), whole=True),
+            Block("min", (f"{name}.min",)),
+            Block("max", (f"{name}.max",)),
+            Block("sum", (f"{name}.sum", f"{name}.sum_squares")),
+        ]
+    if worst_tokens_k:
+        blocks.append(Block("top", WORST_FIELDS, k=worst_tokens_k, empty=_PLACEHOLDER))
+    return Layout(blocks)
+
+
+def token_ids_for(ids: Any, mask: Tensor) -> Tensor | None:
+    """``ids`` if it is an integer ``[B, T]`` tensor matching ``mask``, else ``None``."""
+    if (
+        isinstance(ids, Tensor)
+        and ids.dtype in TOKEN_ID_DTYPES
+        and ids.shape == mask.shape
+        and ids.device == mask.device
+    ):
+        return ids
+    return None
+
+
+def update_together(
+    stats: MismatchStats,
+    extras: TokenExtras,
+    inputs: MismatchInputs,
+    token_ids: Tensor | None,
+    *,
+    batch_index: int,
+    rank: int,
+) -> bool:
+    """Add a checked batch to the statistics and the extras in ONE read of the batch.
+
+    On CPUs, where the native kernel takes the batch (float32 or bfloat16 log-probs, a
+    fused update), its single pass fills both windows. Returns ``False``, having added
+    nothing, where it does not: the caller then updates each window on its own.
+    """
+    batch, width = inputs.mask.shape
+    request = extras.kernel_request()
+    if not (inputs.mask.device.type == "cpu" and batch * width > 0 and request):
+        return False
+    if not fusion_wanted(stats.compile, batch * width):
+        return False
+    rows = native.row_sums(
+        inputs.rollout_log_probs,
+        inputs.old_log_probs,
+        inputs.mask,
+        rows_for(stats.groups),
+        stats.is_threshold,
+        ROW_FIELDS,
+        extras=request,
+    )
+    if rows is None:
+        return False
+    ids = (inputs.rollout_token_ids, inputs.trainer_token_ids)
+    statistics = state_from_rows(rows, inputs.mask, *ids, stats.groups, stats.seq_ratio_bounds)
+    found = extras.state_from_kernel(rows, inputs, token_ids, batch_index, rank)
+    stats.merge(statistics)
+    extras._add([found], inputs.mask.device)
+    return True

@@ -1,0 +1,425 @@
+"""Per-token arithmetic and row reductions: one pass over a ``[B, T]`` block.
+
+Every token-level quantity of the catalog is reduced along the rows first
+(:func:`row_sums`: one pass over the block, which a compiler fuses into a single loop
+and the native CPU kernel computes by hand), then the ``[B]`` row sums are combined into
+a packed state of :data:`~lightning_rollout_debug.layout.STATE`
+(:func:`state_from_rows`). :data:`ROWS_OF_GROUP` says which row quantities each metric
+group needs; the torch code, the compiled code and the native kernel all follow it, and
+the kernel's columns are checked against :data:`ROW_FIELDS` by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from lightning_rollout_debug.layout import STATE
+
+LOG_PROB_FLOOR = -20.0
+"""Log-probabilities are floored here first, so ``-inf`` counts as -20 nats."""
+
+LOG_RATIO_CLAMP = 20.0
+"""The log importance ratio is clamped to ``[-20, 20]`` before exponentiation."""
+
+_RATIO_MIN, _RATIO_MAX = math.exp(-LOG_RATIO_CLAMP), math.exp(LOG_RATIO_CLAMP)
+
+
+_COMOMENTS = tuple(
+    tuple(name.split("*"))
+    for block in STATE.blocks
+    if block.rule == "comoment"
+    for name in block.names
+)
+
+
+ROW_FIELDS: tuple[str, ...] = (
+    "count",
+    "nonfinite",
+    "max_actor_log_prob",
+    "max_rollout_log_prob",
+    "sum_actor_log_prob",
+    "sum_rollout_log_prob",
+    "prob_actor",
+    "prob_rollout",
+    "prob_diff",
+    "prob_actor*prob_actor",
+    "prob_rollout*prob_rollout",
+    "prob_actor*prob_rollout",
+    "prob_diff*prob_diff",
+    "max_prob_diff",
+    "max_log_ratio",
+    "max_neg_log_ratio",
+    "log_diff",
+    "log_diff*log_diff",
+    "log_ratio",
+    "kl_k3",
+    "mult_error_m1",
+    "ratio_m1",
+    "ratio_sq_m1",
+    "ratio",
+    "ratio_sq",
+    "ratio_high",
+    "ratio_low",
+)
+"""The per-row reductions of an update, in the column order of the native CPU kernel."""
+
+
+_ALWAYS = ("count", "nonfinite", "max_actor_log_prob", "max_rollout_log_prob")
+_PROBS = ("prob_actor", "prob_rollout", "prob_diff")
+_RATIO_EXTREMES = ("max_log_ratio", "max_neg_log_ratio")
+ROWS_OF_GROUP: dict[str, tuple[str, ...]] = {
+    "seed": (
+        *_PROBS,
+        "prob_actor*prob_actor",
+        "prob_rollout*prob_rollout",
+        "prob_actor*prob_rollout",
+        "prob_diff*prob_diff",
+        "max_prob_diff",
+    ),
+    "log_space": (*_RATIO_EXTREMES, "log_diff", "log_diff*log_diff"),
+    "kl": ("log_ratio", "kl_k3", "mult_error_m1"),
+    "importance_ratio": (
+        "log_ratio",
+        *_RATIO_EXTREMES,
+        "ratio_m1",
+        "ratio_sq_m1",
+        "ratio",
+        "ratio_sq",
+        "ratio_high",
+        "ratio_low",
+    ),
+    # The exact sums of the inputs, whereas a float32 r rounds by up to 1e-6 at |r| = 20
+    # and can move a sequence's ratio across a bound; they give sum(r) too.
+    "sequence": ("sum_actor_log_prob", "sum_rollout_log_prob"),
+    "health": (),
+    "token_ids": (),
+}
+"""The row quantities (of :data:`ROW_FIELDS`) each metric group needs, besides the token
+counts and the largest log-probs that every update keeps."""
+
+
+def rows_for(groups: frozenset[str]) -> frozenset[str]:
+    """The row quantities an update of ``groups`` computes.
+
+    With the sequence group, ``log_ratio`` comes from the sums of the inputs instead.
+    """
+    needed = set(_ALWAYS).union(*(ROWS_OF_GROUP[group] for group in groups))
+    if "sum_actor_log_prob" in needed:
+        needed.discard("log_ratio")
+    return frozenset(needed)
+
+
+def batch_state(
+    rollout_log_probs: Tensor,
+    old_log_probs: Tensor,
+    mask: Tensor,
+    rollout_token_ids: Tensor | None,
+    trainer_token_ids: Tensor | None,
+    *,
+    groups: frozenset[str],
+    is_threshold: float,
+    seq_ratio_bounds: tuple[float, float],
+) -> Tensor:
+    """Packed state of one ``[B, T]`` block: masked arithmetic only, nothing leaves the device.
+
+    Every token-level quantity is reduced along the rows first (one pass over the
+    block that a compiler fuses into a single kernel), then the ``[B]`` row sums are
+    combined.
+    """
+    rows = row_sums(rollout_log_probs, old_log_probs, mask, groups, is_threshold)
+    return state_from_rows(
+        rows, mask, rollout_token_ids, trainer_token_ids, groups, seq_ratio_bounds
+    )
+
+
+_RATIO_ROWS = frozenset(
+    {"kl_k3", "mult_error_m1", "ratio_m1", "ratio_sq_m1", "ratio", "ratio_sq", "ratio_high"}
+)
+
+
+def row_sums(
+    rollout_log_probs: Tensor,
+    old_log_probs: Tensor,
+    mask: Tensor,
+    groups: frozenset[str],
+    is_threshold: float,
+) -> dict[str, Tensor]:
+    """The ``[B]`` row reductions of :data:`ROW_FIELDS` that ``groups`` need (:func:`rows_for`).
+
+    Element-wise work runs in float32 (float64 for float64 inputs); products and every
+    sum are float64, so the centred moments that follow from these power sums round
+    below ``1e-16 * (mean / std)^2`` relative. Counts are integers, maxima keep the
+    element dtype (``-inf`` for a row without counting tokens).
+    """
+    f64 = torch.float64
+    needed = rows_for(groups)
+    a, b, r, masked, finite = counting_tokens(rollout_log_probs, old_log_probs, mask)
+    counting = masked & finite
+
+    def row_sum(value: Tensor) -> Tensor:
+        return value.to(f64).sum(1)
+
+    def row_count_of(flags: Tensor) -> Tensor:  # integer lanes are cheaper than float64 ones
+        return flags.sum(1, dtype=torch.int32)
+
+    def row_max(value: Tensor) -> Tensor:
+        return torch.where(counting, value, -math.inf).amax(1)
+
+    rows = {
+        "count": row_count_of(counting),
+        "nonfinite": row_count_of(masked & ~finite),
+        # The largest log-probs: above 0 they are no log-probabilities (found without a sync).
+        "max_actor_log_prob": row_max(a),
+        "max_rollout_log_prob": row_max(b),
+    }
+    if "sum_actor_log_prob" in needed:
+        rows["sum_actor_log_prob"], rows["sum_rollout_log_prob"] = row_sum(a), row_sum(b)
+    values: dict[str, Tensor] = {}
+    if needed & {*_PROBS, "max_prob_diff", *_RATIO_ROWS}:
+        prob_rollout = exp(b)
+        prob_actor = exp(a)
+        diff = prob_diff(prob_actor, prob_rollout, r)
+        values.update(prob_actor=prob_actor, prob_rollout=prob_rollout, prob_diff=diff)
+    if "max_prob_diff" in needed:
+        rows["max_prob_diff"] = row_max(diff)
+    if "max_log_ratio" in needed:
+        # The extremes of abs(r) and of clamp(r) all follow from those of r (clamp is
+        # monotone): two running maxima instead of four.
+        rows["max_log_ratio"], rows["max_neg_log_ratio"] = row_max(r), row_max(-r)
+    if "log_diff" in needed:
+        values["log_diff"] = r.abs()
+    # Masked before widening: float64 lanes are the expensive ones.
+    wide = {
+        name: torch.where(counting, value, 0.0).to(f64)
+        for name, value in values.items()
+        if name in needed
+    }
+    for name, value in wide.items():
+        rows[name] = value.sum(1)
+    for left, right in _COMOMENTS:
+        if f"{left}*{right}" in needed:
+            rows[f"{left}*{right}"] = (wide[left] * wide[right]).sum(1)
+    if "log_ratio" in needed:
+        rows["log_ratio"] = row_sum(r)
+    if needed & _RATIO_ROWS:
+        # No exponential of its own: rho = pa / pb (clamped like r), and near r = 0 the
+        # series of e^r - 1 - r (shared with prob_diff) keeps the digits rho - 1 would lose.
+        near_zero = r.abs() < 0.5
+        curvature = r * r * _exp_tail(r)  # e^r - 1 - r
+        far = (prob_actor / prob_rollout).clamp(_RATIO_MIN, _RATIO_MAX)
+        ratio = torch.where(near_zero, 1.0 + (r + curvature), far)
+        ratio_m1 = torch.where(near_zero, r + curvature, far - 1.0)
+    if "kl_k3" in needed:
+        rows["kl_k3"] = row_sum(torch.where(near_zero, curvature, ratio_m1 - r))
+        # e^|r| - 1 = |pa - pb| / min(pa, pb): no cancellation, and no clamp (|r| > 20 only
+        # comes from positive "log-probs").
+        rows["mult_error_m1"] = row_sum(diff / torch.minimum(prob_actor, prob_rollout))
+    if "ratio_m1" in needed:
+        rows["ratio_m1"] = row_sum(ratio_m1)
+        rows["ratio_sq_m1"] = row_sum(ratio_m1 * (ratio_m1 + 2.0))  # rho^2 - 1
+        # Plain sums for the ESS: n + sum(rho - 1) loses every digit when rho << 1.
+        rows["ratio"] = row_sum(torch.where(counting, ratio, 0.0))
+        rows["ratio_sq"] = row_sum(torch.where(counting, ratio * ratio, 0.0))
+        rows["ratio_high"] = row_count_of(counting & (ratio_m1 > is_threshold - 1.0))
+        rows["ratio_low"] = row_count_of(counting & (ratio_m1 < 1.0 / is_threshold - 1.0))
+    return rows
+
+
+def state_from_rows(
+    rows: dict[str, Tensor],
+    mask: Tensor,
+    rollout_token_ids: Tensor | None,
+    trainer_token_ids: Tensor | None,
+    groups: frozenset[str],
+    seq_ratio_bounds: tuple[float, float],
+) -> Tensor:
+    """Packed state of a block from its row reductions (and its token ids, if compared).
+
+    Reads the rows :func:`rows_for` names for ``groups`` (``rows`` may hold more).
+    """
+    f64 = torch.float64
+    needed = rows_for(groups)
+
+    def total(name: str) -> Tensor:
+        return rows[name].to(f64).sum()
+
+    def largest(name: str) -> Tensor:
+        return rows[name].amax().to(f64)
+
+    row_count = rows["count"].to(f64)
+    count = row_count.sum()
+    slots = {
+        "count": count,
+        "nonfinite": total("nonfinite"),
+        "max_actor_log_prob": largest("max_actor_log_prob"),
+        "max_rollout_log_prob": largest("max_rollout_log_prob"),
+    }
+    moments = [
+        name for name in ("prob_actor", "prob_rollout", "prob_diff", "log_diff") if name in needed
+    ]
+    power = {name: total(name) for name in moments}
+    cross = {
+        (left, right): total(f"{left}*{right}")
+        for left, right in _COMOMENTS
+        if f"{left}*{right}" in needed
+    }
+    means, comoments = _centre(count, power, cross)
+    slots.update(means)
+    slots.update({f"{left}*{right}": value for (left, right), value in comoments.items()})
+    if "max_prob_diff" in needed:
+        slots["max_prob_diff"] = largest("max_prob_diff")
+    if "max_log_ratio" in needed:
+        # An empty block keeps +-inf.
+        r_max, r_min = largest("max_log_ratio"), -largest("max_neg_log_ratio")
+    if "log_diff" in needed:
+        slots["max_log_diff"] = torch.maximum(r_max, -r_min)
+    if "sum_actor_log_prob" in needed:
+        sum_a, sum_b = rows["sum_actor_log_prob"], rows["sum_rollout_log_prob"]
+    if {"kl", "importance_ratio"} & groups:
+        slots["log_ratio"] = total("log_ratio") if "log_ratio" in needed else (sum_a - sum_b).sum()
+    for name in ("kl_k3", "mult_error_m1", "ratio_m1", "ratio_sq_m1", "ratio", "ratio_sq"):
+        if name in needed:
+            slots[name] = total(name)
+    if "ratio_high" in needed:
+        slots["ratio_high"], slots["ratio_low"] = total("ratio_high"), total("ratio_low")
+        slots["max_log_ratio"], slots["min_log_ratio"] = (
+            torch.where(x.isinf(), x, x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+            for x in (r_max, r_min)
+        )
+    if "health" in groups or "sequence" in groups:
+        slots["sequences"] = (row_count > 0).sum(dtype=f64)
+    if "sum_actor_log_prob" in needed:
+        slots.update(_sequence_sums(sum_a, sum_b, row_count, seq_ratio_bounds))
+    if "token_ids" in groups and rollout_token_ids is not None and trainer_token_ids is not None:
+        masked = mask != 0
+        differs = masked & (rollout_token_ids != trainer_token_ids)
+        slots["id_updates"] = torch.ones((), dtype=f64, device=mask.device)
+        slots["id_rows"] = masked.any(1).sum(dtype=f64)
+        slots["id_diff"] = differs.sum(1, dtype=torch.int32).to(f64).sum()
+        slots["id_diff_rows"] = differs.any(1).sum(dtype=f64)
+    return STATE.pack(slots)
+
+
+def counting_tokens(
+    rollout_log_probs: Tensor, old_log_probs: Tensor, mask: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The handling rules of the catalog, element-wise: ``(a, b, r, masked, finite)``.
+
+    Log-probs are floored at :data:`LOG_PROB_FLOOR` in float32 (float64 for float64
+    inputs); a token counts where ``masked & finite`` (mask non-zero, neither log-prob
+    NaN or +inf). ``a`` (old), ``b`` (rollout) and ``r = a - b`` are zero where a token
+    does not count, so plain sums skip those tokens.
+    """
+    f64 = torch.float64
+    dtype = f64 if f64 in (old_log_probs.dtype, rollout_log_probs.dtype) else torch.float32
+    a = old_log_probs.to(dtype).clamp(min=LOG_PROB_FLOOR)
+    b = rollout_log_probs.to(dtype).clamp(min=LOG_PROB_FLOOR)
+    masked = mask != 0
+    finite = (a < math.inf) & (b < math.inf)  # floored: neither NaN nor +inf
+    counting = masked & finite
+    a = torch.where(counting, a, 0.0)
+    b = torch.where(counting, b, 0.0)
+    return a, b, a - b, masked, finite
+
+
+def prob_diff(prob_actor: Tensor, prob_rollout: Tensor, r: Tensor) -> Tensor:
+    """``abs(pa - pb)`` without losing digits, from ``pa = exp(a)``, ``pb = exp(b)``, ``r``.
+
+    ``pa - pb = pb * expm1(r)``, with the series of ``expm1``, for ``|r| < 1/2``: no
+    cancellation when the two are close. Farther apart the subtraction loses at most a
+    factor 5 of rounding, whereas the rounding of ``r`` (up to 1e-6 at ``|r| = 20``) would
+    cost digits.
+    """
+    close = r.abs() < 0.5
+    return torch.where(close, prob_rollout * _expm1_near_zero(r), prob_actor - prob_rollout).abs()
+
+
+def _centre(
+    count: Tensor, power: dict[str, Tensor], cross: dict[tuple[str, str], Tensor]
+) -> tuple[dict[str, Tensor], dict[tuple[str, str], Tensor]]:
+    """Means and centred co-moments from float64 power sums: ``M_xy = S_xy - S_x S_y / n``."""
+    scale = 1.0 / count.clamp(min=1.0)
+    means = {name: total * scale for name, total in power.items()}
+    comoments = {
+        (left, right): (total - power[left] * power[right] * scale).clamp(
+            min=0.0 if left == right else -math.inf
+        )
+        for (left, right), total in cross.items()
+    }
+    return means, comoments
+
+
+def _sequence_sums(
+    sum_a: Tensor,
+    sum_b: Tensor,
+    row_count: Tensor,
+    bounds: tuple[float, float],
+) -> dict[str, Tensor]:
+    """Sequence statistics from the float64 row sums of ``a`` and ``b``."""
+    has_tokens = row_count > 0
+    per_row = row_count.clamp(min=1.0)
+    mean_r = (sum_a - sum_b) / per_row  # log of the geometric-mean ratio; zero for empty rows
+    zero = torch.zeros((), dtype=mean_r.dtype, device=mean_r.device)
+    geo = torch.exp(mean_r)
+    outside = has_tokens & ((geo < bounds[0]) | (geo > bounds[1]))
+    return {
+        "seq_ppl_actor": torch.where(has_tokens, torch.exp(-sum_a / per_row), zero).sum(),
+        "seq_ppl_rollout": torch.where(has_tokens, torch.exp(-sum_b / per_row), zero).sum(),
+        "seq_log_ratio": mean_r.sum(),
+        "seq_outside": outside.sum(dtype=mean_r.dtype),
+        "max_seq_abs_log_ratio": torch.where(has_tokens, mean_r.abs(), -math.inf).amax(),
+        "max_seq_log_ratio": torch.where(has_tokens, mean_r, -math.inf).amax(),
+        "min_seq_log_ratio": torch.where(has_tokens, mean_r, math.inf).amin(),
+    }
+
+
+def exp(x: Tensor) -> Tensor:
+    """``e^x`` as ``2^(x log2 e)``, element-wise.
+
+    The same function, but a compiler that stores every reused ``exp`` result in memory
+    (inductor on CPUs) keeps this one in registers. Rounding ``x log2 e`` costs at most
+    ``|x| * 6e-8`` relative in float32: 1.2e-6 at the log-prob floor, 6e-8 at ``x = -1``.
+    """
+    return torch.exp2(x * 1.4426950408889634)  # a literal: dynamo lifts global floats
+
+
+def _exp_tail(x: Tensor) -> Tensor:
+    """``(e^x - 1 - x) / x^2 = sum_{n >= 2} x^(n-2) / n!`` for ``|x| < 1/2`` (Horner).
+
+    Summed up to ``x^8 / 8!`` in float32 and ``x^14 / 14!`` in float64: for ``|x| < 1/2``
+    the truncation is below the dtype's resolution (relative to ``e^x - 1``: 1.1e-8 and
+    5e-17; to ``e^x - 1 - x``: 4.3e-8 and 1.9e-16). Compilers may lower ``expm1`` to
+    ``exp(x) - 1``, which loses every digit for tiny ``x``; the series keeps them, and
+    one evaluation serves ``expm1`` and ``e^x - 1 - x`` alike.
+    """
+    highest = 14 if x.dtype == torch.float64 else 8
+    tail = torch.full_like(x, 1.0 / math.factorial(highest))
+    for order in range(highest - 1, 1, -1):
+        tail = tail * x + 1.0 / math.factorial(order)
+    return tail
+
+
+def _expm1_near_zero(x: Tensor) -> Tensor:
+    """``e^x - 1`` for ``|x| < 1/2``, to a few ulp."""
+    return x + x * x * _exp_tail(x)
+
+
+def paired_moments(x: Tensor, y: Tensor, keep: Tensor) -> Tensor:
+    """``[n, mean_x, mean_y, M_xx, M_yy, M_xy]`` of the pairs where ``keep`` holds, in float64.
+
+    The same masked power-sum arithmetic as the window statistics; no host
+    synchronisation.
+    """
+    f64 = torch.float64
+    x = torch.where(keep, x, 0).to(f64)
+    y = torch.where(keep, y, 0).to(f64)
+    count = keep.sum(dtype=f64)
+    pairs = (("x", "x"), ("y", "y"), ("x", "y"))
+    values = {"x": x, "y": y}
+    power = {name: value.sum() for name, value in values.items()}
+    cross = {(left, right): (values[left] * values[right]).sum() for left, right in pairs}
+    means, comoments = _centre(count, power, cross)
+    return torch.stack([count, means["x"], means["y"], *(comoments[pair] for pair in pairs)])
