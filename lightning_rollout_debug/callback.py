@@ -110,10 +110,11 @@ class RolloutDebugCallback(Callback):
             crossing), ``"stop"`` (also sets ``trainer.should_stop``) or ``"raise"``
             (:class:`RolloutAlertError`). See ``docs/tensorboard.md``.
         compile: fuse the statistics and the extras of large batches (65,536 tokens or
-            more) with ``torch.compile``: ``None`` does so where it works and falls back to
-            eager arithmetic otherwise, ``False`` never compiles, ``True`` compiles every
-            batch.
-            The results are the same; see ``docs/performance.md``.
+            more) into one pass: on CPUs the native kernel reads the batch once for both,
+            on accelerators ``torch.compile``. ``None`` never compiles on a CPU and falls
+            back to eager arithmetic where fusing does not work, ``False`` never fuses,
+            ``True`` fuses every batch. The results are the same; see
+            ``docs/performance.md``.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -267,6 +268,13 @@ class RolloutDebugCallback(Callback):
                 self._log_window(trainer)
             finally:
                 self._ended = False
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and callable(self.process_group):
+            # The callable made the group in setup("fit"): let go of it, so that whoever
+            # destroys it frees it (a gloo group's threads stop with its last reference).
+            self._group = None
 
     def _log_step(self, trainer: pl.Trainer) -> int:
         """The step ``self.log`` uses for the batch that just ended."""

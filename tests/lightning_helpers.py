@@ -361,3 +361,21 @@ class MemoryLogger(Logger):
             if found:
                 out[step] = found
         return out
+
+
+class ReleaseProcessGroups(pl.Callback):
+    """Destroys every process group at the end of a spawned fit, so their threads stop.
+
+    gloo runs each collective on a worker thread of its group, and that thread drops the
+    collective's tensors only after the caller has gone on. If the caller's Python tensor
+    is gone by then, the thread takes the GIL to free it; if the process has started to
+    exit meanwhile, Python ends the thread with a forced unwind that ``std::terminate``
+    stops ("terminate called without an active exception", SIGABRT). Lightning destroys
+    no gloo group. Destroying a group and dropping its last reference (the callbacks drop
+    theirs in their own ``teardown``, which runs first) joins its threads while the
+    interpreter still runs.
+    """
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

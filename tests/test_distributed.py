@@ -26,7 +26,13 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from lightning_helpers import ListDataset, RolloutModule, make_batch, read_scalars
+from lightning_helpers import (
+    ListDataset,
+    ReleaseProcessGroups,
+    RolloutModule,
+    make_batch,
+    read_scalars,
+)
 from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.strategies import DDPStrategy
@@ -301,7 +307,10 @@ def fit(
         "num_sanity_val_steps": 0,
         **trainer_kwargs,
     }
-    trainer = pl.Trainer(callbacks=[*callbacks, Recorder(str(out_dir), prefixes)], **options)
+    trainer = pl.Trainer(
+        callbacks=[*callbacks, Recorder(str(out_dir), prefixes), ReleaseProcessGroups()],
+        **options,
+    )
     trainer.fit(module, ckpt_path=ckpt_path)
     records = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert [record["rank"] for record in records] == list(range(WORLD))

@@ -18,7 +18,13 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from lightning_helpers import TRAINER_DEFAULTS, RolloutModule, make_batch, read_csv_metrics
+from lightning_helpers import (
+    TRAINER_DEFAULTS,
+    ReleaseProcessGroups,
+    RolloutModule,
+    make_batch,
+    read_csv_metrics,
+)
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
@@ -495,8 +501,9 @@ WAITING_OPS = {
 
 
 def test_update_and_merge_use_no_op_that_waits_for_the_device() -> None:
+    """The torch arithmetic (the path of accelerators)."""
     data = batch(60)
-    extras = TokenExtras(worst_tokens_k=5, chunk_tokens=8)
+    extras = TokenExtras(worst_tokens_k=5, chunk_tokens=8, compile=False)
     with OpRecorder() as recorder:
         extras.update(*tensors(data), data["responses"], batch_index=1)
         extras.merge_states(torch.stack([extras.state, extras.state]))
@@ -550,7 +557,7 @@ def test_two_ranks_histograms_and_worst_tokens_cover_both(tmp_path: Path) -> Non
         max_steps=2,
         log_every_n_steps=1,
         logger=logger,
-        callbacks=[RolloutDebugCallback(worst_tokens_k=5)],
+        callbacks=[RolloutDebugCallback(worst_tokens_k=5), ReleaseProcessGroups()],
     )
     trainer.fit(RolloutModule(batches))
     ea = accumulator(logger.log_dir)
