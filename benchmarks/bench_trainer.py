@@ -135,9 +135,14 @@ def main(argv: list[str] | None = None) -> None:
         f"batch {args.rows}x{args.width}"
     )
     base = statistics.median(times["without the callback"])
+    overhead = {}
     for name, values in times.items():
         ms = statistics.median(values)
+        overhead[name] = ms - base
         print(f"{name:36} {ms:8.2f} ms/step   overhead {ms - base:+7.2f} ms/step")
+    scalars = overhead["callback, scalars only, every step"]
+    ratio = overhead["callback, logging every step"] / scalars
+    print(f"defaults / scalars only, overhead per step: {ratio:.2f}x (goal: at most 1.5x)")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def statistics_states(
             for start in range(0, batch, rows)
         ]
 
-    if cpu and fusion_wanted(compile, batch * width):
+    if cpu and native_wanted(compile):
         rows = native.row_sums(
             inputs.rollout_log_probs,
             inputs.old_log_probs,
@@ -117,8 +117,17 @@ def run_fused(
 
 
 def fusion_wanted(compile: bool | None, tokens: int) -> bool:
-    """Whether a batch of ``tokens`` goes through a fused pass under this ``compile``."""
+    """Whether a batch of ``tokens`` goes through ``torch.compile`` under this ``compile``."""
     return compile is True or (compile is None and tokens >= _FUSE_MIN_TOKENS)
+
+
+def native_wanted(compile: bool | None) -> bool:
+    """Whether a CPU batch goes through the native kernel: at every size, unless ``False``.
+
+    The kernel's fixed cost is below that of eager arithmetic, so there is no size under
+    which the torch path would be faster, and no cliff in cost between two sizes.
+    """
+    return compile is not False
 
 
 def _compiled(function: Callable[..., Tensor]) -> Callable[..., Tensor]:

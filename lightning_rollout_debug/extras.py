@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug import native
-from lightning_rollout_debug.backends import compile_problems, fusion_wanted, run_fused
+from lightning_rollout_debug.backends import compile_problems, native_wanted, run_fused
 from lightning_rollout_debug.batch import (
     TOKEN_ID_DTYPES,
     MismatchInputs,
@@ -234,10 +234,10 @@ class TokenExtras(ThreadSafeWindow):
         worst_tokens_k: keep the ``k`` tokens with the largest ``abs(r)``; 0 keeps none.
         chunk_tokens: rows are processed in chunks of about this many tokens, which
             bounds the temporary memory of an update.
-        compile: fuse each chunk's arithmetic with ``torch.compile``, as
-            :class:`~lightning_rollout_debug.MismatchStats` does (``None``: for batches of
-            at least 65,536 tokens, falling back to eager arithmetic where compilation
-            is unavailable).
+        compile: fuse an update, as :class:`~lightning_rollout_debug.MismatchStats`
+            does: on CPUs through the native kernel (``k`` up to 64), on accelerators
+            with ``torch.compile`` (``None``: for batches of at least 65,536 tokens, never
+            compiling on a CPU, falling back to eager arithmetic where fusing fails).
 
     Example:
         >>> import torch
@@ -411,7 +411,7 @@ class TokenExtras(ThreadSafeWindow):
         request = self.kernel_request()
         if not (inputs.mask.device.type == "cpu" and batch * width > 0 and request):
             return None
-        if not fusion_wanted(self.compile, batch * width):
+        if not native_wanted(self.compile):
             return None
         rows = native.row_sums(
             inputs.rollout_log_probs,
@@ -462,12 +462,15 @@ class TokenExtras(ThreadSafeWindow):
             position = places.index_select(0, top.indices).long().clamp(min=0)
             real = torch.isfinite(top.values)
 
+            def at(values: Tensor) -> Tensor:  # the values at the candidates' places
+                return values.index_select(0, row).gather(1, position.unsqueeze(1)).squeeze(1)
+
             def pick(values: Tensor) -> Tensor:
-                return torch.where(real, values[row, position].to(f64), 0.0)
+                return torch.where(real, at(values).to(f64), 0.0)
 
             a, b, r, _, _ = counting_tokens(
-                inputs.rollout_log_probs[row, position].unsqueeze(1),
-                inputs.old_log_probs[row, position].unsqueeze(1),
+                at(inputs.rollout_log_probs).unsqueeze(1),
+                at(inputs.old_log_probs).unsqueeze(1),
                 torch.ones(len(row), 1, dtype=torch.bool),
             )
             a, b, r = (torch.where(real, x.squeeze(1).to(f64), 0.0) for x in (a, b, r))
@@ -657,6 +660,7 @@ def token_ids_for(ids: Any, mask: Tensor) -> Tensor | None:
     return None
 
 
+@torch.no_grad()
 def update_together(
     stats: MismatchStats,
     extras: TokenExtras,
@@ -676,7 +680,7 @@ def update_together(
     request = extras.kernel_request()
     if not (inputs.mask.device.type == "cpu" and batch * width > 0 and request):
         return False
-    if not fusion_wanted(stats.compile, batch * width):
+    if not native_wanted(stats.compile):
         return False
     rows = native.row_sums(
         inputs.rollout_log_probs,

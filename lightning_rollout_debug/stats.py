@@ -65,10 +65,11 @@ class MismatchStats(ThreadSafeWindow):
             (default: all). Leaving groups out skips their arithmetic.
         compile: fuse an update into one pass: on CPUs with float32 or bfloat16
             log-probs the package's native kernel (built on first use with the system
-            C++ compiler), elsewhere ``torch.compile``. ``None`` (the default) does so
-            for blocks of at least 65,536 tokens and falls back to eager arithmetic,
-            with one warning, where neither is available; ``False`` never fuses;
-            ``True`` fuses every block.
+            C++ compiler), on accelerators ``torch.compile``. ``None`` (the default)
+            does so for blocks of at least 65,536 tokens, never compiles on a CPU, and
+            falls back to eager arithmetic, with one warning, where neither is
+            available; ``False`` never fuses; ``True`` fuses every block (with
+            ``torch.compile`` on a CPU where the kernel does not apply).
         chunk_tokens: without compilation, rows are processed in chunks of about this
             many tokens, which bounds the temporary memory of an update (default:
             65,536 on the CPU, 4,194,304 on accelerators).

@@ -6,11 +6,20 @@ import warnings
 
 import numpy as np
 import pytest
+import pytorch_lightning as pl
 import torch
 from conftest import REGIMES, make_batch
+from lightning_helpers import TRAINER_DEFAULTS, MemoryLogger, RolloutModule, make_batches
 from reference import assert_metrics_close, reference_metrics
 
-from lightning_rollout_debug import GROUPS, MismatchStats, native
+from lightning_rollout_debug import (
+    GROUPS,
+    METRIC_NAMES,
+    MismatchStats,
+    RolloutDebugCallback,
+    native,
+)
+from lightning_rollout_debug.extras import TokenExtras
 from lightning_rollout_debug.rows import ROW_FIELDS, row_sums, rows_for
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler here")
@@ -169,3 +178,76 @@ def test_the_exponential_is_accurate_over_the_log_prob_range() -> None:
     # Rounding of a * log2(e) in float32, plus a few ulp of the series and the scaling.
     assert torch.all(relative <= old.squeeze(1).double().abs() * 6e-8 + 3e-7)
     assert torch.all(rows["prob_rollout"] == 1.0)
+
+
+# ---------------------------------------------------------------------- the extras
+def _assert_same_extras(native_extras: TokenExtras, eager: TokenExtras) -> None:
+    got, want = (extras.summary(extras.state) for extras in (native_extras, eager))
+    assert got.histograms.keys() == want.histograms.keys()
+    for tag, histogram in want.histograms.items():
+        other = got.histograms[tag]
+        assert other.counts == histogram.counts, tag  # the same bits, the same bins
+        assert (other.num, other.min, other.max) == (histogram.num, histogram.min, histogram.max)
+        assert other.sum == pytest.approx(histogram.sum, rel=1e-9, abs=1e-9)
+        assert other.sum_squares == pytest.approx(histogram.sum_squares, rel=1e-9)
+    # The same keys; among equal keys (bfloat16 has few values) either token may be kept.
+    keys = [sorted(abs(t.log_ratio) for t in found.worst_tokens) for found in (got, want)]
+    assert keys[0] == keys[1]
+    last = keys[0][0] if keys[0] else 0.0
+    above = [{t for t in found.worst_tokens if abs(t.log_ratio) > last} for found in (got, want)]
+    assert above[0] == above[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("histograms", "k"), [(True, 10), (True, 0), (False, 5), (True, 64), (True, 65)]
+)
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32])
+def test_native_extras_match_the_torch_extras(
+    dtype: torch.dtype,
+    histograms: bool,
+    k: int,
+    mask_dtype: torch.dtype,
+    native_calls: list[bool],
+) -> None:
+    """Histograms bin for bin, worst tokens token for token, from the kernel's one pass
+    (k above the kernel's 64 goes the torch way)."""
+    rng = np.random.default_rng(31)
+    batches = [
+        make_batch(
+            rng, shape, dtype=dtype, regime="mixed", mask_kind="prefix", mask_dtype=mask_dtype
+        )
+        for shape in ((70, 1000), (40, 1700))
+    ]
+    ids = [torch.from_numpy(rng.integers(0, 1000, b.mask.shape)) for b in batches]
+    extras = [
+        TokenExtras(histograms=histograms, worst_tokens_k=k, compile=compile)
+        for compile in (None, False)
+    ]
+    for index, (batch, batch_ids) in enumerate(zip(batches, ids, strict=True)):
+        for each in extras:
+            each.update(batch.rollout, batch.old, batch.mask, batch_ids, batch_index=index, rank=1)
+    assert native_calls == ([True, True] if k <= native.MAX_WORST_TOKENS else [])
+    _assert_same_extras(*extras)
+
+
+def test_the_callback_reads_a_cpu_batch_once(
+    native_calls: list[bool],
+) -> None:
+    """With the default histograms and worst tokens, one kernel pass per batch serves the
+    statistics and the extras; the logged scalars are the reference's."""
+    batches = make_batches(3, batch_size=64, width=1100, seed=9)
+    logger = MemoryLogger()
+    callback = RolloutDebugCallback(log_every_n_steps=3)
+    trainer = pl.Trainer(
+        **{**TRAINER_DEFAULTS, "max_steps": 3}, logger=logger, callbacks=[callback]
+    )
+    trainer.fit(RolloutModule(batches))
+    assert native_calls == [True, True, True]
+    want = reference_metrics(
+        [b["rollout_log_probs"] for b in batches],
+        [b["old_log_probs"] for b in batches],
+        [b["response_mask"] for b in batches],
+    )
+    names = [name for group in callback.groups for name in METRIC_NAMES[group]]
+    assert_metrics_close(logger.catalog()[2], want.select(names))

@@ -168,13 +168,17 @@ def row_sums(
     ``d^2``, then ``k`` pairs ``(|r|, position)``, largest first not guaranteed, ``-inf``
     and ``-1`` for no token) and ``"extras_bins"`` (the bin counts of both histograms).
 
-    ``None`` when the kernel does not apply: tensors off the CPU, log-probs that are not
-    both float32 or both bfloat16, or a kernel that is turned off or could not be built,
-    loaded or checked. Reads the tensors in place when they are contiguous.
+    ``None`` when the kernel does not apply: tensors off the CPU or of a tensor subclass,
+    log-probs that are not both float32 or both bfloat16, or a kernel that is turned off
+    or could not be built, loaded or checked. Reads the tensors in place when they are
+    contiguous.
     """
     kind = _LOG_PROB_KINDS.get(rollout_log_probs.dtype)
+    tensors = (rollout_log_probs, old_log_probs, mask)
     if (
         kind is None
+        # Plain tensors only: a subclass (a fake tensor) may hold no memory to read.
+        or any(type(t) is not Tensor for t in tensors)
         or old_log_probs.dtype != rollout_log_probs.dtype
         or mask.device.type != "cpu"
         or rollout_log_probs.device.type != "cpu"

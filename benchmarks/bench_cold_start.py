@@ -1,0 +1,130 @@
+"""The first training step with fresh caches: the callback's defaults against scalars only.
+
+Each run is a fresh process with an empty kernel cache (``LIGHTNING_ROLLOUT_DEBUG_CACHE``)
+and an empty inductor cache (``TORCHINDUCTOR_CACHE_DIR``), so whatever the callback builds
+or compiles on its first large batch is paid in the first step, as on a new machine. The
+two configurations alternate, and the medians of the first step's wall time are printed
+with their ratio. A reference run without the callback shows what the step costs alone.
+
+    python benchmarks/bench_cold_start.py [--rows 64 --width 2048 --rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+CONFIGURATIONS = ("without the callback", "defaults", "scalars only")
+
+
+def first_step(configuration: str, rows: int, width: int) -> float:
+    """In this process: train 3 steps and return the first one's seconds."""
+    import pytorch_lightning as pl
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    from lightning_rollout_debug import RolloutDebugCallback
+
+    warnings.filterwarnings("ignore")
+    generator = torch.Generator().manual_seed(0)
+    rollout = torch.log(torch.rand(rows, width, generator=generator).clamp(min=1e-6))
+    batch = {
+        "x": torch.randn(rows, 16, generator=generator),
+        "rollout_log_probs": rollout,
+        "old_log_probs": (rollout + 0.01 * torch.randn(rows, width, generator=generator)).clamp(
+            max=0.0
+        ),
+        "response_mask": torch.rand(rows, width, generator=generator) > 0.2,
+    }
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(16, 1)
+            self.seconds: list[float] = []
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            self.started = time.perf_counter()
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.seconds.append(time.perf_counter() - self.started)
+
+        def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+            return self.net(batch["x"]).pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    callbacks = {
+        "without the callback": [],
+        "defaults": [RolloutDebugCallback(alert_ranges={})],
+        "scalars only": [
+            RolloutDebugCallback(
+                histograms=False, worst_tokens_k=0, dashboard_layout=False, alert_ranges={}
+            )
+        ],
+    }[configuration]
+    model = Model()
+    with tempfile.TemporaryDirectory() as logdir:
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=3,
+            log_every_n_steps=1,
+            logger=pl.loggers.TensorBoardLogger(logdir),
+            callbacks=callbacks,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
+        trainer.fit(model, DataLoader([batch] * 3, batch_size=None))
+    return model.seconds[0]
+
+
+def fresh_process(configuration: str, rows: int, width: int) -> float:
+    """:func:`first_step` in a new process with empty caches."""
+    with tempfile.TemporaryDirectory() as kernels, tempfile.TemporaryDirectory() as inductor:
+        env = {
+            **os.environ,
+            "LIGHTNING_ROLLOUT_DEBUG_CACHE": os.path.join(kernels, "cache"),
+            "TORCHINDUCTOR_CACHE_DIR": inductor,
+        }
+        command = [sys.executable, __file__, "--child", configuration, str(rows), str(width)]
+        result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    """Alternate fresh processes of each configuration and print the medians."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        configuration, rows, width = args.child
+        print(json.dumps(first_step(configuration, int(rows), int(width))))
+        return
+    seconds: dict[str, list[float]] = {name: [] for name in CONFIGURATIONS}
+    for _ in range(args.rounds):
+        for name in CONFIGURATIONS:
+            seconds[name].append(fresh_process(name, args.rows, args.width))
+    print(f"first training step, fresh caches, batch {args.rows}x{args.width}:")
+    medians = {name: statistics.median(values) for name, values in seconds.items()}
+    for name, value in medians.items():
+        print(f"{name:24} {value:8.2f} s   (runs: {', '.join(f'{v:.2f}' for v in seconds[name])})")
+    ratio = medians["defaults"] / medians["scalars only"]
+    print(f"defaults / scalars only: {ratio:.2f}x (goal: at most 1.5x)")
+
+
+if __name__ == "__main__":
+    main()
