@@ -292,21 +292,6 @@ class TokenExtras(ThreadSafeWindow):
         """The packed state of an empty window, built with fill kernels on ``device``."""
         return self.layout.identity(device)
 
-    def load_state(self, state: Tensor) -> None:
-        """Replace the window with a packed state vector of length :attr:`size`."""
-        if state.shape != (self.size,):
-            raise ValueError(
-                f"A packed extras state has shape ({self.size},); got {tuple(state.shape)}."
-            )
-        copied = state.detach().to(torch.float64).clone()
-        with self._lock:
-            self._state = copied
-
-    def reset(self) -> None:
-        """Start a new, empty window."""
-        with self._lock:
-            self._state = None
-
     def state_problems(self, state: Any, what: str = "the extras window") -> list[str]:
         """Why ``state`` cannot be a packed extras window of real tokens (or ``[]``)."""
         return self.layout.problems(state, what)
@@ -403,25 +388,37 @@ class TokenExtras(ThreadSafeWindow):
             k=self.worst_tokens_k,
         )
 
+    def kernel_pass(
+        self,
+        inputs: MismatchInputs,
+        compile: bool | None,
+        needed: frozenset[str] = frozenset(),
+        is_threshold: float = 2.0,
+    ) -> dict[str, Tensor] | None:
+        """One native pass over a CPU batch for these extras; ``None`` where it does not apply.
+
+        The same pass computes the statistics' row quantities ``needed``.
+        """
+        batch, width = inputs.mask.shape
+        request = self.kernel_request()
+        cpu = inputs.mask.device.type == "cpu"
+        if not (cpu and batch * width > 0 and request and native_wanted(compile)):
+            return None
+        return native.row_sums(
+            inputs.rollout_log_probs,
+            inputs.old_log_probs,
+            inputs.mask,
+            needed,
+            is_threshold,
+            ROW_FIELDS,
+            extras=request,
+        )
+
     def _native_state(
         self, inputs: MismatchInputs, token_ids: Tensor | None, batch_index: int, rank: int
     ) -> Tensor | None:
         """The batch's state from one native pass; ``None`` where the kernel does not apply."""
-        batch, width = inputs.mask.shape
-        request = self.kernel_request()
-        if not (inputs.mask.device.type == "cpu" and batch * width > 0 and request):
-            return None
-        if not native_wanted(self.compile):
-            return None
-        rows = native.row_sums(
-            inputs.rollout_log_probs,
-            inputs.old_log_probs,
-            inputs.mask,
-            frozenset(),
-            2.0,
-            ROW_FIELDS,
-            extras=request,
-        )
+        rows = self.kernel_pass(inputs, self.compile)
         if rows is None:
             return None
         return self.state_from_kernel(rows, inputs, token_ids, batch_index, rank)
@@ -676,21 +673,7 @@ def update_together(
     fused update), its single pass fills both windows. Returns ``False``, having added
     nothing, where it does not: the caller then updates each window on its own.
     """
-    batch, width = inputs.mask.shape
-    request = extras.kernel_request()
-    if not (inputs.mask.device.type == "cpu" and batch * width > 0 and request):
-        return False
-    if not native_wanted(stats.compile):
-        return False
-    rows = native.row_sums(
-        inputs.rollout_log_probs,
-        inputs.old_log_probs,
-        inputs.mask,
-        rows_for(stats.groups),
-        stats.is_threshold,
-        ROW_FIELDS,
-        extras=request,
-    )
+    rows = extras.kernel_pass(inputs, stats.compile, rows_for(stats.groups), stats.is_threshold)
     if rows is None:
         return False
     ids = (inputs.rollout_token_ids, inputs.trainer_token_ids)

@@ -30,10 +30,27 @@ from lightning_rollout_debug.layout import STATE, STATE_SIZE, identity_state, me
 class ThreadSafeWindow:
     """A window whose changes hold a lock, so several threads may feed one instance.
 
-    Copies and pickles get a lock of their own (a lock itself cannot be pickled).
+    Copies and pickles get a lock of their own (a lock itself cannot be pickled). A
+    subclass holds its packed state in ``_state`` (``None``: empty) and its length in
+    ``size``.
     """
 
     _lock: threading.Lock
+    _state: Tensor | None
+    size: int
+
+    def load_state(self, state: Tensor) -> None:
+        """Replace the window with a packed state vector of length :attr:`size`."""
+        if state.shape != (self.size,):
+            raise ValueError(f"A packed state has shape ({self.size},); got {tuple(state.shape)}.")
+        copied = state.detach().to(torch.float64).clone()
+        with self._lock:
+            self._state = copied
+
+    def reset(self) -> None:
+        """Start a new, empty window."""
+        with self._lock:
+            self._state = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -107,7 +124,8 @@ class MismatchStats(ThreadSafeWindow):
             )
         self.compile = compile
         self.chunk_tokens = chunk_tokens
-        self._state: Tensor | None = None
+        self.size = STATE_SIZE
+        self._state = None
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ state
@@ -127,19 +145,6 @@ class MismatchStats(ThreadSafeWindow):
         stats = cls(**kwargs)
         stats.load_state(state)
         return stats
-
-    def load_state(self, state: Tensor) -> None:
-        """Replace the window with a packed state vector of length :data:`STATE_SIZE`."""
-        if state.shape != (STATE_SIZE,):
-            raise ValueError(f"A packed state has shape ({STATE_SIZE},); got {tuple(state.shape)}.")
-        copied = state.detach().to(torch.float64).clone()
-        with self._lock:
-            self._state = copied
-
-    def reset(self) -> None:
-        """Start a new, empty window."""
-        with self._lock:
-            self._state = None
 
     def merge(self, other: MismatchStats | Tensor) -> MismatchStats:
         """Add the window of ``other`` (statistics or a packed state) to this one."""

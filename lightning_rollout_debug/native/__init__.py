@@ -50,6 +50,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_rollout_debug.rows import ROW_FIELDS, ROWS_OF_GROUP
+
 SOURCE = Path(__file__).with_name("row_sums.cpp")
 CACHE_ENV = "LIGHTNING_ROLLOUT_DEBUG_CACHE"
 """Environment variable naming the cache folder (overrides the XDG location)."""
@@ -79,23 +81,10 @@ _OFF = frozenset({"0", "false", "off", "no"})
 _ON = frozenset({"", "1", "true", "on", "yes"})
 _LOG_PROB_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 _MASK_KINDS = {torch.bool: 0, torch.uint8: 0, torch.int32: 1, torch.int64: 2, torch.float32: 3}
-# The columns the kernel computes only at its catalog level (bit 0 of `level`).
-_CATALOG_COLUMNS = frozenset(
-    {
-        "max_log_ratio",
-        "max_neg_log_ratio",
-        "log_diff",
-        "log_diff*log_diff",
-        "log_ratio",
-        "kl_k3",
-        "mult_error_m1",
-        "ratio_m1",
-        "ratio_sq_m1",
-        "ratio",
-        "ratio_sq",
-        "ratio_high",
-        "ratio_low",
-    }
+# The columns the kernel computes only at its catalog level (bit 0 of `level`): those of
+# the groups beyond the seed group.
+_CATALOG_COLUMNS = frozenset().union(
+    *(ROWS_OF_GROUP[group] for group in ("log_space", "kl", "importance_ratio"))
 )
 
 _LOG = logging.getLogger(__name__)
@@ -289,11 +278,7 @@ class _Off(KernelUnavailable):
 
 
 def _expected(fields: Sequence[str] | None) -> tuple[str, ...]:
-    if fields is None:
-        from lightning_rollout_debug.rows import ROW_FIELDS
-
-        fields = ROW_FIELDS
-    return tuple(fields)
+    return tuple(ROW_FIELDS if fields is None else fields)
 
 
 def _load_checked(fields: tuple[str, ...]) -> tuple[Path, Any]:
