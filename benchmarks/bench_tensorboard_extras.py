@@ -13,10 +13,14 @@ timed: the update alone of the statistics and of the extras.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
@@ -106,6 +110,40 @@ def update_seconds(batch: dict[str, torch.Tensor], target: Any, repeats: int) ->
     return statistics.median(times)
 
 
+def memory_probe(configuration: str, rows: int, width: int) -> None:
+    """Print the peak extra memory (MB) of one callback update; run in a fresh process."""
+    options: dict[str, Any] = {"alert_ranges": {}}
+    if configuration == "scalars":
+        options.update(histograms=False, worst_tokens_k=0, dashboard_layout=False)
+    callback = RolloutDebugCallback(**options)
+    callback._update({}, make_batch(16, 512))  # load, build, warm up
+    batch = make_batch(rows, width)
+    callback._stats.reset()
+    # Linux's high-water mark of resident memory, reset just before the update.
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_kib("VmRSS")
+    callback._update({}, batch)
+    print(max(_status_kib("VmHWM") - before, 0) / 1024)
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def peak_memory_mb(configuration: str, rows: int, width: int) -> float:
+    result = subprocess.run(
+        [sys.executable, __file__, "--memory-probe", configuration, str(rows), str(width)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
+    )
+    return float(result.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=256)
@@ -113,7 +151,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--memory-probe", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.memory_probe:
+        configuration, rows, width = args.memory_probe
+        memory_probe(configuration, int(rows), int(width))
+        return
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
     batch = make_batch(args.rows, args.width)
@@ -137,6 +180,13 @@ def main() -> None:
     extras_update = update_seconds(batch, TokenExtras(), 5)
     print(f"update alone (CPU time): MismatchStats {stats_update * 1e3:.0f} ms, ", end="")
     print(f"TokenExtras {extras_update * 1e3:.0f} ms")
+    inputs = sum(t.numel() * t.element_size() for t in batch.values()) / 2**20
+    peaks = {name: peak_memory_mb(name, args.rows, args.width) for name in ("scalars", "extras")}
+    print(
+        f"peak extra memory of a callback update: scalars only {peaks['scalars']:.2f} MB, "
+        f"with the extras {peaks['extras']:.2f} MB; the extras add "
+        f"{(peaks['extras'] - peaks['scalars']) / inputs:.3f}x the inputs ({inputs:.0f} MB)"
+    )
 
 
 if __name__ == "__main__":

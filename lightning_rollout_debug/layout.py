@@ -104,6 +104,12 @@ class Layout:
             for name in block.names
         ]
         self._folds = self._fold_runs()
+        self._empty: dict[torch.device, tuple[Tensor, ...]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_empty"] = {}  # tensors made on this process's devices
+        return state
 
     def _fold_runs(self) -> list[tuple[str, slice]]:
         """Maximal runs of adjacent blocks that fold with the same reduction."""
@@ -121,22 +127,31 @@ class Layout:
     def identity(self, device: torch.device | str | None = None) -> Tensor:
         """The state of an empty window: merging with it changes nothing.
 
-        Built with fill kernels, so making it on an accelerator copies nothing from the host.
+        Made with fill kernels once per device, so making it on an accelerator copies
+        nothing from the host; each call returns a new tensor.
         """
-        options: dict[str, Any] = {"dtype": torch.float64, "device": device}
-        parts = []
-        for block in self.blocks:
-            if block.rule == "top":
-                parts.append(torch.tensor(block.empty, **options).repeat(block.k))
-            else:
-                parts.append(torch.full((block.size,), _EMPTY.get(block.rule, 0.0), **options))
-        return torch.cat(parts) if parts else torch.zeros(0, **options)
+        slots = self._empty_slots(device)
+        return torch.stack(slots) if slots else torch.zeros(0, dtype=torch.float64, device=device)
+
+    def _empty_slots(self, device: torch.device | str | None) -> tuple[Tensor, ...]:
+        key = torch.device("cpu") if device is None else torch.device(device)
+        if key not in self._empty:
+            options: dict[str, Any] = {"dtype": torch.float64, "device": key}
+            parts = []
+            for block in self.blocks:
+                if block.rule == "top":
+                    parts.append(torch.tensor(block.empty, **options).repeat(block.k))
+                else:
+                    fill = _EMPTY.get(block.rule, 0.0)
+                    parts.append(torch.full((block.size,), fill, **options))
+            self._empty[key] = torch.cat(parts).unbind() if parts else ()
+        return self._empty[key]
 
     def pack(self, values: Mapping[str, Tensor], device: torch.device | None = None) -> Tensor:
         """A state holding ``values`` (0-d tensors by slot name); other slots stay empty."""
         if device is None:
             device = next(iter(values.values())).device if values else None
-        slots = list(self.identity(device).unbind())
+        slots = list(self._empty_slots(device))
         for name, value in values.items():
             slots[self.at[name]] = value
         return torch.stack(slots)

@@ -242,15 +242,19 @@ def state_from_rows(
     """
     f64 = torch.float64
     needed = rows_for(groups)
+    # Every column reduced at once: two reductions instead of one per column.
+    summed = [name for name in ROW_FIELDS if name in needed and not name.startswith("max_")]
+    maxed = [name for name in ROW_FIELDS if name in needed and name.startswith("max_")]
+    totals = torch.stack([rows[name].to(f64) for name in summed]).sum(1).unbind()
+    largest_of = torch.stack([rows[name].to(f64) for name in maxed]).amax(1).unbind()
+    reduced = dict(zip(summed, totals, strict=True)) | dict(zip(maxed, largest_of, strict=True))
 
     def total(name: str) -> Tensor:
-        return rows[name].to(f64).sum()
+        return reduced[name]
 
-    def largest(name: str) -> Tensor:
-        return rows[name].amax().to(f64)
-
+    largest = total
     row_count = rows["count"].to(f64)
-    count = row_count.sum()
+    count = total("count")
     slots = {
         "count": count,
         "nonfinite": total("nonfinite"),
