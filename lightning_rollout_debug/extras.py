@@ -471,23 +471,10 @@ class TokenExtras(ThreadSafeWindow):
                 torch.ones(len(row), 1, dtype=torch.bool),
             )
             a, b, r = (torch.where(real, x.squeeze(1).to(f64), 0.0) for x in (a, b, r))
-            count = len(row)
-            columns = [
-                top.values,
-                r,
-                torch.exp(a),
-                torch.exp(b),
-                torch.full((count,), float(batch_index), dtype=f64),
-                row.to(f64),
-                position.to(f64),
-                torch.full((count,), -1.0, dtype=f64) if token_ids is None else pick(token_ids),
-                torch.full((count,), float(rank), dtype=f64),
-            ]
-            found = torch.stack(columns, dim=1)
-            if count < k:
-                options: dict[str, Any] = {"dtype": f64, "device": found.device}
-                found = torch.cat([found, self._empty_candidates(k - count, options)])
-            parts.append(found.flatten())
+            batch = torch.full_like(top.values, float(batch_index))
+            places = (batch, row, position, torch.full_like(top.values, float(rank)))
+            ids = None if token_ids is None else pick(token_ids)
+            parts.append(self._candidate_rows(top.values, (r, a, b), places, ids))
         return torch.cat(parts)
 
     def _chunk_state(
@@ -546,22 +533,36 @@ class TokenExtras(ThreadSafeWindow):
             picked = values.flatten().index_select(0, index).to(f64)
             return torch.where(torch.isfinite(top.values), picked, 0.0)
 
-        options: dict[str, Any] = {"dtype": f64, "device": r.device}
-        columns = [
-            top.values.to(f64),
-            pick(r),
-            torch.exp(pick(a)),
-            torch.exp(pick(b)),
-            batch_index.expand(k),
-            (index // width + first_row).to(f64),
-            (index % width).to(f64),
-            torch.full((k,), -1.0, **options) if token_ids is None else pick(token_ids),
-            rank.expand(k),
-        ]
+        return self._candidate_rows(
+            top.values,
+            (pick(r), pick(a), pick(b)),
+            (batch_index.expand(k), index // width + first_row, index % width, rank.expand(k)),
+            None if token_ids is None else pick(token_ids),
+        )
+
+    def _candidate_rows(
+        self,
+        keys: Tensor,
+        values: tuple[Tensor, Tensor, Tensor],
+        places: tuple[Tensor, Tensor, Tensor, Tensor],
+        token_ids: Tensor | None,
+    ) -> Tensor:
+        """``[k * F]`` candidates of :data:`WORST_FIELDS`, placeholders after the found ones.
+
+        ``values`` are ``(r, a, b)`` (zero for no token), ``places`` ``(batch, row,
+        position, rank)``.
+        """
+        f64 = torch.float64
+        r, a, b = values
+        options: dict[str, Any] = {"dtype": f64, "device": keys.device}
+        count = len(keys)
+        ids = torch.full((count,), -1.0, **options) if token_ids is None else token_ids
+        batch, row, position, rank = (place.to(f64) for place in places)
+        columns = [keys.to(f64), r, torch.exp(a), torch.exp(b), batch, row, position, ids, rank]
         found = torch.stack(columns, dim=1)
-        missing = self.worst_tokens_k - k
-        if missing:
-            found = torch.cat([found, self._empty_candidates(missing, options)])
+        if count < self.worst_tokens_k:
+            placeholders = self._empty_candidates(self.worst_tokens_k - count, options)
+            found = torch.cat([found, placeholders])
         return found.flatten()
 
     @staticmethod
