@@ -92,7 +92,7 @@ def run(callbacks: list[pl.Callback], args: argparse.Namespace) -> float:
             devices=1,
             max_steps=args.steps,
             log_every_n_steps=1,
-            logger=TensorBoardLogger(logdir),
+            logger=TensorBoardLogger(logdir, max_queue=args.max_queue),
             callbacks=callbacks,
             enable_progress_bar=False,
             enable_model_summary=False,
@@ -111,6 +111,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu, gpu")
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=10,
+        help="events the SummaryWriter queues before a write waits (10: its default)",
+    )
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     configurations = {

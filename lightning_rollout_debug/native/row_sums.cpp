@@ -278,7 +278,7 @@ struct RowSums {
 // Histograms with fixed quarter-octave bins (`QuarterOctaveBins` in extras.py), read off
 // each float32 value's bits, and the k tokens of each row with the largest |r|.
 constexpr int kMaxWorst = 64;        // the largest k served here
-constexpr int kCopies = 4;           // interleaved copies of the bins: no increment waits
+constexpr int kCopies = kLanes;      // a copy of the bins per lane: no increment waits
 constexpr int kMoments = 8;          // per row: max r, max -r, max d, max -d, sums, squares
 
 struct ExtrasRequest {
@@ -318,7 +318,7 @@ inline i32 unsigned_bin(f32 x, int low, int octaves) {
 // The extras of one row; `counts` are the bins of the part of the rows a thread takes.
 struct RowExtras {
   const ExtrasRequest& request;
-  int64_t* counts;  // kCopies copies of [ratio bins + diff bins]
+  int32_t* counts;  // kCopies copies of [ratio bins + diff bins]
   Max r_max, r_neg_max, d_max, d_neg_max;
   Sum r_sum, r_sq, d_sum, d_sq;
   float keys[kMaxWorst];
@@ -326,10 +326,10 @@ struct RowExtras {
   int filled = 0;
   float threshold = -1.0f;  // a token enters with |r| above it (any while not full)
 
-  RowExtras(const ExtrasRequest& request_, int64_t* counts_)
+  RowExtras(const ExtrasRequest& request_, int32_t* counts_)
       : request(request_), counts(counts_) {}
 
-  void add(f32 r, f32 d, i32 counting, int64_t position) {
+  __attribute__((always_inline)) void add(f32 r, f32 d, i32 counting, int64_t position) {
     const f32 minus_inf = splat<f32>(-kInf);
     const f32 zero = splat<f32>(0.0f);
     if (request.histograms) {
@@ -345,12 +345,11 @@ struct RowExtras {
       const i32 r_bin = signed_bin(r, request.ratio_low, request.ratio_octaves);
       const i32 d_bin = unsigned_bin(d, request.diff_low, request.diff_octaves) + ratio_bins(request);
       const int stride = ratio_bins(request) + diff_bins(request);
+      const i32 ones = counting & 1;  // 1 where counting: no branch to mispredict
       for (int lane = 0; lane < kLanes; ++lane) {
-        if (counting[lane]) {
-          int64_t* copy = counts + (lane % kCopies) * stride;
-          ++copy[r_bin[lane]];
-          ++copy[d_bin[lane]];
-        }
+        int32_t* copy = counts + lane * stride;
+        copy[r_bin[lane]] += ones[lane];
+        copy[d_bin[lane]] += ones[lane];
       }
     }
     if (request.k) {
@@ -441,7 +440,7 @@ void reduce_row(const LogProb* b_row, const LogProb* a_row, const Mask* m_row, i
 template <typename LogProb, typename Mask>
 void reduce_rows(const LogProb* rollout, const LogProb* old, const Mask* mask, int64_t width,
                  int64_t begin, int64_t end, int level, const Options& options, double* out,
-                 const ExtrasRequest* request, int64_t* counts) {
+                 const ExtrasRequest* request, int32_t* counts) {
   for (int64_t row = begin; row < end; ++row) {
     const LogProb* b = rollout + row * width;
     const LogProb* a = old + row * width;
@@ -467,9 +466,10 @@ void run(const void* rollout, const void* old, const void* mask, int64_t rows, i
   // Each part counts into bins of its own (kCopies interleaved copies); summed at the end,
   // in a fixed order, so the result does not depend on the threads.
   const int stride = request ? ratio_bins(*request) + diff_bins(*request) : 0;
-  std::vector<int64_t> counts(request && request->histograms ? parts * kCopies * stride : 0);
+  // int32 counts: a copy overflows only past 2^31 tokens of one lane of one call.
+  std::vector<int32_t> counts(request && request->histograms ? parts * kCopies * stride : 0);
   auto part = [&](int64_t begin, int64_t end, int64_t index) {
-    int64_t* own = counts.empty() ? nullptr : counts.data() + index * kCopies * stride;
+    int32_t* own = counts.empty() ? nullptr : counts.data() + index * kCopies * stride;
     reduce_rows(static_cast<const LogProb*>(rollout), static_cast<const LogProb*>(old),
                 static_cast<const Mask*>(mask), width, begin, end, level, options, out,
                 request, own);
