@@ -131,12 +131,12 @@ def memory_probe(method: str, rows: int, width: int, dtype: str, device: str) ->
     # Linux's high-water mark of resident memory, reset just before the one call on the big
     # batch (``ru_maxrss`` would not do: a child inherits its parent's across fork and exec).
     Path("/proc/self/clear_refs").write_text("5")
-    before = _status_kib("VmRSS")
+    before = status_kib("VmRSS")
     call()
-    print(max(_status_kib("VmHWM") - before, 0) / 1024)
+    print(max(status_kib("VmHWM") - before, 0) / 1024)
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
     """A ``kB`` field of ``/proc/self/status``."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(f"{field}:"):

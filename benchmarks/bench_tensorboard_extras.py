@@ -29,6 +29,10 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_metrics import status_kib
+
 from lightning_rollout_debug import MismatchStats, RolloutDebugCallback
 from lightning_rollout_debug.extras import TokenExtras
 
@@ -121,16 +125,9 @@ def memory_probe(configuration: str, rows: int, width: int) -> None:
     callback._stats.reset()
     # Linux's high-water mark of resident memory, reset just before the update.
     Path("/proc/self/clear_refs").write_text("5")
-    before = _status_kib("VmRSS")
+    before = status_kib("VmRSS")
     callback._update({}, batch)
-    print(max(_status_kib("VmHWM") - before, 0) / 1024)
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
+    print(max(status_kib("VmHWM") - before, 0) / 1024)
 
 
 def peak_memory_mb(configuration: str, rows: int, width: int) -> float:
