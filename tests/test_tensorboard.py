@@ -32,17 +32,16 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_rollout_debug import RolloutDebugCallback
-from lightning_rollout_debug.catalog import DASHBOARD
-from lightning_rollout_debug.extras import (
+from lightning_rollout_debug.bins import (
     HISTOGRAMS,
     LOG_RATIO_BINS,
     LOG_RATIO_EDGES,
     PROBS_DIFF_BINS,
     PROBS_DIFF_EDGES,
-    WORST_FIELDS,
     QuarterOctaveBins,
-    TokenExtras,
 )
+from lightning_rollout_debug.catalog import DASHBOARD
+from lightning_rollout_debug.extras import WORST_FIELDS, TokenExtras
 from lightning_rollout_debug.rows import LOG_PROB_FLOOR
 from lightning_rollout_debug.tensorboard import dashboard_layout
 

@@ -108,7 +108,7 @@ class ExtrasRequest:
     """What the kernel accumulates for the TensorBoard extras in the same pass.
 
     ``ratio_bins`` and ``diff_bins`` are ``(low, octaves)`` of quarter-octave bins: signed
-    for ``r``, unsigned for ``|pa - pb|`` (``extras.QuarterOctaveBins``).
+    for ``r``, unsigned for ``|pa - pb|`` (``bins.QuarterOctaveBins``).
     """
 
     ratio_bins: tuple[int, int]

@@ -275,7 +275,7 @@ struct RowSums {
 };
 
 // ------------------------------------------------------------------ the extras
-// Histograms with fixed quarter-octave bins (`QuarterOctaveBins` in extras.py), read off
+// Histograms with fixed quarter-octave bins (`QuarterOctaveBins` in bins.py), read off
 // each float32 value's bits, and the k tokens of each row with the largest |r|.
 constexpr int kMaxWorst = 64;        // the largest k served here
 constexpr int kCopies = kLanes;      // a copy of the bins per lane: no increment waits
