@@ -1,12 +1,14 @@
 """Which path serves an update: the native CPU kernel, ``torch.compile``, or eager torch.
 
-* On CPUs, float32 and bfloat16 log-probs in batches of at least 65,536 tokens (every
-  batch with ``compile=True``) go through the native kernel (:mod:`.native`).
-* Everything else that is fused goes through ``torch.compile`` of the same torch
-  arithmetic (:mod:`.rows`), which keeps nothing per token in memory and takes the whole
-  batch in one call.
-* Smaller batches, ``compile=False``, and every case where the kernel or the compiler
-  is unavailable run eagerly, in chunks of rows that bound the temporary memory.
+* On CPUs, float32 and bfloat16 log-probs go through the native kernel (:mod:`.native`)
+  at every size, unless ``compile=False``: one pass, finished into the packed state.
+* On accelerators, batches of at least 65,536 tokens (every batch with
+  ``compile=True``) go through ``torch.compile`` of the same torch arithmetic
+  (:mod:`.rows`), which keeps nothing per token in memory and takes the whole batch in
+  one call.
+* Everything else (smaller batches off the CPU, other dtypes, ``compile=False``, and
+  every case where the kernel or the compiler is unavailable) runs eagerly, in chunks of
+  rows that bound the temporary memory.
 
 Every path computes the same row quantities (:data:`~.rows.ROWS_OF_GROUP`) and the same
 packed state, to float32 rounding. A path that fails falls back to the next with one
@@ -24,7 +26,8 @@ from torch import Tensor
 
 from lightning_rollout_debug import native
 from lightning_rollout_debug.batch import MismatchInputs
-from lightning_rollout_debug.rows import ROW_FIELDS, batch_state, rows_for, state_from_rows
+from lightning_rollout_debug.layout import STATE
+from lightning_rollout_debug.rows import ROW_FIELDS, batch_state, rows_for, token_id_slots
 
 
 def statistics_states(
@@ -60,20 +63,28 @@ def statistics_states(
         ]
 
     if cpu and native_wanted(compile):
-        rows = native.row_sums(
+        found = native.states(
             inputs.rollout_log_probs,
             inputs.old_log_probs,
             inputs.mask,
             rows_for(groups),
             is_threshold,
             ROW_FIELDS,
+            statistics=native.StateRequest(groups, seq_ratio_bounds),
         )
-        if rows is not None:
-            ids = (inputs.rollout_token_ids, inputs.trainer_token_ids)
-            return [state_from_rows(rows, inputs.mask, *ids, groups, seq_ratio_bounds)]
+        if found is not None:
+            return [found[0], *token_id_states(inputs, groups)]
     # On CPUs torch.compile only when asked for: where the kernel cannot serve, a
     # compilation (tens of seconds) costs more than eager arithmetic saves.
     return run_fused(batch_state, bool(compile) if cpu else compile, batch * width, blocks)
+
+
+def token_id_states(inputs: MismatchInputs, groups: frozenset[str]) -> list[Tensor]:
+    """The token-id comparison of a batch as a packed state of its own (``[]``: none)."""
+    if "token_ids" not in groups:
+        return []
+    slots = token_id_slots(inputs.mask, inputs.rollout_token_ids, inputs.trainer_token_ids)
+    return [STATE.pack(slots, inputs.mask.device)] if slots else []
 
 
 def compile_problems(compile: object) -> list[str]:

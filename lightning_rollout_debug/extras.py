@@ -32,7 +32,12 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug import native
-from lightning_rollout_debug.backends import compile_problems, native_wanted, run_fused
+from lightning_rollout_debug.backends import (
+    compile_problems,
+    native_wanted,
+    run_fused,
+    token_id_states,
+)
 from lightning_rollout_debug.batch import (
     TOKEN_ID_DTYPES,
     MismatchInputs,
@@ -42,33 +47,19 @@ from lightning_rollout_debug.batch import (
 from lightning_rollout_debug.bins import (
     HISTOGRAMS,
     LOG_RATIO_BINS,
-    LOG_RATIO_EDGES,
     PROBS_DIFF_BINS,
     QuarterOctaveBins,
 )
 from lightning_rollout_debug.layout import Block, Layout
+from lightning_rollout_debug.native import WORST_FIELDS
 from lightning_rollout_debug.rows import (
     ROW_FIELDS,
     counting_tokens,
     exp,
     prob_diff,
     rows_for,
-    state_from_rows,
 )
 from lightning_rollout_debug.stats import MismatchStats, ThreadSafeWindow
-
-WORST_FIELDS: tuple[str, ...] = (
-    "abs_log_ratio",
-    "log_ratio",
-    "actor_prob",
-    "rollout_prob",
-    "batch",
-    "row",
-    "position",
-    "token_id",
-    "rank",
-)
-"""Columns of a worst-token candidate in the packed state (``token_id`` is -1 if unknown)."""
 
 _F = len(WORST_FIELDS)
 _MOMENTS = ("num", "min", "max", "sum", "sum_squares")
@@ -208,14 +199,10 @@ class TokenExtras(ThreadSafeWindow):
         self._worst_at = self.layout.size - worst_tokens_k * _F
         self.size = self.layout.size
         self._state: Tensor | None = None
+        self._pending: list[Tensor] = []
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ state
-    @property
-    def state(self) -> Tensor:
-        """The packed float64 state vector (the identity when nothing was added)."""
-        return self.identity_state() if self._state is None else self._state
-
     def identity_state(self, device: torch.device | str | None = None) -> Tensor:
         """The packed state of an empty window, built with fill kernels on ``device``."""
         return self.layout.identity(device)
@@ -264,9 +251,9 @@ class TokenExtras(ThreadSafeWindow):
         batch, width = mask.shape
         device = mask.device
         parts = []
-        native_state = self._native_state(inputs, token_ids, batch_index, rank)
-        if native_state is not None:
-            parts.append(native_state)
+        found = self.kernel_states(inputs, token_ids, batch_index, rank)
+        if found is not None:
+            parts.append(found[1])
         elif batch * width > 0:
             rows = max(1, self.chunk_tokens // width)
             # As tensors made by fill kernels (no copy from the host): a compiler would
@@ -295,15 +282,6 @@ class TokenExtras(ThreadSafeWindow):
             parts += run_fused(TokenExtras._chunk_state, compile, batch * width, chunks)
         self._add(parts, device)
 
-    def _add(self, parts: list[Tensor], device: torch.device) -> None:
-        """Merge packed states into the window, under the lock; it ends on ``device``."""
-        with self._lock:
-            if self._state is not None:
-                parts = [self._state.to(device), *parts]
-            if not parts:
-                parts.append(self.identity_state(device))
-            self._state = parts[0] if len(parts) == 1 else self.merge_states(torch.stack(parts))
-
     # ------------------------------------------------------------ native kernel
     def kernel_request(self) -> native.ExtrasRequest | None:
         """What the native kernel accumulates for these extras (``None``: k too large)."""
@@ -316,94 +294,44 @@ class TokenExtras(ThreadSafeWindow):
             k=self.worst_tokens_k,
         )
 
-    def kernel_pass(
+    def kernel_states(
         self,
-        inputs: MismatchInputs,
-        compile: bool | None,
-        needed: frozenset[str] = frozenset(),
-        is_threshold: float = 2.0,
-    ) -> dict[str, Tensor] | None:
-        """One native pass over a CPU batch for these extras; ``None`` where it does not apply.
-
-        The same pass computes the statistics' row quantities ``needed``.
-        """
-        batch, width = inputs.mask.shape
-        request = self.kernel_request()
-        cpu = inputs.mask.device.type == "cpu"
-        if not (cpu and batch * width > 0 and request and native_wanted(compile)):
-            return None
-        return native.row_sums(
-            inputs.rollout_log_probs,
-            inputs.old_log_probs,
-            inputs.mask,
-            needed,
-            is_threshold,
-            ROW_FIELDS,
-            extras=request,
-        )
-
-    def _native_state(
-        self, inputs: MismatchInputs, token_ids: Tensor | None, batch_index: int, rank: int
-    ) -> Tensor | None:
-        """The batch's state from one native pass; ``None`` where the kernel does not apply."""
-        rows = self.kernel_pass(inputs, self.compile)
-        if rows is None:
-            return None
-        return self.state_from_kernel(rows, inputs, token_ids, batch_index, rank)
-
-    def state_from_kernel(
-        self,
-        rows: dict[str, Tensor],
         inputs: MismatchInputs,
         token_ids: Tensor | None,
         batch_index: int,
         rank: int,
-    ) -> Tensor:
-        """The packed state of a batch from the kernel's extras (``native.row_sums``).
+        stats: MismatchStats | None = None,
+    ) -> tuple[Tensor | None, Tensor | None] | None:
+        """One native pass over a CPU batch: ``(statistics state, extras state)``.
 
-        The histograms' moments fold the kernel's per-row ones; the worst tokens are the
-        best ``k`` of the kernel's per-row candidates (the best ``k`` of each row hold
-        the best ``k`` of the batch), read back from the inputs at their places.
+        The statistics' state is that of ``stats`` (``None``: not computed).  ``None``
+        where the kernel does not apply (off the CPU, an empty batch, ``k`` above
+        :data:`~.native.MAX_WORST_TOKENS`, ``compile=False``, other dtypes).
         """
-        f64 = torch.float64
-        out, bins = rows["extras_rows"], rows["extras_bins"]
-        parts = []
-        if self._histograms:
-            moments = out[:, : native.EXTRAS_MOMENTS]
-            largest, totals = moments[:, :4].amax(0), moments[:, 4:].sum(0)
-            split = len(LOG_RATIO_EDGES) + 1
-            for counts, high, negative_low, total, squares in (
-                (bins[:split], largest[0], largest[1], totals[0], totals[1]),
-                (bins[split:], largest[2], largest[3], totals[2], totals[3]),
-            ):
-                summary = [counts.sum(), -negative_low, high, total, squares]
-                parts += [counts, torch.stack(summary).to(f64)]
-        k = self.worst_tokens_k
-        if k:
-            pairs = out[:, native.EXTRAS_MOMENTS :].reshape(-1, k, 2)
-            keys, places = pairs[..., 0].flatten(), pairs[..., 1].flatten()
-            top = torch.topk(keys, min(k, keys.numel()))
-            row = top.indices // k
-            position = places.index_select(0, top.indices).long().clamp(min=0)
-            real = torch.isfinite(top.values)
-
-            def at(values: Tensor) -> Tensor:  # the values at the candidates' places
-                return values.index_select(0, row).gather(1, position.unsqueeze(1)).squeeze(1)
-
-            def pick(values: Tensor) -> Tensor:
-                return torch.where(real, at(values).to(f64), 0.0)
-
-            a, b, r, _, _ = counting_tokens(
-                at(inputs.rollout_log_probs).unsqueeze(1),
-                at(inputs.old_log_probs).unsqueeze(1),
-                torch.ones(len(row), 1, dtype=torch.bool),
-            )
-            a, b, r = (torch.where(real, x.squeeze(1).to(f64), 0.0) for x in (a, b, r))
-            batch = torch.full_like(top.values, float(batch_index))
-            places = (batch, row, position, torch.full_like(top.values, float(rank)))
-            ids = None if token_ids is None else pick(token_ids)
-            parts.append(self._candidate_rows(top.values, (r, a, b), places, ids))
-        return torch.cat(parts)
+        batch, width = inputs.mask.shape
+        request = self.kernel_request()
+        compile = self.compile if stats is None else stats.compile
+        cpu = inputs.mask.device.type == "cpu"
+        if not (cpu and batch * width > 0 and request and native_wanted(compile)):
+            return None
+        statistics = None
+        needed: frozenset[str] = frozenset()
+        if stats is not None:
+            statistics = native.StateRequest(stats.groups, stats.seq_ratio_bounds)
+            needed = rows_for(stats.groups)
+        return native.states(
+            inputs.rollout_log_probs,
+            inputs.old_log_probs,
+            inputs.mask,
+            needed,
+            2.0 if stats is None else stats.is_threshold,
+            ROW_FIELDS,
+            statistics=statistics,
+            extras=request,
+            token_ids=token_ids,
+            batch_index=batch_index,
+            rank=rank,
+        )
 
     def _chunk_state(
         self,
@@ -602,12 +530,11 @@ def update_together(
     fused update), its single pass fills both windows. Returns ``False``, having added
     nothing, where it does not: the caller then updates each window on its own.
     """
-    rows = extras.kernel_pass(inputs, stats.compile, rows_for(stats.groups), stats.is_threshold)
-    if rows is None:
+    found = extras.kernel_states(inputs, token_ids, batch_index, rank, stats)
+    if found is None:
         return False
-    ids = (inputs.rollout_token_ids, inputs.trainer_token_ids)
-    statistics = state_from_rows(rows, inputs.mask, *ids, stats.groups, stats.seq_ratio_bounds)
-    found = extras.state_from_kernel(rows, inputs, token_ids, batch_index, rank)
-    stats.merge(statistics)
-    extras._add([found], inputs.mask.device)
+    statistics, extras_state = found
+    device = inputs.mask.device
+    stats._add([statistics, *token_id_states(inputs, stats.groups)], device)
+    extras._add([extras_state], device)
     return True

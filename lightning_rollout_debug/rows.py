@@ -297,14 +297,26 @@ def state_from_rows(
         slots["sequences"] = (row_count > 0).sum(dtype=f64)
     if "sum_actor_log_prob" in needed:
         slots.update(_sequence_sums(sum_a, sum_b, row_count, seq_ratio_bounds))
-    if "token_ids" in groups and rollout_token_ids is not None and trainer_token_ids is not None:
-        masked = mask != 0
-        differs = masked & (rollout_token_ids != trainer_token_ids)
-        slots["id_updates"] = torch.ones((), dtype=f64, device=mask.device)
-        slots["id_rows"] = masked.any(1).sum(dtype=f64)
-        slots["id_diff"] = differs.sum(1, dtype=torch.int32).to(f64).sum()
-        slots["id_diff_rows"] = differs.any(1).sum(dtype=f64)
+    if "token_ids" in groups:
+        slots.update(token_id_slots(mask, rollout_token_ids, trainer_token_ids))
     return STATE.pack(slots)
+
+
+def token_id_slots(
+    mask: Tensor, rollout_token_ids: Tensor | None, trainer_token_ids: Tensor | None
+) -> dict[str, Tensor]:
+    """The slots of the token-id comparison of a block (none without both ids)."""
+    if rollout_token_ids is None or trainer_token_ids is None:
+        return {}
+    f64 = torch.float64
+    masked = mask != 0
+    differs = masked & (rollout_token_ids != trainer_token_ids)
+    return {
+        "id_updates": torch.ones((), dtype=f64, device=mask.device),
+        "id_rows": masked.any(1).sum(dtype=f64),
+        "id_diff": differs.sum(1, dtype=torch.int32).to(f64).sum(),
+        "id_diff_rows": differs.any(1).sum(dtype=f64),
+    }
 
 
 def counting_tokens(

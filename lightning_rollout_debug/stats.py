@@ -26,18 +26,48 @@ from lightning_rollout_debug.batch import check_inputs
 from lightning_rollout_debug.catalog import GROUPS, METRIC_NAMES, metrics_from_state
 from lightning_rollout_debug.layout import STATE, STATE_SIZE, identity_state, merge_states
 
+_PENDING = 32
+"""Batch states a window holds before merging them: one merge of many costs what one of
+two does, so a step's fixed cost stays small."""
+
 
 class ThreadSafeWindow:
-    """A window whose changes hold a lock, so several threads may feed one instance.
+    """A packed window that merges batch states lazily and whose changes hold a lock.
 
-    Copies and pickles get a lock of their own (a lock itself cannot be pickled). A
-    subclass holds its packed state in ``_state`` (``None``: empty) and its length in
-    ``size``.
+    Added states wait in a list and are merged, exactly, in one operation when
+    :attr:`state` is read or when :data:`_PENDING` of them have gathered, so adding a batch
+    costs no merge. Several threads may feed one instance. Copies and pickles get a lock
+    of their own (a lock itself cannot be pickled). A subclass sets ``size``, ``_state``
+    (``None``: empty), ``_pending`` and ``_lock``, and defines :meth:`merge_states` and
+    :meth:`identity_state`.
     """
 
     _lock: threading.Lock
     _state: Tensor | None
+    _pending: list[Tensor]
     size: int
+
+    def merge_states(self, states: Tensor) -> Tensor:
+        """Merge packed states stacked as ``[n, size]`` into one."""
+        raise NotImplementedError
+
+    def identity_state(self, device: torch.device | str | None = None) -> Tensor:
+        """The packed state of an empty window."""
+        raise NotImplementedError
+
+    @property
+    def state(self) -> Tensor:
+        """The packed float64 state vector (the identity when nothing was added)."""
+        with self._lock:
+            self._fold()
+            state = self._state
+        return self.identity_state() if state is None else state
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where the window lives: the device of the first update, ``None`` before it."""
+        with self._lock:
+            return self._device()
 
     def load_state(self, state: Tensor) -> None:
         """Replace the window with a packed state vector of length :attr:`size`."""
@@ -45,16 +75,45 @@ class ThreadSafeWindow:
             raise ValueError(f"A packed state has shape ({self.size},); got {tuple(state.shape)}.")
         copied = state.detach().to(torch.float64).clone()
         with self._lock:
-            self._state = copied
+            self._state, self._pending = copied, []
 
     def reset(self) -> None:
         """Start a new, empty window."""
         with self._lock:
-            self._state = None
+            self._state, self._pending = None, []
+
+    def _add(self, parts: Sequence[Tensor], device: torch.device | None = None) -> None:
+        """Add packed states to the window, under the lock.
+
+        The window ends on ``device`` (by default where it is, else where ``parts`` are).
+        """
+        with self._lock:
+            current = self._device()
+            target = device or current or parts[0].device
+            if current is not None and current != target:
+                self._fold()
+                self._state = self._state.to(target)  # type: ignore[union-attr]
+            self._pending.extend(part.to(target) for part in parts)
+            if len(self._pending) >= _PENDING:
+                self._fold()
+
+    def _device(self) -> torch.device | None:
+        if self._state is not None:
+            return self._state.device
+        return self._pending[0].device if self._pending else None
+
+    def _fold(self) -> None:
+        """Merge the waiting states into the window (the caller holds the lock)."""
+        if not self._pending:
+            return
+        parts = self._pending if self._state is None else [self._state, *self._pending]
+        self._state = parts[0] if len(parts) == 1 else self.merge_states(torch.stack(parts))
+        self._pending = []
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.pop("_lock", None)
+        state["_pending"] = list(self._pending)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -125,19 +184,18 @@ class MismatchStats(ThreadSafeWindow):
         self.compile = compile
         self.chunk_tokens = chunk_tokens
         self.size = STATE_SIZE
-        self._state = None
+        self._state: Tensor | None = None
+        self._pending: list[Tensor] = []
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ state
-    @property
-    def state(self) -> Tensor:
-        """The packed float64 state vector (the identity when nothing was added)."""
-        return identity_state() if self._state is None else self._state
+    def merge_states(self, states: Tensor) -> Tensor:
+        """Merge packed states stacked as ``[n, STATE_SIZE]`` into one, exactly."""
+        return merge_states(states)
 
-    @property
-    def device(self) -> torch.device | None:
-        """Where the state lives: the device of the first update, ``None`` before it."""
-        return None if self._state is None else self._state.device
+    def identity_state(self, device: torch.device | str | None = None) -> Tensor:
+        """The packed state of an empty window, built with fill kernels on ``device``."""
+        return identity_state(device)
 
     @classmethod
     def from_state(cls, state: Tensor, **kwargs: Any) -> MismatchStats:
@@ -156,18 +214,6 @@ class MismatchStats(ThreadSafeWindow):
         self._add([incoming.detach().to(torch.float64).clone()])
         return self
 
-    def _add(self, parts: list[Tensor], device: torch.device | None = None) -> None:
-        """Merge packed states into the window, under the lock.
-
-        The window ends on ``device`` (by default where it is, else where ``parts`` are).
-        """
-        with self._lock:
-            if self._state is not None:
-                parts = [self._state, *parts]
-            device = parts[0].device if device is None else device
-            parts = [part.to(device) for part in parts]
-            self._state = parts[0] if len(parts) == 1 else merge_states(torch.stack(parts))
-
     def synced(
         self,
         all_gather: Callable[[Tensor], Tensor],
@@ -184,7 +230,7 @@ class MismatchStats(ThreadSafeWindow):
         local = self.state if device is None else self.state.to(device)
         gathered = all_gather(local).reshape(-1, STATE_SIZE).to(torch.float64)
         merged = copy.copy(self)
-        merged._state = merge_states(gathered)
+        merged._state, merged._pending = merge_states(gathered), []
         return merged
 
     # ----------------------------------------------------------------- update

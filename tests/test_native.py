@@ -19,7 +19,7 @@ from lightning_rollout_debug import (
     RolloutDebugCallback,
     native,
 )
-from lightning_rollout_debug.extras import TokenExtras
+from lightning_rollout_debug.extras import TokenExtras, WorstToken
 from lightning_rollout_debug.rows import ROW_FIELDS, row_sums, rows_for
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler here")
@@ -40,16 +40,16 @@ EXACT = (
 
 @pytest.fixture
 def native_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Records, per fused update, whether the native kernel took it."""
+    """Records, per fused update, whether the native kernel's pass took it."""
     calls: list[bool] = []
-    original = native.row_sums
+    original = native._pass
 
     def spy(*args: object, **kwargs: object) -> object:
         rows = original(*args, **kwargs)  # type: ignore[arg-type]
         calls.append(rows is not None)
         return rows
 
-    monkeypatch.setattr(native, "row_sums", spy)
+    monkeypatch.setattr(native, "_pass", spy)
     return calls
 
 
@@ -194,8 +194,23 @@ def _assert_same_extras(native_extras: TokenExtras, eager: TokenExtras) -> None:
     keys = [sorted(abs(t.log_ratio) for t in found.worst_tokens) for found in (got, want)]
     assert keys[0] == keys[1]
     last = keys[0][0] if keys[0] else 0.0
-    above = [{t for t in found.worst_tokens if abs(t.log_ratio) > last} for found in (got, want)]
-    assert above[0] == above[1]
+    above = [
+        sorted((t for t in found.worst_tokens if abs(t.log_ratio) > last), key=_place)
+        for found in (got, want)
+    ]
+    assert [_place(t) for t in above[0]] == [_place(t) for t in above[1]]
+    for native_token, eager_token in zip(*above, strict=True):
+        assert native_token.log_ratio == eager_token.log_ratio
+        assert native_token.token_id == eager_token.token_id
+        # e^a and e^b in float64 by two libraries: equal to the last bit or two.
+        for field in ("actor_prob", "rollout_prob"):
+            assert getattr(native_token, field) == pytest.approx(
+                getattr(eager_token, field), rel=4e-16, abs=0
+            )
+
+
+def _place(token: WorstToken) -> tuple[int, int, int, int]:
+    return token.rank, token.batch, token.row, token.position
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

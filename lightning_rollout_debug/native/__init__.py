@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_rollout_debug.layout import STATE
 from lightning_rollout_debug.rows import ROW_FIELDS, ROWS_OF_GROUP
 
 SOURCE = Path(__file__).with_name("row_sums.cpp")
@@ -93,7 +94,7 @@ if not logging.getLogger().hasHandlers():  # as Lightning does: say it unless to
     _LOG.addHandler(logging.StreamHandler())
     _LOG.propagate = False
 
-_kernel: dict[str, Any] = {"function": None, "problem": None, "columns": ()}
+_kernel: dict[str, Any] = {"function": None, "problem": None, "columns": (), "finish": None}
 _process_lock = threading.Lock()
 
 
@@ -101,6 +102,25 @@ EXTRAS_MOMENTS = 8
 """Per-row moments of the extras the kernel writes before the worst-token pairs."""
 MAX_WORST_TOKENS = 64
 """The most worst tokens per row the kernel keeps (``kMaxWorst``)."""
+HISTOGRAM_MOMENTS = 5
+"""What a packed histogram holds after its bins: num, min, max, sum, sum of squares."""
+WORST_FIELDS: tuple[str, ...] = (
+    "abs_log_ratio",
+    "log_ratio",
+    "actor_prob",
+    "rollout_prob",
+    "batch",
+    "row",
+    "position",
+    "token_id",
+    "rank",
+)
+"""Columns of a worst-token candidate in the packed extras (``token_id`` is -1 if unknown)."""
+_GROUP_ORDER = ("seed", "log_space", "kl", "importance_ratio", "sequence", "health")
+"""The groups the kernel's finishing step knows, in the order of its bits."""
+_ID_KINDS = {torch.int32: 1, torch.int64: 2}
+_TOKENS_PER_THREAD = 1 << 16
+_identity: dict[str, Tensor | None] = {"state": None}
 
 
 @dataclass(frozen=True)
@@ -123,6 +143,14 @@ class ExtrasRequest:
     def bin_count(self) -> int:
         """The bins of both histograms together."""
         return 2 * (4 * self.ratio_bins[1] + 1) + 1 + 4 * self.diff_bins[1] + 2
+
+    def state_size(self) -> int:
+        """The length of the packed extras.
+
+        Bins and five moments per histogram, then the ``k`` candidates.
+        """
+        histograms = self.bin_count() + 2 * HISTOGRAM_MOMENTS if self.histograms else 0
+        return histograms + self.k * len(WORST_FIELDS)
 
 
 class KernelUnavailable(RuntimeError):
@@ -162,6 +190,109 @@ def row_sums(
     or could not be built, loaded or checked. Reads the tensors in place when they are
     contiguous.
     """
+    done = _pass(rollout_log_probs, old_log_probs, mask, needed, is_threshold, fields, extras)
+    if done is None:
+        return None
+    found = dict(zip(fields, done.table.unbind(1), strict=True))
+    if extras is not None:
+        found.update(extras_rows=done.extras_rows, extras_bins=done.bins)
+    return found
+
+
+@dataclass(frozen=True)
+class StateRequest:
+    """What the kernel finishes into the statistics' packed state (``layout.STATE``)."""
+
+    groups: frozenset[str]
+    seq_ratio_bounds: tuple[float, float]
+
+
+def states(
+    rollout_log_probs: Tensor,
+    old_log_probs: Tensor,
+    mask: Tensor,
+    needed: frozenset[str],
+    is_threshold: float,
+    fields: tuple[str, ...],
+    *,
+    statistics: StateRequest | None = None,
+    extras: ExtrasRequest | None = None,
+    token_ids: Tensor | None = None,
+    batch_index: int = 0,
+    rank: int = 0,
+) -> tuple[Tensor | None, Tensor | None] | None:
+    """One pass over a CPU batch, finished into packed states: ``(statistics, extras)``.
+
+    The statistics' state is that of ``rows.state_from_rows`` for ``statistics.groups``
+    (the token-id slots stay empty); the extras' that of ``TokenExtras``, the worst tokens
+    labelled with ``batch_index``, ``rank`` and ``token_ids`` (``[B, T]`` integers, or
+    ``None``). Either is ``None`` when not asked for; the whole result is ``None`` where
+    :func:`row_sums` would be.
+    """
+    done = _pass(rollout_log_probs, old_log_probs, mask, needed, is_threshold, fields, extras)
+    if done is None:
+        return None
+    finish_state, finish_extras = _kernel["finish"]
+    rows, width = done.mask.shape
+    statistics_state = extras_state = None
+    if statistics is not None:
+        statistics_state = _identity_state()
+        bits = sum(1 << i for i, name in enumerate(fields) if name in needed)
+        groups = sum(1 << i for i, name in enumerate(_GROUP_ORDER) if name in statistics.groups)
+        low, high = statistics.seq_ratio_bounds
+        finish_state(done.table.data_ptr(), rows, bits, groups, low, high,
+                     statistics_state.data_ptr())  # fmt: skip
+    if extras is not None:
+        extras_state = torch.empty(extras.state_size(), dtype=torch.float64)
+        ids, id_kind = None, 0
+        if token_ids is not None:
+            ids = token_ids if token_ids.dtype in _ID_KINDS else token_ids.to(torch.int64)
+            ids = ids.contiguous()
+            id_kind = _ID_KINDS[ids.dtype]
+        status = finish_extras(
+            done.rollout.data_ptr(),
+            done.old.data_ptr(),
+            done.kind,
+            None if ids is None else ids.data_ptr(),
+            id_kind,
+            rows,
+            width,
+            done.settings.data_ptr(),
+            done.extras_rows.data_ptr(),
+            done.bins.data_ptr(),
+            float(batch_index),
+            float(rank),
+            extras_state.data_ptr(),
+        )
+        if status != 0:
+            _give_up(f"the kernel rejected the extras (status {status})")
+            return None
+    return statistics_state, extras_state
+
+
+@dataclass
+class _Pass:
+    """What one kernel pass read and wrote."""
+
+    rollout: Tensor
+    old: Tensor
+    mask: Tensor
+    kind: int
+    table: Tensor
+    settings: Tensor | None = None
+    extras_rows: Tensor | None = None
+    bins: Tensor | None = None
+
+
+def _pass(
+    rollout_log_probs: Tensor,
+    old_log_probs: Tensor,
+    mask: Tensor,
+    needed: frozenset[str],
+    is_threshold: float,
+    fields: tuple[str, ...],
+    extras: ExtrasRequest | None,
+) -> _Pass | None:
     kind = _LOG_PROB_KINDS.get(rollout_log_probs.dtype)
     tensors = (rollout_log_probs, old_log_probs, mask)
     if (
@@ -181,16 +312,16 @@ def row_sums(
         mask = mask != 0
     rollout, old, mask = (t.contiguous() for t in (rollout_log_probs, old_log_probs, mask))
     rows, width = mask.shape
-    out = torch.empty(rows, len(fields), dtype=torch.float64)
+    done = _Pass(rollout, old, mask, kind, torch.empty(rows, len(fields), dtype=torch.float64))
     level = bool(needed & _CATALOG_COLUMNS) | (2 if "sum_actor_log_prob" in needed else 0)
     pointers: list[int | None] = [None, None, None]
     if extras is not None:
         if not 0 <= extras.k <= MAX_WORST_TOKENS:
             return None
-        settings = torch.tensor(extras.settings(), dtype=torch.int32)
-        extras_rows = torch.empty(rows, EXTRAS_MOMENTS + 2 * extras.k, dtype=torch.float64)
-        bins = torch.zeros(extras.bin_count() if extras.histograms else 0, dtype=torch.float64)
-        pointers = [settings.data_ptr(), extras_rows.data_ptr(), bins.data_ptr()]
+        done.settings = torch.tensor(extras.settings(), dtype=torch.int32)
+        done.extras_rows = torch.empty(rows, EXTRAS_MOMENTS + 2 * extras.k, dtype=torch.float64)
+        done.bins = torch.zeros(extras.bin_count() if extras.histograms else 0, dtype=torch.float64)
+        pointers = [done.settings.data_ptr(), done.extras_rows.data_ptr(), done.bins.data_ptr()]
     try:
         status = function(
             rollout.data_ptr(),
@@ -203,8 +334,8 @@ def row_sums(
             level,
             is_threshold - 1.0,
             1.0 / is_threshold - 1.0,
-            torch.get_num_threads(),
-            out.data_ptr(),
+            _threads(rows * width),
+            done.table.data_ptr(),
             *pointers,
         )
     except Exception as error:  # ctypes refusing the arguments: the torch path takes over
@@ -212,10 +343,23 @@ def row_sums(
     if status != 0:
         _give_up(f"the kernel rejected its arguments (status {status})")
         return None
-    found = dict(zip(fields, out.unbind(1), strict=True))
-    if extras is not None:
-        found.update(extras_rows=extras_rows, extras_bins=bins)
-    return found
+    return done
+
+
+def _threads(tokens: int) -> int:
+    """Threads for a pass over ``tokens``: one per :data:`_TOKENS_PER_THREAD`, up to torch's.
+
+    Waking a thread costs more than a few thousand tokens of arithmetic, and far more on
+    a busy machine.
+    """
+    return max(1, min(torch.get_num_threads(), tokens // _TOKENS_PER_THREAD))
+
+
+def _identity_state() -> Tensor:
+    """A new empty window of the statistics, on the CPU."""
+    if _identity.get("state") is None:
+        _identity["state"] = STATE.identity()
+    return _identity["state"].clone()
 
 
 def cache_folder() -> Path:
@@ -255,7 +399,7 @@ def _function(fields: Sequence[str] | None) -> Any:
             if _kernel["function"] is None and _kernel["problem"] is None:
                 try:
                     _kernel["columns"] = _expected(fields)
-                    _, _kernel["function"] = _load_checked(_kernel["columns"])
+                    _, (_kernel["function"], _kernel["finish"]) = _load_checked(_kernel["columns"])
                 except _Off as off:
                     _kernel["problem"] = str(off)  # the user's choice: no warning
                 except Exception as error:  # anything at all: the torch path takes over
@@ -300,8 +444,14 @@ def _load_checked(fields: tuple[str, ...]) -> tuple[Path, Any]:
     return path, _bind(library, path, fields)
 
 
-def _bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> Any:
-    """The entry point of a loaded kernel whose columns are exactly ``fields``."""
+def _bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[Any, Any]:
+    """The entry points of a loaded kernel whose columns are exactly ``fields``.
+
+    They are the pass, and the two steps that finish its rows into packed states.
+
+    The statistics' state slots, the groups and the worst-token fields must be named as
+    on the Python side too.
+    """
     try:
         column, function = library.rollout_row_column, library.rollout_row_sums
     except AttributeError as error:
@@ -317,20 +467,38 @@ def _bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> Any:
     shape = getattr(library, "rollout_extras_shape", None)
     if shape is None or (shape(0), shape(1)) != (EXTRAS_MOMENTS, MAX_WORST_TOKENS):
         raise KernelUnavailable(f"{path} lays out the extras otherwise than this package")
-    function.restype = ctypes.c_int
-    function.argtypes = [
-        *(ctypes.c_void_p,) * 3,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_int,
-        ctypes.c_float,
-        ctypes.c_float,
-        ctypes.c_int,
-        *(ctypes.c_void_p,) * 4,
-    ]
-    return function
+    try:
+        name, finish_state, finish_extras = (
+            library.rollout_name,
+            library.rollout_finish_state,
+            library.rollout_finish_extras,
+        )
+    except AttributeError as error:
+        raise KernelUnavailable(f"{path} lacks the kernel's entry points ({error})") from error
+    name.restype, name.argtypes = ctypes.c_char_p, [ctypes.c_int, ctypes.c_int]
+    slots = tuple(slot for block in STATE.blocks for slot in block.names)
+    for table, (what, expected) in enumerate(
+        (("state slots", slots), ("groups", _GROUP_ORDER), ("worst-token fields", WORST_FIELDS)),
+        start=1,
+    ):
+        names = []
+        while len(names) <= len(expected) and (found := name(table, len(names))) is not None:
+            names.append(found.decode())
+        if tuple(names) != expected:
+            raise KernelUnavailable(
+                f"{path} names the {what} {names}, but this package expects {list(expected)}"
+            )
+    int64, pointer = ctypes.c_int64, ctypes.c_void_p
+    for entry, arguments in (
+        (function, [*(pointer,) * 3, *(ctypes.c_int,) * 2, int64, int64, ctypes.c_int,
+                    ctypes.c_float, ctypes.c_float, ctypes.c_int, *(pointer,) * 4]),
+        (finish_state, [pointer, int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_double,
+                        ctypes.c_double, pointer]),
+        (finish_extras, [pointer, pointer, ctypes.c_int, pointer, ctypes.c_int, int64, int64,
+                         *(pointer,) * 3, ctypes.c_double, ctypes.c_double, pointer]),
+    ):  # fmt: skip
+        entry.restype, entry.argtypes = ctypes.c_int, arguments
+    return function, (finish_state, finish_extras)
 
 
 # ----------------------------------------------------------------- building

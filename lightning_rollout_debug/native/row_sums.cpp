@@ -474,6 +474,9 @@ void run(const void* rollout, const void* old, const void* mask, int64_t rows, i
                 static_cast<const Mask*>(mask), width, begin, end, level, options, out,
                 request, own);
   };
+  if (parts == 1) {
+    part(0, rows, 0);
+  } else {
 #if defined(_OPENMP)
   // torch's own OpenMP pool when torch loaded libgomp (the same soname): its threads
   // are warm, and no second pool competes with them for the cores.
@@ -487,6 +490,7 @@ void run(const void* rollout, const void* old, const void* mask, int64_t rows, i
   part(0, rows / parts, 0);
   for (auto& worker : workers) worker.join();
 #endif
+  }
   if (!counts.empty()) {
     for (int bin = 0; bin < stride; ++bin) {
       int64_t total = 0;
@@ -509,7 +513,277 @@ int dispatch_mask(const void* rollout, const void* old, const void* mask, int ma
   }
 }
 
+// ------------------------------------------------------------ the packed states
+// The slots of the statistics' packed state (`STATE` in layout.py), in its order, and the
+// groups of the catalog an update may take: the loader checks both by name.
+#define ROLLOUT_STATE_SLOTS(X)                                                              \
+  X(s_count, "count") X(s_pa, "prob_actor") X(s_pb, "prob_rollout") X(s_diff, "prob_diff")   \
+  X(s_abs_r, "log_diff") X(s_pa2, "prob_actor*prob_actor")                                  \
+  X(s_pb2, "prob_rollout*prob_rollout") X(s_papb, "prob_actor*prob_rollout")                \
+  X(s_diff2, "prob_diff*prob_diff") X(s_r2, "log_diff*log_diff") X(s_nonfinite, "nonfinite") \
+  X(s_log_ratio, "log_ratio") X(s_k3, "kl_k3") X(s_mult, "mult_error_m1")                    \
+  X(s_rm1, "ratio_m1") X(s_rsqm1, "ratio_sq_m1") X(s_ratio, "ratio") X(s_ratio2, "ratio_sq") \
+  X(s_high, "ratio_high") X(s_low, "ratio_low") X(s_sequences, "sequences")                 \
+  X(s_ppl_a, "seq_ppl_actor") X(s_ppl_b, "seq_ppl_rollout") X(s_seq_r, "seq_log_ratio")      \
+  X(s_outside, "seq_outside") X(s_id_updates, "id_updates") X(s_id_rows, "id_rows")          \
+  X(s_id_diff, "id_diff") X(s_id_diff_rows, "id_diff_rows") X(s_max_diff, "max_prob_diff")   \
+  X(s_max_abs_r, "max_log_diff") X(s_max_r, "max_log_ratio")                                \
+  X(s_max_seq_abs, "max_seq_abs_log_ratio") X(s_max_seq, "max_seq_log_ratio")               \
+  X(s_max_a, "max_actor_log_prob") X(s_max_b, "max_rollout_log_prob")                       \
+  X(s_min_r, "min_log_ratio") X(s_min_seq, "min_seq_log_ratio")
+#define ROLLOUT_GROUPS(X)                                                                   \
+  X(g_seed, "seed") X(g_log_space, "log_space") X(g_kl, "kl") X(g_ratio, "importance_ratio") \
+  X(g_sequence, "sequence") X(g_health, "health")
+// The fields of a worst-token candidate (`WORST_FIELDS` in extras.py).
+#define ROLLOUT_WORST_FIELDS(X)                                                             \
+  X(w_key, "abs_log_ratio") X(w_r, "log_ratio") X(w_pa, "actor_prob") X(w_pb, "rollout_prob") \
+  X(w_batch, "batch") X(w_row, "row") X(w_position, "position") X(w_id, "token_id")         \
+  X(w_rank, "rank")
+
+#define ROLLOUT_ENUM(id, name) id,
+#define ROLLOUT_COLUMN_ENUM(name, member) c_##member,
+#define ROLLOUT_NAME(id, name) name,
+enum Column { ROLLOUT_ROW_COLUMNS(ROLLOUT_COLUMN_ENUM) };
+enum Slot { ROLLOUT_STATE_SLOTS(ROLLOUT_ENUM) kStateSlots };
+enum Group { ROLLOUT_GROUPS(ROLLOUT_ENUM) kGroups };
+enum WorstField { ROLLOUT_WORST_FIELDS(ROLLOUT_ENUM) kWorstFields };
+constexpr const char* kSlotNames[] = {ROLLOUT_STATE_SLOTS(ROLLOUT_NAME)};
+constexpr const char* kGroupNames[] = {ROLLOUT_GROUPS(ROLLOUT_NAME)};
+constexpr const char* kWorstNames[] = {ROLLOUT_WORST_FIELDS(ROLLOUT_NAME)};
+#undef ROLLOUT_ENUM
+#undef ROLLOUT_COLUMN_ENUM
+#undef ROLLOUT_NAME
+
+// The packed state of the statistics from the row table, as `state_from_rows` in rows.py
+// computes it: the slots of the groups asked for are written, the others keep what the
+// caller put there (the empty window).
+struct StateOf {
+  const double* table;  // [rows, kSlots]
+  int64_t rows;
+  uint64_t needed;  // bit c: column c is computed
+  int groups;       // bit g: group g is on
+
+  bool has(Column c) const { return (needed >> c) & 1; }
+  bool on(Group g) const { return (groups >> g) & 1; }
+  double at(int64_t row, Column c) const { return table[row * kSlots + c]; }
+  double total(Column c) const {
+    double out = 0;
+    for (int64_t row = 0; row < rows; ++row) out += at(row, c);
+    return out;
+  }
+  double largest(Column c) const {
+    double out = -INFINITY;
+    for (int64_t row = 0; row < rows; ++row) out = std::max(out, at(row, c));
+    return out;
+  }
+
+  void write(double low_bound, double high_bound, double* state) const {
+    const double count = total(c_count);
+    state[s_count] = count;
+    state[s_nonfinite] = total(c_nonfinite);
+    state[s_max_a] = largest(c_max_a);
+    state[s_max_b] = largest(c_max_b);
+    // Means and centred co-moments: M_xy = S_xy - S_x S_y / n.
+    const double scale = 1.0 / std::max(count, 1.0);
+    const struct { Column column; Slot slot; } means[] = {
+        {c_pa, s_pa}, {c_pb, s_pb}, {c_diff, s_diff}, {c_abs_r, s_abs_r}};
+    for (const auto& mean : means) {
+      if (has(mean.column)) state[mean.slot] = total(mean.column) * scale;
+    }
+    const struct { Column xy, x, y; Slot slot; } pairs[] = {
+        {c_pa2, c_pa, c_pa, s_pa2},      {c_pb2, c_pb, c_pb, s_pb2},
+        {c_papb, c_pa, c_pb, s_papb},    {c_diff2, c_diff, c_diff, s_diff2},
+        {c_r2, c_abs_r, c_abs_r, s_r2}};
+    for (const auto& pair : pairs) {
+      if (!has(pair.xy)) continue;
+      const double value = total(pair.xy) - total(pair.x) * total(pair.y) * scale;
+      state[pair.slot] = pair.x == pair.y ? std::max(value, 0.0) : value;
+    }
+    if (has(c_max_diff)) state[s_max_diff] = largest(c_max_diff);
+    double r_max = -INFINITY, r_min = INFINITY;
+    if (has(c_max_r)) r_max = largest(c_max_r), r_min = -largest(c_max_neg_r);
+    if (has(c_abs_r)) state[s_max_abs_r] = std::max(r_max, -r_min);
+    if (on(g_kl) || on(g_ratio)) {
+      double sum = 0;
+      if (has(c_r)) {
+        sum = total(c_r);
+      } else {
+        for (int64_t row = 0; row < rows; ++row) sum += at(row, c_sum_a) - at(row, c_sum_b);
+      }
+      state[s_log_ratio] = sum;
+    }
+    const struct { Column column; Slot slot; } sums[] = {
+        {c_k3, s_k3},       {c_mult, s_mult},   {c_rm1, s_rm1},     {c_rsqm1, s_rsqm1},
+        {c_ratio, s_ratio}, {c_ratio2, s_ratio2}, {c_high, s_high}, {c_low, s_low}};
+    for (const auto& sum : sums) {
+      if (has(sum.column)) state[sum.slot] = total(sum.column);
+    }
+    if (has(c_high)) {
+      auto clamp = [](double x) { return std::isinf(x) ? x : std::min(std::max(x, -20.0), 20.0); };
+      state[s_max_r] = clamp(r_max);
+      state[s_min_r] = clamp(r_min);
+    }
+    if (on(g_health) || on(g_sequence)) {
+      double sequences = 0;
+      for (int64_t row = 0; row < rows; ++row) sequences += at(row, c_count) > 0;
+      state[s_sequences] = sequences;
+    }
+    if (has(c_sum_a)) write_sequences(low_bound, high_bound, state);
+  }
+
+  // Sequence statistics from the float64 row sums of a and b (`_sequence_sums`).
+  void write_sequences(double low_bound, double high_bound, double* state) const {
+    double ppl_a = 0, ppl_b = 0, log_ratio = 0, outside = 0;
+    double max_abs = -INFINITY, max_r = -INFINITY, min_r = INFINITY;
+    for (int64_t row = 0; row < rows; ++row) {
+      const double count = at(row, c_count), sum_a = at(row, c_sum_a), sum_b = at(row, c_sum_b);
+      const double per_row = std::max(count, 1.0);
+      const double mean_r = (sum_a - sum_b) / per_row;
+      log_ratio += mean_r;
+      if (count <= 0) continue;
+      const double geo = std::exp(mean_r);
+      outside += geo < low_bound || geo > high_bound;
+      ppl_a += std::exp(-sum_a / per_row);
+      ppl_b += std::exp(-sum_b / per_row);
+      max_abs = std::max(max_abs, std::fabs(mean_r));
+      max_r = std::max(max_r, mean_r);
+      min_r = std::min(min_r, mean_r);
+    }
+    state[s_ppl_a] = ppl_a;
+    state[s_ppl_b] = ppl_b;
+    state[s_seq_r] = log_ratio;
+    state[s_outside] = outside;
+    state[s_max_seq_abs] = max_abs;
+    state[s_max_seq] = max_r;
+    state[s_min_seq] = min_r;
+  }
+};
+
+inline double log_prob_at(const void* values, int kind, int64_t index) {
+  float x;
+  if (kind == 0) {
+    x = static_cast<const float*>(values)[index];
+  } else {
+    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(values)[index]) << 16;
+    std::memcpy(&x, &bits, sizeof x);
+  }
+  return x;
+}
+
+inline double id_at(const void* ids, int kind, int64_t index) {
+  switch (kind) {
+    case 1: return static_cast<double>(static_cast<const int32_t*>(ids)[index]);
+    case 2: return static_cast<double>(static_cast<const int64_t*>(ids)[index]);
+    default: return -1.0;
+  }
+}
+
+// The packed extras (`TokenExtras` in extras.py) from the kernel's per-row extras: each
+// histogram's bins and [num, min, max, sum, sum of squares], then the k candidates with
+// the largest |r| among all rows' (ties: the earlier token), read back from the inputs.
+void write_extras(const void* rollout, const void* old, int kind, const void* ids, int id_kind,
+                  int64_t rows, int64_t width, const ExtrasRequest& x, double batch_index,
+                  double rank, double* state) {
+  const int per_row = kMoments + 2 * x.k;
+  double* out = state;
+  if (x.histograms) {
+    double largest[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    double totals[4] = {0, 0, 0, 0};
+    for (int64_t row = 0; row < rows; ++row) {
+      const double* moments = x.rows + row * per_row;
+      for (int i = 0; i < 4; ++i) largest[i] = std::max(largest[i], moments[i]);
+      for (int i = 0; i < 4; ++i) totals[i] += moments[4 + i];
+    }
+    const int sizes[2] = {ratio_bins(x), diff_bins(x)};
+    const double* bins = x.bins;
+    for (int h = 0; h < 2; ++h) {
+      double num = 0;
+      for (int bin = 0; bin < sizes[h]; ++bin) num += (*out++ = bins[bin]);
+      bins += sizes[h];
+      const double summary[5] = {num, -largest[2 * h + 1], largest[2 * h], totals[2 * h],
+                                 totals[2 * h + 1]};
+      std::memcpy(out, summary, sizeof summary);
+      out += 5;
+    }
+  }
+  if (x.k == 0) return;
+  struct Candidate { double key; int64_t row, position; };
+  std::vector<Candidate> found;
+  for (int64_t row = 0; row < rows; ++row) {
+    const double* pairs = x.rows + row * per_row + kMoments;
+    for (int i = 0; i < x.k; ++i) {
+      if (pairs[2 * i] > -INFINITY) {
+        found.push_back({pairs[2 * i], row, static_cast<int64_t>(pairs[2 * i + 1])});
+      }
+    }
+  }
+  const size_t kept = std::min<size_t>(found.size(), x.k);
+  std::partial_sort(found.begin(), found.begin() + kept, found.end(),
+                    [](const Candidate& p, const Candidate& q) {
+                      if (p.key != q.key) return p.key > q.key;
+                      return p.row != q.row ? p.row < q.row : p.position < q.position;
+                    });
+  for (int i = 0; i < x.k; ++i, out += kWorstFields) {
+    if (static_cast<size_t>(i) >= kept) {  // a placeholder: loses against any token
+      const double empty[kWorstFields] = {-INFINITY, 0, 0, 0, 0, 0, 0, -1, 0};
+      std::memcpy(out, empty, sizeof empty);
+      continue;
+    }
+    const Candidate& c = found[i];
+    const int64_t index = c.row * width + c.position;
+    // As the statistics read them: floored in float32, r = a - b in float32.
+    const float a = std::max(static_cast<float>(log_prob_at(old, kind, index)), kLogProbFloor);
+    const float b = std::max(static_cast<float>(log_prob_at(rollout, kind, index)), kLogProbFloor);
+    const float r = a - b;
+    out[w_key] = c.key;
+    out[w_r] = r;
+    out[w_pa] = std::exp(static_cast<double>(a));
+    out[w_pb] = std::exp(static_cast<double>(b));
+    out[w_batch] = batch_index;
+    out[w_row] = static_cast<double>(c.row);
+    out[w_position] = static_cast<double>(c.position);
+    out[w_id] = ids ? id_at(ids, id_kind, index) : -1.0;
+    out[w_rank] = rank;
+  }
+}
+
 }  // namespace
+
+// The name of entry `index` of a table (1: the statistics' state slots, 2: the groups,
+// 3: the worst-token fields), or null past its end.
+extern "C" const char* rollout_name(int table, int index) {
+  switch (table) {
+    case 1: return index >= 0 && index < kStateSlots ? kSlotNames[index] : nullptr;
+    case 2: return index >= 0 && index < kGroups ? kGroupNames[index] : nullptr;
+    case 3: return index >= 0 && index < kWorstFields ? kWorstNames[index] : nullptr;
+    default: return nullptr;
+  }
+}
+
+// The statistics' packed state from a row table of `rollout_row_sums` (`needed`: bit c
+// for each computed column; `groups`: bit g for each group on). Writes the slots of the
+// groups on into `state`, which holds the empty window.
+extern "C" int rollout_finish_state(const double* table, int64_t rows, uint64_t needed,
+                                    int groups, double low_bound, double high_bound,
+                                    double* state) {
+  StateOf{table, rows, needed, groups}.write(low_bound, high_bound, state);
+  return 0;
+}
+
+// The packed extras from the per-row extras and bins of `rollout_row_sums` (`ints` as
+// there). `ids`: null, or token ids (`id_kind` 1: int32, 2: int64) shown in the table.
+extern "C" int rollout_finish_extras(const void* rollout, const void* old, int log_prob_kind,
+                                     const void* ids, int id_kind, int64_t rows,
+                                     int64_t width, const int* ints, const double* extras_rows,
+                                     const double* bins, double batch_index, double rank,
+                                     double* state) {
+  const ExtrasRequest x{ints[0], ints[1], ints[2], ints[3], ints[4], ints[5],
+                        const_cast<double*>(extras_rows), const_cast<double*>(bins)};
+  if (x.k < 0 || x.k > kMaxWorst || (log_prob_kind != 0 && log_prob_kind != 1)) return 3;
+  write_extras(rollout, old, log_prob_kind, ids, id_kind, rows, width, x, batch_index, rank,
+               state);
+  return 0;
+}
 
 // The name of output column `index`, or null past the last column.
 extern "C" const char* rollout_row_column(int index) {
