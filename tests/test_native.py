@@ -246,6 +246,13 @@ def test_native_extras_match_the_torch_extras(
     _assert_same_extras(*extras)
 
 
+@pytest.mark.parametrize(("histograms", "k"), [(True, 10), (True, 0), (False, 5), (False, 0)])
+def test_the_kernel_lays_out_the_extras_as_the_layout_does(histograms: bool, k: int) -> None:
+    extras = TokenExtras(histograms=histograms, worst_tokens_k=k)
+    request = extras.kernel_request()
+    assert request is not None and request.state_size() == extras.size
+
+
 def test_the_callback_reads_a_cpu_batch_once(
     native_calls: list[bool],
 ) -> None:

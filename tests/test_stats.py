@@ -67,6 +67,21 @@ def test_window_of_batches_of_different_shapes(window: list[Batch]) -> None:
     assert_metrics_close(fed(window).compute(), reference_for(window))
 
 
+@pytest.mark.parametrize("compile", [None, False])
+def test_a_long_window_merges_every_batch(rng: np.random.Generator, compile: bool | None) -> None:
+    """More batches than a window holds unmerged: every one counts, read at any time."""
+    window = [
+        make_batch(rng, (int(rng.integers(1, 5)), int(rng.integers(1, 40))), special_rate=0.05)
+        for _ in range(75)
+    ]
+    stats = MismatchStats(compile=compile)
+    for seen, batch in enumerate(window, start=1):
+        stats.update(*batch.args())
+        if seen in (1, 31, 32, 33, 64):
+            assert_metrics_close(stats.compute(), reference_for(window[:seen]))
+    assert_metrics_close(stats.compute(), reference_for(window))
+
+
 def test_empty_window() -> None:
     got = MismatchStats().compute()
     want = reference_metrics(torch.zeros(0, 0), torch.zeros(0, 0), torch.zeros(0, 0))
