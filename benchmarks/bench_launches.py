@@ -1,0 +1,78 @@
+"""How many operations one update costs: kernel launches on a GPU, torch operations on a CPU.
+
+Each launch (or dispatched operation) carries a fixed cost, so their number is what a
+small batch pays. For each shape, one training batch goes through the callback's update
+with scalars only and with its defaults (histograms and worst tokens), under the torch
+profiler, after warm-up updates (compilation included):
+
+* on CUDA: the kernels launched (``--device cuda``);
+* on the CPU: the top-level torch operations dispatched (the native kernel itself is
+  one call outside torch).
+
+    python benchmarks/bench_launches.py [--device cuda] [--shapes 4x256,64x2048,256x4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_metrics import make_batch
+
+from lightning_rollout_debug import RolloutDebugCallback
+
+
+def update_of(batch: dict[str, torch.Tensor], **options: object) -> Callable[[], None]:
+    """One training batch through the callback's update (no logging)."""
+    callback = RolloutDebugCallback(alert_ranges={}, **options)  # type: ignore[arg-type]
+
+    def update() -> None:
+        callback._batches_in_window = 1
+        callback._update({}, batch)
+
+    return update
+
+
+def count(update: Callable[[], None], device: str) -> int:
+    """Kernels launched (CUDA) or top-level torch operations (CPU) by one update."""
+    for _ in range(3):
+        update()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            update()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        update()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+
+
+def main() -> None:
+    """Print the counts per shape."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--shapes", default="4x256,64x2048,256x4096")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    what = "kernel launches" if args.device == "cuda" else "torch operations"
+    print(f"torch {torch.__version__}, {args.device}: {what} per update")
+    print(f"{'shape':>11} {'scalars only':>13} {'defaults':>9}")
+    for text in args.shapes.split(","):
+        shape = tuple(int(n) for n in text.split("x"))
+        batch = make_batch(shape, torch.float32, args.device)
+        scalars = count(update_of(batch, histograms=False, worst_tokens_k=0), args.device)
+        defaults = count(update_of(batch), args.device)
+        print(f"{text:>11} {scalars:>13} {defaults:>9}")
+
+
+if __name__ == "__main__":
+    main()
