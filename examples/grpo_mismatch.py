@@ -48,14 +48,6 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
-import pytorch_lightning as pl
-import torch
-from pytorch_lightning.loggers import TensorBoardLogger
-from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
-
-from lightning_rollout_debug import RolloutDebugCallback
-
 # Vocabulary: the digits 0-9 plus three special tokens (and a few unused ids).
 NUM_DIGITS = 10
 SEP = 10  # ends the prompt
@@ -74,7 +66,68 @@ GROUP_SIZE = 8  # responses sampled per prompt; advantages are normalised within
 LEARNING_RATE = 3e-3
 PPO_CLIP = 0.2
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+# --------------------------------------------------------------------------------------------
+# Command line, read before torch and Lightning are imported: `--help` answers at once.
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command-line flags."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--rollout-dtype",
+        choices=ROLLOUT_DTYPES,
+        default="bfloat16",
+        help="Precision the rollout engine computes in; the trainer always uses float32.",
+    )
+    parser.add_argument(
+        "--weight-sync-every",
+        type=int,
+        default=1,
+        metavar="N",
+        help="Send the trained weights to the rollout engine every N optimizer steps "
+        "(N > 1 simulates a stale-weights bug).",
+    )
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=100,
+        help=f"Number of optimizer steps; each samples {GROUP_SIZE} responses to each of "
+        f"{PROMPTS_PER_STEP} prompts.",
+    )
+    parser.add_argument(
+        "--logdir", default="runs", help="Directory the TensorBoard logs are written under."
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="Random seed for the weights, the prompts and the sampling.",
+    )
+    args = parser.parse_args(argv)
+    if args.weight_sync_every < 1:
+        parser.error("--weight-sync-every must be at least 1")
+    return args
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and wrong flags exit here, before the slow imports below
+
+import pytorch_lightning as pl  # noqa: E402
+import torch  # noqa: E402
+from pytorch_lightning.loggers import TensorBoardLogger  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+from lightning_rollout_debug import RolloutDebugCallback  # noqa: E402
+
+DTYPES = {name: getattr(torch, name) for name in ROLLOUT_DTYPES}
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,50 +367,8 @@ class GRPOModule(pl.LightningModule):
 
 
 # --------------------------------------------------------------------------------------------
-# Command line.
+# Training.
 # --------------------------------------------------------------------------------------------
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse the command-line flags."""
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument(
-        "--rollout-dtype",
-        choices=list(DTYPES),
-        default="bfloat16",
-        help="Precision the rollout engine computes in; the trainer always uses float32.",
-    )
-    parser.add_argument(
-        "--weight-sync-every",
-        type=int,
-        default=1,
-        metavar="N",
-        help="Send the trained weights to the rollout engine every N optimizer steps "
-        "(N > 1 simulates a stale-weights bug).",
-    )
-    parser.add_argument(
-        "--max-steps",
-        type=int,
-        default=100,
-        help=f"Number of optimizer steps; each samples {GROUP_SIZE} responses to each of "
-        f"{PROMPTS_PER_STEP} prompts.",
-    )
-    parser.add_argument(
-        "--logdir", default="runs", help="Directory the TensorBoard logs are written under."
-    )
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="Random seed for the weights, the prompts and the sampling.",
-    )
-    args = parser.parse_args(argv)
-    if args.weight_sync_every < 1:
-        parser.error("--weight-sync-every must be at least 1")
-    return args
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -5,9 +5,12 @@ from lightning_rollout_debug.alerts import (
     RolloutAlertError,
     RolloutAlertWarning,
 )
+from lightning_rollout_debug.alignment import response_log_probs
 from lightning_rollout_debug.batch import BatchError
 from lightning_rollout_debug.callback import RolloutDebugCallback, RolloutDebugWarning
 from lightning_rollout_debug.catalog import GROUPS, METRIC_NAMES
+from lightning_rollout_debug.diagnosis import RolloutDiagnosisError, RolloutDiagnosisWarning
+from lightning_rollout_debug.monitor import RolloutDebugMonitor
 from lightning_rollout_debug.stats import MismatchStats
 
 __all__ = [
@@ -19,6 +22,10 @@ __all__ = [
     "RolloutAlertError",
     "RolloutAlertWarning",
     "RolloutDebugCallback",
+    "RolloutDebugMonitor",
     "RolloutDebugWarning",
+    "RolloutDiagnosisError",
+    "RolloutDiagnosisWarning",
+    "response_log_probs",
 ]
 __version__ = "0.1.0"

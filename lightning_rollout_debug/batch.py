@@ -67,20 +67,21 @@ def tensor_sources(*objects: Any) -> list[Any]:
     return sources
 
 
-def batch_type_error(batch: Any, error: BatchError) -> BatchError:
+def batch_type_error(
+    batch: Any, error: BatchError, searched: str = "the output of `training_step`"
+) -> BatchError:
     """``error``, or a ``type:batch`` error when a key is missing because ``batch`` is unsearchable.
 
-    A batch that is a list, a tuple or a bare tensor is not searched for keys, only the
-    output of ``training_step`` is; a missing key then blames the batch's type instead of
-    listing the keys of that output alone.
+    A batch that is a list, a tuple or a bare tensor is not searched for keys, only what
+    came before it (``searched``: the output of ``training_step``) is; a missing key then
+    blames the batch's type instead of listing the keys of the other sources alone.
     """
     if not error.kind.startswith("missing:") or tensor_sources(batch):
         return error
     converted = BatchError(
         "type:batch",
         f"The batch is a {type(batch).__name__}, not a mapping of tensors, a TensorDict or an "
-        "object whose `.batch` is one, so only the output of `training_step` was searched. "
-        f"{error}",
+        f"object whose `.batch` is one, so only {searched} was searched. {error}",
     )
     converted.__cause__ = error
     return converted
@@ -182,15 +183,48 @@ def extract_inputs(
     ids: tuple[Any, Any] = (None, None)
     if token_ids_keys is not None:
         ids = (require(sources, token_ids_keys[0]), require(sources, token_ids_keys[1]))
-    inputs = check_inputs(
-        rollout,
-        old,
-        mask,
-        *ids,
-        names=(rollout_log_probs_key, old_log_probs_key, mask_name),
-        id_names=token_ids_keys or ("rollout_token_ids", "trainer_token_ids"),
-    )
+    names = (rollout_log_probs_key, old_log_probs_key, mask_name)
+    try:
+        inputs = check_inputs(
+            rollout,
+            old,
+            mask,
+            *ids,
+            names=names,
+            id_names=token_ids_keys or ("rollout_token_ids", "trainer_token_ids"),
+        )
+    except BatchError as error:
+        hint = (
+            prompt_hint(sources, rollout, old, names) if error.kind.startswith("shape:") else None
+        )
+        if hint is None:
+            raise
+        raise BatchError(error.kind, f"{error} {hint}") from None
     return inputs, fallback
+
+
+def prompt_hint(sources: Sequence[Any], rollout: Any, old: Any, names: Sequence[str]) -> str | None:
+    """Why the two log-prob tensors differ in width, when the difference is the prompt's.
+
+    The prompt's width is that of ``prompts``, or what ``attention_mask`` holds beyond
+    the narrower log-probs. ``None`` when the widths do not differ by it.
+    """
+    if not (_is_matrix(rollout) and _is_matrix(old)) or rollout.shape[1] == old.shape[1]:
+        return None
+    response, whole = sorted((rollout.shape[1], old.shape[1]))
+    prompt_widths = set()
+    if _is_matrix(prompts := lookup(sources, "prompts")):
+        prompt_widths.add(prompts.shape[1])
+    if _is_matrix(attention := lookup(sources, "attention_mask")):
+        prompt_widths.add(attention.shape[1] - response)
+    if response == 0 or whole - response not in prompt_widths:
+        return None
+    wider = names[0] if rollout.shape[1] == whole else names[1]
+    return (
+        f"`{wider}` looks like it includes the prompt: {whole - response} columns wider, the "
+        f"prompt's width. Keep the response's columns: `{wider}[:, -{response}:]` (for "
+        "log-probs from causal-LM logits, see lightning_rollout_debug.response_log_probs)."
+    )
 
 
 def _width(value: Any) -> int | str:

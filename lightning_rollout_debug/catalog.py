@@ -113,18 +113,24 @@ def pearson_from_moments(
     NaN when ``n < 2`` or when either side is constant: its standard deviation is
     below what float32 arithmetic resolves relative to its mean.
     """
+    root = _pearson_root(n, mean_x, mean_y, m_xx, m_yy)
+    return math.nan if root is None else max(-1.0, min(1.0, m_xy / root))
+
+
+def _pearson_root(n: float, mean_x: float, mean_y: float, m_xx: float, m_yy: float) -> float | None:
+    """``sqrt(M_xx M_yy)``, or ``None`` where the correlation is undefined."""
     if n < 2:
-        return math.nan
+        return None
     for m_self, center in ((m_xx, mean_x), (m_yy, mean_y)):
         if math.sqrt(max(m_self, 0.0) / n) <= _CONSTANT_RELATIVE_STD * abs(center):
-            return math.nan
+            return None
         if m_self <= 0.0:
-            return math.nan
-    return max(-1.0, min(1.0, m_xy / math.sqrt(m_xx * m_yy)))
+            return None
+    return math.sqrt(m_xx * m_yy)
 
 
-def _pearson(w: Window) -> float:
-    return pearson_from_moments(
+def _probability_moments(w: Window) -> tuple[float, ...]:
+    return (
         w.n,
         w["prob_actor"],
         w["prob_rollout"],
@@ -134,8 +140,84 @@ def _pearson(w: Window) -> float:
     )
 
 
+def _pearson(w: Window) -> float:
+    return pearson_from_moments(*_probability_moments(w))
+
+
+def _one_minus_pearson(w: Window) -> float:
+    """``1 - rho`` as ``(sqrt(M_xx M_yy) - M_xy) / sqrt(M_xx M_yy)``, clamped to ``[0, 2]``."""
+    n, mean_x, mean_y, m_xx, m_yy, m_xy = _probability_moments(w)
+    root = _pearson_root(n, mean_x, mean_y, m_xx, m_yy)
+    return math.nan if root is None else max(0.0, min(2.0, (root - m_xy) / root))
+
+
 def _ess(w: Window) -> float:
     return w["ratio"] ** 2 / (w.n * w["ratio_sq"]) if w["ratio_sq"] > 0 else math.nan
+
+
+def _one_minus_ess(w: Window) -> float:
+    """``1 - ESS`` without the cancellation of ``1 - ess`` when the ESS is close to 1.
+
+    With ``d = rho - 1``: ``1 - ESS = (N sum d^2 - (sum d)^2) / (N sum rho^2)``, and
+    ``sum d^2 = sum (rho^2 - 1) - 2 sum d``, from sums the window holds. Their float32
+    terms round by about ``eps |d| max(1, rho)`` each, at most ``sqrt(N sum d^2) +
+    sum d^2`` in all, which this form divides by ``sum rho^2``; ``1 - ess`` errs by about
+    ``eps``. So the form is used where that bound is below ``sum rho^2`` (the ratios
+    spread little around 1), and ``1 - ess`` elsewhere (many ``rho << 1``, where the sums
+    of ``rho - 1`` lost the digits of ``rho``).
+    """
+    ess = _ess(w)
+    if math.isnan(ess):
+        return math.nan
+    n, d1, sum_sq = w.n, w["ratio_m1"], w["ratio_sq"]
+    d2 = max(w["ratio_sq_m1"] - 2.0 * d1, 0.0)
+    if math.sqrt(n * d2) + d2 < sum_sq:
+        return max(0.0, min(1.0, (n * d2 - d1 * d1) / (n * sum_sq)))
+    return max(0.0, min(1.0, 1.0 - ess))
+
+
+LAGS = (-1, 0, 1)
+"""The lags of :func:`lag_correlations`."""
+
+
+def lag_correlations(w: Window) -> dict[int, float]:
+    """Correlation of the trainer's and the rollout's log-probs at lags -1, 0 and +1.
+
+    At lag ``L`` the pairs are ``(a_t, b_(t+L))`` along each response, both counting:
+    ``c_L = (mean(a_t b_(t+L)) - mean(a) mean(b)) / (sd(a) sd(b))``, the sample
+    cross-correlation with the means and (population) spreads of all counting tokens.
+    ``c_0`` is the Pearson correlation of the log-probs. NaN without two tokens, with a
+    constant side, or, at ``L = +-1``, without a pair of neighbouring tokens.
+    """
+    nan = {lag: math.nan for lag in LAGS}
+    n = w.n
+    if n < 2:
+        return nan
+    mean_a, mean_b = w["sum_actor_log_prob"] / n, w["sum_rollout_log_prob"] / n
+    spreads = []
+    for squares, mean in (("sum_actor_log_prob_sq", mean_a), ("sum_rollout_log_prob_sq", mean_b)):
+        variance = w[squares] / n - mean * mean
+        if variance <= 0.0 or math.sqrt(variance) <= _CONSTANT_RELATIVE_STD * abs(mean):
+            return nan
+        spreads.append(math.sqrt(variance))
+    scale, pairs = spreads[0] * spreads[1], w["neighbour_pairs"]
+
+    def correlation(total: float, count: float) -> float:
+        return (total / count - mean_a * mean_b) / scale if count >= 1 else math.nan
+
+    return {
+        -1: correlation(w["sum_next_actor_x_rollout"], pairs),
+        0: correlation(w["sum_actor_x_rollout"], n),
+        1: correlation(w["sum_actor_x_next_rollout"], pairs),
+    }
+
+
+def _alignment_lag(w: Window) -> float:
+    """The lag of the largest :func:`lag_correlations` (0 on a tie); NaN if none is defined."""
+    defined = {lag: c for lag, c in lag_correlations(w).items() if not math.isnan(c)}
+    if not defined:
+        return math.nan
+    return float(max(defined, key=lambda lag: (defined[lag], lag == 0)))
 
 
 AGREEMENT, DIVERGENCE, SEQUENCES, HEALTH = "agreement", "divergence", "sequences", "health"
@@ -149,6 +231,7 @@ _RATIO_FRACTIONS = (DIVERGENCE, "importance ratio: fraction above C, below 1/C")
 _PPL = (SEQUENCES, "perplexity: actor, rollout")
 _PPL_DIFF = (SEQUENCES, "log-perplexity diff: mean, max abs")
 _GEO = (SEQUENCES, "geometric-mean ratio: min, max")
+_PADDING = (HEALTH, "masked-in tokens with a rollout log-prob of exactly 0")
 
 CATALOG: tuple[Metric, ...] = (
     # ---------------------------------------------------------------- seed
@@ -160,12 +243,17 @@ CATALOG: tuple[Metric, ...] = (
     ),
     Metric("rollout_probs_diff_max", "seed", lambda w: w.extreme("max_prob_diff"), _PROBS_DIFF),
     # verl's FAQ: below about 0.005 is normal, above 0.01 points to an engine precision bug.
+    # The metric weighs each token's error by its probability, so its healthy level follows
+    # the policy's confidence as much as the precision: healthy bf16-engine / fp32-trainer
+    # runs (benchmarks/calibrate_alerts.py) read 0.005-0.011 and cross 0.01 in up to 84% of
+    # windows. 0.02 sits above the worst healthy window seen (0.014) and matches the other
+    # limits (k3 0.01, mult_prob_error 1.08); read 0.005-0.01 as "look", not as a bug.
     Metric(
         "rollout_probs_diff_mean",
         "seed",
         lambda w: w.mean("prob_diff"),
         _PROBS_DIFF,
-        alert=(None, 0.01),
+        alert=(None, 0.02),
     ),
     Metric("rollout_probs_diff_std", "seed", lambda w: w.std("prob_diff"), _PROBS_DIFF),
     # MiniMax-M1: about 0.987 with the bf16 LM head (the bug), about 0.997 after the FP32
@@ -176,6 +264,14 @@ CATALOG: tuple[Metric, ...] = (
         _pearson,
         (AGREEMENT, "Pearson correlation of pa and pb"),
         alert=(0.99, None),
+    ),
+    # The near-1 metrics again as their distance from 1, charted beside them: on a healthy
+    # run the metric itself reads "1" at every tick of a chart.
+    Metric(
+        "rollout_actor_probs_one_minus_pearson_corr",
+        "seed",
+        _one_minus_pearson,
+        (AGREEMENT, "1 - Pearson correlation of pa and pb"),
     ),
     # ----------------------------------------------------------- log space
     Metric(
@@ -200,17 +296,33 @@ CATALOG: tuple[Metric, ...] = (
         (DIVERGENCE, "KL(rollout || actor): k1, k3"),
         alert=(None, 0.01),
     ),
-    # NeMo-RL: near 1.0 is healthy, above about 1.05 is worth investigating.
+    # NeMo-RL: near 1.0 is healthy; its validation guide lists 1.01-1.04 for healthy pairs
+    # and investigates above 1.05, for a one-off check. As an alarm on every window 1.05
+    # leaves too little headroom: healthy bf16 runs (benchmarks/calibrate_alerts.py) have
+    # medians up to 1.038 and windows up to 1.048. k3 is about 1-2x (x - 1)^2, so the k3
+    # limit of 0.01 corresponds to about 1.07-1.1: 1.08 alarms at the same level.
     Metric(
         "rollout_actor_mult_prob_error",
         "kl",
         lambda w: 1.0 + w.per_token("mult_error_m1"),
         (DIVERGENCE, "multiplicative probability error"),
-        alert=(None, 1.05),
+        alert=(None, 1.08),
+    ),
+    Metric(
+        "rollout_actor_mult_prob_error_minus_one",
+        "kl",
+        lambda w: w.per_token("mult_error_m1"),
+        (DIVERGENCE, "multiplicative probability error - 1"),
     ),
     # ----------------------------------------------------- importance ratio
     Metric(
         "rollout_is_ratio_mean", "importance_ratio", lambda w: 1.0 + w.per_token("ratio_m1"), _RATIO
+    ),
+    Metric(
+        "rollout_is_ratio_mean_minus_one",
+        "importance_ratio",
+        lambda w: w.per_token("ratio_m1"),
+        (DIVERGENCE, "importance ratio: mean - 1"),
     ),
     Metric(
         "rollout_is_ratio_min",
@@ -247,6 +359,12 @@ CATALOG: tuple[Metric, ...] = (
         "importance_ratio",
         _ess,
         (DIVERGENCE, "importance ratio: effective sample size (fraction)"),
+    ),
+    Metric(
+        "rollout_is_one_minus_ess",
+        "importance_ratio",
+        _one_minus_ess,
+        (DIVERGENCE, "importance ratio: 1 - effective sample size"),
     ),
     # ------------------------------------------------------------- sequence
     Metric("actor_ppl", "sequence", lambda w: w.per_sequence("seq_ppl_actor"), _PPL),
@@ -290,6 +408,13 @@ CATALOG: tuple[Metric, ...] = (
         lambda w: w["nonfinite"],
         (HEALTH, "non-finite tokens dropped"),
     ),
+    Metric("rollout_alignment_lag", "health", _alignment_lag, (HEALTH, "alignment: best lag")),
+    Metric(
+        "rollout_zero_log_prob_tokens",
+        "health",
+        lambda w: w["zero_rollout_log_prob"],
+        _PADDING,
+    ),
     # ------------------------------------------------------------ token ids
     Metric(
         "rollout_token_diff_count",
@@ -313,6 +438,16 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
     group: tuple(metric.name for metric in CATALOG if metric.group == group) for group in GROUPS
 }
 """The un-prefixed metric names of each group."""
+
+SEED_FUNCTION_NAMES: tuple[str, ...] = (
+    "rollout_probs_diff_valid",
+    "rollout_probs_diff_max",
+    "rollout_probs_diff_mean",
+    "rollout_probs_diff_std",
+    "rollout_actor_probs_pearson_corr",
+)
+"""The five metrics of the original debug module: what ``calculate_debug_metrics`` returns
+(the seed group without its ``1 - x`` companion)."""
 
 DEFAULT_ALERT_RANGES: dict[str, tuple[Bound, Bound]] = {
     metric.name: metric.alert for metric in CATALOG if metric.alert is not None

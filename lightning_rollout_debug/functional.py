@@ -19,7 +19,7 @@ from lightning_rollout_debug.batch import (
     extract_inputs,
     tensor_sources,
 )
-from lightning_rollout_debug.catalog import METRIC_NAMES, pearson_from_moments
+from lightning_rollout_debug.catalog import METRIC_NAMES, SEED_FUNCTION_NAMES, pearson_from_moments
 from lightning_rollout_debug.rows import paired_moments
 from lightning_rollout_debug.stats import MismatchStats
 
@@ -109,7 +109,8 @@ def calculate_debug_metrics(data: Any, prefix: str = DEFAULT_PREFIX) -> dict[str
         warnings.warn(fallback, UserWarning, stacklevel=2)
     stats = MismatchStats(groups=["seed"])
     stats.update(inputs.rollout_log_probs, inputs.old_log_probs, inputs.mask)
-    return _prefixed(stats.compute(), prefix)
+    metrics = stats.compute()
+    return _prefixed({name: metrics[name] for name in SEED_FUNCTION_NAMES}, prefix)
 
 
 def mismatch_metrics(

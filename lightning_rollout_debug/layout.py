@@ -136,22 +136,29 @@ class Layout:
     def _empty_slots(self, device: torch.device | str | None) -> tuple[Tensor, ...]:
         key = torch.device("cpu") if device is None else torch.device(device)
         if key not in self._empty:
-            options: dict[str, Any] = {"dtype": torch.float64, "device": key}
-            parts = []
-            for block in self.blocks:
-                if block.rule == "top":
-                    parts.append(torch.tensor(block.empty, **options).repeat(block.k))
-                else:
-                    fill = _EMPTY.get(block.rule, 0.0)
-                    parts.append(torch.full((block.size,), fill, **options))
-            self._empty[key] = torch.cat(parts).unbind() if parts else ()
+            self._empty[key] = self._new_empty_slots(key)
         return self._empty[key]
+
+    def _new_empty_slots(self, device: torch.device) -> tuple[Tensor, ...]:
+        options: dict[str, Any] = {"dtype": torch.float64, "device": device}
+        parts = []
+        for block in self.blocks:
+            if block.rule == "top":
+                parts.append(torch.tensor(block.empty, **options).repeat(block.k))
+            else:
+                parts.append(torch.full((block.size,), _EMPTY.get(block.rule, 0.0), **options))
+        return torch.cat(parts).unbind() if parts else ()
 
     def pack(self, values: Mapping[str, Tensor], device: torch.device | None = None) -> Tensor:
         """A state holding ``values`` (0-d tensors by slot name); other slots stay empty."""
+        sample = next(iter(values.values()), None)
         if device is None:
-            device = next(iter(values.values())).device if values else None
-        slots = list(self._empty_slots(device))
+            device = None if sample is None else sample.device
+        if sample is not None and type(sample) is not Tensor:
+            # A tensor subclass (fake tensors) does not mix with cached plain tensors.
+            slots = list(self._new_empty_slots(torch.device(device)))
+        else:
+            slots = list(self._empty_slots(device))
         for name, value in values.items():
             slots[self.at[name]] = value
         return torch.stack(slots)
@@ -278,7 +285,32 @@ STATE = Layout(
         Block("sum", ("ratio_high", "ratio_low", "sequences"), whole=True),
         Block("sum", ("seq_ppl_actor", "seq_ppl_rollout", "seq_log_ratio")),
         Block(
-            "sum", ("seq_outside", "id_updates", "id_rows", "id_diff", "id_diff_rows"), whole=True
+            "sum",
+            (
+                "seq_outside",
+                "id_updates",
+                "id_rows",
+                "id_diff",
+                "id_diff_rows",
+                "zero_rollout_log_prob",
+                "neighbour_pairs",
+                "pad_updates",
+                "pad_in_mask",
+            ),
+            whole=True,
+        ),
+        # The moments of the log-probs at lags -1, 0 and +1 along the response.
+        Block(
+            "sum",
+            (
+                "sum_actor_log_prob",
+                "sum_rollout_log_prob",
+                "sum_actor_log_prob_sq",
+                "sum_rollout_log_prob_sq",
+                "sum_actor_x_rollout",
+                "sum_actor_x_next_rollout",
+                "sum_next_actor_x_rollout",
+            ),
         ),
         Block(
             "max",

@@ -35,6 +35,24 @@ _COMOMENTS = tuple(
 )
 
 
+_LAG_MOMENTS = (
+    "sum_actor_log_prob_sq",
+    "sum_rollout_log_prob_sq",
+    "sum_actor_x_rollout",
+    "sum_actor_x_next_rollout",
+    "sum_next_actor_x_rollout",
+)
+"""Sums of ``a^2``, ``b^2``, ``a_t b_t``, ``a_t b_(t+1)`` and ``a_(t+1) b_t`` (pairs of
+neighbouring tokens that both count)."""
+HEALTH_SUMS = (
+    "zero_rollout_log_prob",
+    "neighbour_pairs",
+    "sum_actor_log_prob",
+    "sum_rollout_log_prob",
+    *_LAG_MOMENTS,
+)
+"""The health group's row sums, summed into the state slots of the same names."""
+
 ROW_FIELDS: tuple[str, ...] = (
     "count",
     "nonfinite",
@@ -63,6 +81,9 @@ ROW_FIELDS: tuple[str, ...] = (
     "ratio_sq",
     "ratio_high",
     "ratio_low",
+    "zero_rollout_log_prob",
+    "neighbour_pairs",
+    *_LAG_MOMENTS,
 )
 """The per-row reductions of an update, in the column order of the native CPU kernel."""
 
@@ -94,7 +115,8 @@ ROWS_OF_GROUP: dict[str, tuple[str, ...]] = {
     # The exact sums of the inputs, whereas a float32 r rounds by up to 1e-6 at |r| = 20
     # and can move a sequence's ratio across a bound; they give sum(r) too.
     "sequence": ("sum_actor_log_prob", "sum_rollout_log_prob"),
-    "health": (),
+    # Rollout log-probs of exactly 0, and the log-probs' moments at neighbouring positions.
+    "health": HEALTH_SUMS,
     "token_ids": (),
 }
 """The row quantities (of :data:`ROW_FIELDS`) each metric group needs, besides the token
@@ -177,6 +199,8 @@ def row_sums(
     }
     if "sum_actor_log_prob" in needed:
         rows["sum_actor_log_prob"], rows["sum_rollout_log_prob"] = row_sum(a), row_sum(b)
+    if "neighbour_pairs" in needed:
+        rows.update(_neighbour_sums(a, b, counting))
     values: dict[str, Tensor] = {}
     if needed & {*_PROBS, "max_prob_diff", *_RATIO_ROWS}:
         prob_rollout = exp(b)
@@ -295,7 +319,9 @@ def state_from_rows(
         )
     if "health" in groups or "sequence" in groups:
         slots["sequences"] = (row_count > 0).sum(dtype=f64)
-    if "sum_actor_log_prob" in needed:
+    if "health" in groups:
+        slots.update({name: total(name) for name in HEALTH_SUMS})
+    if "sequence" in groups:
         slots.update(_sequence_sums(sum_a, sum_b, row_count, seq_ratio_bounds))
     if "token_ids" in groups:
         slots.update(token_id_slots(mask, rollout_token_ids, trainer_token_ids))
@@ -351,6 +377,30 @@ def prob_diff(prob_actor: Tensor, prob_rollout: Tensor, r: Tensor) -> Tensor:
     """
     close = r.abs() < 0.5
     return torch.where(close, prob_rollout * _expm1_near_zero(r), prob_actor - prob_rollout).abs()
+
+
+def pad_slots(mask: Tensor, token_ids: Tensor, pad_token_id: int) -> dict[str, Tensor]:
+    """The slots of the padding check of a block: pad ids inside the mask."""
+    f64 = torch.float64
+    return {
+        "pad_updates": torch.ones((), dtype=f64, device=mask.device),
+        "pad_in_mask": ((mask != 0) & (token_ids == pad_token_id)).sum(dtype=f64),
+    }
+
+
+def _neighbour_sums(a: Tensor, b: Tensor, counting: Tensor) -> dict[str, Tensor]:
+    """The row sums of the health group from ``a`` and ``b`` (zero where not counting)."""
+    f64 = torch.float64
+    wide_a, wide_b = a.to(f64), b.to(f64)
+    return {
+        "zero_rollout_log_prob": (counting & (b == 0.0) & (a != 0.0)).sum(1, dtype=torch.int32),
+        "neighbour_pairs": (counting[:, :-1] & counting[:, 1:]).sum(1, dtype=torch.int32),
+        "sum_actor_log_prob_sq": (wide_a * wide_a).sum(1),
+        "sum_rollout_log_prob_sq": (wide_b * wide_b).sum(1),
+        "sum_actor_x_rollout": (wide_a * wide_b).sum(1),
+        "sum_actor_x_next_rollout": (wide_a[:, :-1] * wide_b[:, 1:]).sum(1),
+        "sum_next_actor_x_rollout": (wide_a[:, 1:] * wide_b[:, :-1]).sum(1),
+    }
 
 
 def _centre(

@@ -25,6 +25,7 @@ from lightning_rollout_debug.backends import compile_problems, statistics_states
 from lightning_rollout_debug.batch import check_inputs
 from lightning_rollout_debug.catalog import GROUPS, METRIC_NAMES, metrics_from_state
 from lightning_rollout_debug.layout import STATE, STATE_SIZE, identity_state, merge_states
+from lightning_rollout_debug.rows import pad_slots
 
 _PENDING = 32
 """Batch states a window holds before merging them: one merge of many costs what one of
@@ -275,6 +276,16 @@ class MismatchStats(ThreadSafeWindow):
                 # An empty batch with token ids still compared ids: zero differences, not NaN.
                 parts[0][STATE.at["id_updates"]] = 1.0
         self._add(parts, device)
+
+    @torch.no_grad()
+    def count_pads(self, mask: Tensor, token_ids: Tensor, pad_token_id: int) -> None:
+        """Count the pad tokens (``token_ids == pad_token_id``) inside ``mask`` ([B, T])."""
+        if token_ids.shape != mask.shape:
+            raise ValueError(
+                f"`token_ids` has shape {tuple(token_ids.shape)}; expected the mask's "
+                f"{tuple(mask.shape)}."
+            )
+        self._add([STATE.pack(pad_slots(mask, token_ids, pad_token_id))], mask.device)
 
     # ---------------------------------------------------------------- compute
     def compute(self) -> dict[str, float]:

@@ -1,14 +1,20 @@
-"""Shared test data: random ``[B, T]`` batches of log-probs, masks and token ids.
+"""Shared test data, and which tests are slow.
 
-Hypothesis draws the structure (shape, dtypes, value regime, mask kind, how many
-special values); a NumPy generator seeded by Hypothesis fills in the values, which
-keeps each example cheap. The log-probs are built in their target dtype first, so the
-reference sees exactly the (upcast) values the package sees.
+Slow tests carry the ``slow`` marker, set here from the tables below (a test may also
+carry ``@pytest.mark.slow`` itself): ``pytest -m "not slow"`` is the quick subset, plain
+``pytest`` runs everything.
+
+Random ``[B, T]`` batches of log-probs, masks and token ids: Hypothesis draws the
+structure (shape, dtypes, value regime, mask kind, how many special values); a NumPy
+generator seeded by Hypothesis fills in the values, which keeps each example cheap. The
+log-probs are built in their target dtype first, so the reference sees exactly the
+(upcast) values the package sees.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +23,53 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor
 
+# ----------------------------------------------------------------------------- slow tests
+SLOW_MODULES: dict[str, str] = {
+    "test_distributed.py": "spawns process groups of several ranks",
+    "test_fuzz.py": "fuzzes thousands of batches, through Trainer runs too",
+    "test_memory.py": "thousands of updates and Trainer steps",
+    "test_native_cache.py": "builds the native kernel in fresh caches, in several processes",
+    "test_scale_out.py": "FSDP2 and two simulated nodes, in processes of their own",
+}
+"""Modules whose every test is slow, and why."""
+
+SLOW_TESTS: dict[str, str] = {
+    "test_stats.py::test_sixteen_ranks_merge_to_the_statistics_of_all_tokens": "16 ranks",
+    "test_tensorboard.py::test_two_ranks_histograms_and_worst_tokens_cover_both": "two ranks",
+}
+"""Single tests (all their parametrisations) that are slow, and why."""
+
+SLOW_FIXTURES: dict[str, str] = {
+    "example": "trains examples/grpo_mismatch.py",
+    "inductor_only": "compiles with torch.compile",
+}
+"""Fixtures that make any test using them slow, and why."""
+
+SLOW_PARAMETERS: dict[str, str] = {"torch.compile": "compiles with torch.compile"}
+"""Parameter values that make a parametrisation slow, and why."""
+
+
+def is_slow(item: pytest.Item) -> bool:
+    """Whether a collected test is slow by the tables above."""
+    module = item.path.name
+    function = getattr(item, "originalname", item.name)
+    callspec = getattr(item, "callspec", None)
+    parameters = callspec.params.values() if callspec is not None else ()
+    return (
+        module in SLOW_MODULES
+        or f"{module}::{function}" in SLOW_TESTS
+        or any(name in SLOW_FIXTURES for name in getattr(item, "fixturenames", ()))
+        or any(isinstance(value, str) and value in SLOW_PARAMETERS for value in parameters)
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: Sequence[pytest.Item]) -> None:
+    for item in items:
+        if is_slow(item):
+            item.add_marker(pytest.mark.slow)
+
+
+# ----------------------------------------------------------------------------- test data
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 MASK_DTYPES = (
     torch.bool,

@@ -10,14 +10,16 @@ unchanged, so each batch can have its own size, width, dtype and mask.
 from __future__ import annotations
 
 import csv
+import importlib
+import importlib.util
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
+import pytest
 import torch
-from pytorch_lightning.loggers import Logger
 from pytorch_lightning.utilities import rank_zero_only
 from reference import ALL_NAMES
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -172,7 +174,8 @@ def tensors_of(batch: Any) -> Mapping[str, Any]:
 
 
 # ---------------------------------------------------------------------- model
-class RolloutModule(pl.LightningModule):
+# The bodies of the test classes; each package gets its own (see `_lightning` below).
+class _RolloutModule:
     """A one-layer model trained on ``x``; the rollout tensors only travel alongside.
 
     Args:
@@ -236,7 +239,7 @@ class RolloutModule(pl.LightningModule):
         self.keys_at_batch_end.append(sorted(tensors_of(batch).keys()))
 
 
-class RolloutDataModule(pl.LightningDataModule):
+class _RolloutDataModule:
     """Random rollout batches from plain arguments (for LightningCLI configs)."""
 
     def __init__(
@@ -256,7 +259,7 @@ class RolloutDataModule(pl.LightningDataModule):
         return make_loader(self.batches)
 
 
-class TinyModel(RolloutModule):
+class _TinyModel:
     """:class:`RolloutModule` without constructor arguments, for LightningCLI."""
 
     def __init__(self, learning_rate: float = 0.01) -> None:
@@ -325,7 +328,7 @@ def at_step(
     }
 
 
-class MemoryLogger(Logger):
+class _MemoryLogger:
     """Keeps every ``log_metrics`` call as ``{step: {name: value}}``, in full precision."""
 
     def __init__(self, prefix: str = "training/") -> None:
@@ -363,7 +366,7 @@ class MemoryLogger(Logger):
         return out
 
 
-class ReleaseProcessGroups(pl.Callback):
+class _ReleaseProcessGroups:
     """Destroys every process group at the end of a spawned fit, so their threads stop.
 
     gloo runs each collective on a worker thread of its group, and that thread drops the
@@ -376,6 +379,103 @@ class ReleaseProcessGroups(pl.Callback):
     interpreter still runs.
     """
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- both packages
+@dataclass(frozen=True)
+class Lightning:
+    """One Lightning package (``pytorch_lightning`` or ``lightning``): its classes and ours.
+
+    The test classes of this file (:class:`RolloutModule`, :class:`TinyModel`,
+    :class:`RolloutDataModule`, :class:`MemoryLogger`, :class:`ReleaseProcessGroups`) are
+    built on each package's base classes: a Trainer takes only its own package's modules.
+    """
+
+    name: str
+    pytorch: Any
+    """``pytorch_lightning`` or ``lightning.pytorch``."""
+    fabric: Any
+    """``lightning_fabric`` or ``lightning.fabric``."""
+    LightningCLI: Any
+    RolloutModule: Any
+    TinyModel: Any
+    RolloutDataModule: Any
+    MemoryLogger: Any
+    ReleaseProcessGroups: Any
+
+    @property
+    def Trainer(self) -> Any:
+        return self.pytorch.Trainer
+
+    @property
+    def loggers(self) -> Any:
+        """The package's ``loggers`` module (``TensorBoardLogger``, ``CSVLogger``)."""
+        return self.pytorch.loggers
+
+    @property
+    def callbacks(self) -> Any:
+        """The package's ``callbacks`` module (``ModelCheckpoint``, ``EarlyStopping``)."""
+        return self.pytorch.callbacks
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _lightning(name: str, attribute: str) -> Lightning:
+    """The package ``name`` with this file's classes on its bases, kept as ``attribute``.
+
+    Each class's qualified name goes through ``attribute`` (``PYTORCH_LIGHTNING.RolloutModule``),
+    so pickle finds it again in a spawned process.
+    """
+    pytorch = importlib.import_module(
+        "pytorch_lightning" if name == "pytorch_lightning" else f"{name}.pytorch"
+    )
+    fabric = importlib.import_module(
+        "lightning_fabric" if name == "pytorch_lightning" else f"{name}.fabric"
+    )
+    cli = importlib.import_module(f"{pytorch.__name__}.cli")
+
+    def build(body: type, *bases: type) -> type:
+        built = type(body.__name__[1:], (body, *bases), {"__doc__": body.__doc__})
+        built.__module__ = __name__
+        built.__qualname__ = f"{attribute}.{built.__name__}"
+        return built
+
+    rollout_module = build(_RolloutModule, pytorch.LightningModule)
+    return Lightning(
+        name=name,
+        pytorch=pytorch,
+        fabric=fabric,
+        LightningCLI=cli.LightningCLI,
+        RolloutModule=rollout_module,
+        TinyModel=build(_TinyModel, rollout_module),
+        RolloutDataModule=build(_RolloutDataModule, pytorch.LightningDataModule),
+        MemoryLogger=build(_MemoryLogger, pytorch.loggers.Logger),
+        ReleaseProcessGroups=build(_ReleaseProcessGroups, pytorch.Callback),
+    )
+
+
+PYTORCH_LIGHTNING = _lightning("pytorch_lightning", "PYTORCH_LIGHTNING")
+"""``pytorch_lightning``, the package's declared dependency."""
+
+LIGHTNING: Lightning | None = (
+    _lightning("lightning", "LIGHTNING") if importlib.util.find_spec("lightning") else None
+)
+"""The unified ``lightning`` package (``import lightning as L``), where installed."""
+
+NEEDS_LIGHTNING = pytest.mark.skipif(LIGHTNING is None, reason="needs the lightning package")
+
+PACKAGES = [
+    pytest.param(PYTORCH_LIGHTNING, id="pytorch_lightning"),
+    pytest.param(LIGHTNING, id="lightning", marks=NEEDS_LIGHTNING),
+]
+"""Both packages, for ``@pytest.mark.parametrize("lit", PACKAGES)``."""
+
+RolloutModule = PYTORCH_LIGHTNING.RolloutModule
+TinyModel = PYTORCH_LIGHTNING.TinyModel
+RolloutDataModule = PYTORCH_LIGHTNING.RolloutDataModule
+MemoryLogger = PYTORCH_LIGHTNING.MemoryLogger
+ReleaseProcessGroups = PYTORCH_LIGHTNING.ReleaseProcessGroups

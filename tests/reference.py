@@ -25,6 +25,7 @@ RTOL = 1e-5
 ATOL = 5e-7
 
 PEARSON = "rollout_actor_probs_pearson_corr"
+ONE_MINUS_PEARSON = "rollout_actor_probs_one_minus_pearson_corr"
 
 NAMES: dict[str, tuple[str, ...]] = {
     "seed": (
@@ -33,21 +34,29 @@ NAMES: dict[str, tuple[str, ...]] = {
         "rollout_probs_diff_mean",
         "rollout_probs_diff_std",
         PEARSON,
+        ONE_MINUS_PEARSON,
     ),
     "log_space": (
         "rollout_log_probs_diff_max",
         "rollout_log_probs_diff_mean",
         "rollout_log_probs_diff_std",
     ),
-    "kl": ("rollout_actor_kl_k1", "rollout_actor_kl_k3", "rollout_actor_mult_prob_error"),
+    "kl": (
+        "rollout_actor_kl_k1",
+        "rollout_actor_kl_k3",
+        "rollout_actor_mult_prob_error",
+        "rollout_actor_mult_prob_error_minus_one",
+    ),
     "importance_ratio": (
         "rollout_is_ratio_mean",
+        "rollout_is_ratio_mean_minus_one",
         "rollout_is_ratio_min",
         "rollout_is_ratio_max",
         "rollout_is_ratio_frac_high",
         "rollout_is_ratio_frac_low",
         "rollout_is_chi2",
         "rollout_is_ess",
+        "rollout_is_one_minus_ess",
     ),
     "sequence": (
         "actor_ppl",
@@ -58,15 +67,28 @@ NAMES: dict[str, tuple[str, ...]] = {
         "rollout_seq_geo_ratio_max",
         "rollout_seq_frac_outside",
     ),
-    "health": ("rollout_tokens", "rollout_sequences", "rollout_nonfinite_tokens"),
+    "health": (
+        "rollout_tokens",
+        "rollout_sequences",
+        "rollout_nonfinite_tokens",
+        "rollout_alignment_lag",
+        "rollout_zero_log_prob_tokens",
+    ),
     "token_ids": ("rollout_token_diff_count", "rollout_token_diff_seq_frac"),
 }
-"""The catalog, group by group, copied from METRICS.md."""
+"""The catalog, group by group, copied from METRICS.md and docs/metrics.md."""
+
+SEED_FUNCTION_NAMES: tuple[str, ...] = NAMES["seed"][:5]
+"""What the original ``calculate_debug_metrics`` returns: the seed group without
+``rollout_actor_probs_one_minus_pearson_corr``."""
 
 ALL_NAMES: tuple[str, ...] = tuple(name for names in NAMES.values() for name in names)
 
 # Statistics in probability space: errors scale with the largest probability involved.
 _PROB_SPACE = frozenset(NAMES["seed"][1:4])
+# The Pearson correlation and its distance from 1: condition-aware tolerances, and the
+# range each must stay in.
+_PEARSON_RANGE = {PEARSON: (-1.0, 1.0), ONE_MINUS_PEARSON: (0.0, 2.0)}
 # Statistics of log-ratios (terms up to ~20 nats): errors scale with max |r|.
 _LOG_SPACE = frozenset(
     (
@@ -91,12 +113,17 @@ class Reference(dict):
     log_scale: float = 1.0
     prob_scale: float = 1.0
     pearson_sides: list[tuple[float, float]] | None = None
+    lags: Mapping[int, float] = {}
+    """Correlations of the log-probs by lag (:func:`lag_correlations`)."""
+    lag_sides: list[tuple[float, float]] | None = None
+    """``(mean, population std)`` of ``a`` and ``b``, or ``None`` when fewer than two."""
 
     def select(self, names: Iterable[str]) -> Reference:
         """The same reference restricted to ``names`` (in that order)."""
         out = Reference({name: self[name] for name in names})
         out.log_scale, out.prob_scale = self.log_scale, self.prob_scale
         out.pearson_sides = self.pearson_sides
+        out.lags, out.lag_sides = self.lags, self.lag_sides
         return out
 
 
@@ -187,6 +214,9 @@ def reference_metrics(
     seq_mean_b: list[float] = []
     seq_mean_r: list[float] = []
     nonfinite = 0
+    zero_rollout = 0
+    pairs_next: list[tuple[float, float]] = []  # (a_t, b_(t+1)), both counting
+    pairs_prev: list[tuple[float, float]] = []  # (a_(t+1), b_t)
     ids_seen = False
     id_diff = 0
     id_rows = 0
@@ -201,6 +231,13 @@ def reference_metrics(
         nonfinite += int(np.sum(masked & ~finite))
         token_a.append(a[counts])
         token_b.append(b[counts])
+        zero_rollout += int(np.sum(counts & (b == 0.0) & (a != 0.0)))
+        for row in range(a.shape[0]):
+            for t in range(a.shape[1] - 1):
+                if counts[row, t] and counts[row, t + 1]:
+                    pairs_next.append((a[row, t], b[row, t + 1]))
+                    pairs_prev.append((a[row, t + 1], b[row, t]))
+
         for row in range(a.shape[0]):
             keep = counts[row]
             if keep.any():
@@ -230,6 +267,7 @@ def reference_metrics(
     geo = np.exp(mean_r)
     nan = math.nan
 
+    lags = lag_correlations(a, b, pairs_prev, pairs_next)
     values = {
         # seed group
         "rollout_probs_diff_valid": 1.0 if n >= 1 else 0.0,
@@ -237,6 +275,7 @@ def reference_metrics(
         "rollout_probs_diff_mean": _mean(prob_diff),
         "rollout_probs_diff_std": _std(prob_diff),
         PEARSON: pearson(pa, pb),
+        ONE_MINUS_PEARSON: 1.0 - pearson(pa, pb),
         # log-space group
         "rollout_log_probs_diff_max": _max(abs_r),
         "rollout_log_probs_diff_mean": _mean(abs_r),
@@ -245,14 +284,20 @@ def reference_metrics(
         "rollout_actor_kl_k1": _mean(-r),
         "rollout_actor_kl_k3": _mean(np.expm1(np.clip(r, -CLAMP, CLAMP)) - r),
         "rollout_actor_mult_prob_error": _mean(np.exp(abs_r)),
+        "rollout_actor_mult_prob_error_minus_one": _mean(np.expm1(abs_r)),
         # importance-ratio group
         "rollout_is_ratio_mean": _mean(rho),
+        "rollout_is_ratio_mean_minus_one": _mean(np.expm1(np.clip(r, -CLAMP, CLAMP))),
         "rollout_is_ratio_min": _min(rho),
         "rollout_is_ratio_max": _max(rho),
         "rollout_is_ratio_frac_high": _mean((rho > c).astype(np.float64)),
         "rollout_is_ratio_frac_low": _mean((rho < 1.0 / c).astype(np.float64)),
         "rollout_is_chi2": _mean(rho**2) - 1.0,
         "rollout_is_ess": float(np.sum(rho) ** 2 / (n * np.sum(rho**2))) if n >= 1 else nan,
+        # 1 - (sum rho)^2 / (N sum rho^2) = var(rho) / mean(rho^2), with rho - 1 as expm1
+        "rollout_is_one_minus_ess": (
+            float(np.var(np.expm1(np.clip(r, -CLAMP, CLAMP))) / np.mean(rho**2)) if n >= 1 else nan
+        ),
         # sequence group
         "actor_ppl": _mean(np.exp(-mean_a)),
         "rollout_ppl": _mean(np.exp(-mean_b)),
@@ -265,6 +310,8 @@ def reference_metrics(
         "rollout_tokens": float(n),
         "rollout_sequences": float(seqs),
         "rollout_nonfinite_tokens": float(nonfinite),
+        "rollout_alignment_lag": _best_lag(lags),
+        "rollout_zero_log_prob_tokens": float(zero_rollout),
         # token-id group
         "rollout_token_diff_count": float(id_diff) if ids_seen else nan,
         "rollout_token_diff_seq_frac": id_diff_rows / id_rows if ids_seen and id_rows else nan,
@@ -274,7 +321,42 @@ def reference_metrics(
     out.log_scale = max(1.0, _max(abs_r)) if n else 1.0
     out.prob_scale = max(_max(pa), _max(pb)) if n else 1.0
     out.pearson_sides = pearson_sides(pa, pb)
+    out.lags = lags
+    out.lag_sides = pearson_sides(a, b)
     return out
+
+
+def lag_correlations(
+    a: np.ndarray,
+    b: np.ndarray,
+    pairs_prev: Sequence[tuple[float, float]],
+    pairs_next: Sequence[tuple[float, float]],
+) -> dict[int, float]:
+    """Cross-correlation of the log-probs at lags -1, 0, +1 (pairs ``(a_t, b_(t+L))``).
+
+    ``(mean of the pair products - mean(a) mean(b)) / (std(a) std(b))``, the means and
+    population spreads over all counting tokens; NaN with fewer than two tokens, a
+    constant side, or no pairs.
+    """
+    if a.size < 2 or np.std(a) == 0.0 or np.std(b) == 0.0:
+        return {-1: math.nan, 0: math.nan, 1: math.nan}
+    centre, scale = float(np.mean(a) * np.mean(b)), float(np.std(a) * np.std(b))
+
+    def correlation(pairs: np.ndarray) -> float:
+        if pairs.size == 0:
+            return math.nan
+        return (float(np.mean(pairs[:, 0] * pairs[:, 1])) - centre) / scale
+
+    return {
+        -1: correlation(np.array(pairs_prev, dtype=np.float64).reshape(-1, 2)),
+        0: correlation(np.stack([a, b], axis=1)),
+        1: correlation(np.array(pairs_next, dtype=np.float64).reshape(-1, 2)),
+    }
+
+
+def _best_lag(lags: Mapping[int, float]) -> float:
+    defined = {lag: c for lag, c in lags.items() if not math.isnan(c)}
+    return float(max(defined, key=lambda lag: (defined[lag], lag == 0))) if defined else math.nan
 
 
 def pearson_tolerance(sides: Sequence[tuple[float, float]] | None) -> float | None:
@@ -295,17 +377,39 @@ def pearson_tolerance(sides: Sequence[tuple[float, float]] | None) -> float | No
 def assert_pearson_close(
     got: float, want: float, sides: Sequence[tuple[float, float]] | None, name: str = PEARSON
 ) -> None:
-    """Check one Pearson value against the reference, condition-aware (see above)."""
+    """Check one Pearson value (or ``1 -`` it) against the reference, condition-aware (see above).
+
+    ``name`` ends in the un-prefixed name of the metric, which sets the range it must stay in.
+    """
     assert isinstance(got, float), f"{name}: expected a float, got {type(got).__name__}"
+    low, high = _PEARSON_RANGE[ONE_MINUS_PEARSON if name.endswith(ONE_MINUS_PEARSON) else PEARSON]
     atol = pearson_tolerance(sides)
     if atol is None:
-        assert math.isnan(got) or -1.0 <= got <= 1.0, f"{name}: {got!r} (nearly constant side)"
+        assert math.isnan(got) or low <= got <= high, f"{name}: {got!r} (nearly constant side)"
         return
     if math.isnan(want):
         assert math.isnan(got), f"{name}: got {got!r}, want NaN"
         return
-    assert -1.0 <= got <= 1.0, f"{name}: {got!r} outside [-1, 1]"
+    assert low <= got <= high, f"{name}: {got!r} outside [{low:g}, {high:g}]"
     assert abs(got - want) <= atol, f"{name}: got {got!r}, want {want!r} (atol {atol:.3g})"
+
+
+def _lag_close(got: float, want: Reference) -> bool:
+    """Whether ``got`` is a lag whose correlation is the largest, to rounding.
+
+    A side nearly constant (spread within float32 rounding of its mean) leaves any lag,
+    or NaN, acceptable.
+    """
+    if want.lag_sides and any(std <= 16 * EPS32 * abs(mean) for mean, std in want.lag_sides):
+        return math.isnan(got) or got in (-1.0, 0.0, 1.0)
+    lags = want.lags
+    defined = {lag: c for lag, c in lags.items() if not math.isnan(c)}
+    if not defined:
+        return math.isnan(got)
+    if math.isnan(got):
+        return False
+    best = max(defined.values())
+    return int(got) in defined and defined[int(got)] >= best - 1e-4
 
 
 def metric_atol(name: str, want: Reference) -> float:
@@ -320,7 +424,7 @@ def metric_atol(name: str, want: Reference) -> float:
 def assert_metrics_close(got: Mapping[str, float], want: Reference, *, prefix: str = "") -> None:
     """Assert ``got`` has exactly the (prefixed) names of ``want``, each value close to it.
 
-    NaN must match NaN; Pearson uses :func:`assert_pearson_close`; everything else
+    NaN must match NaN; Pearson and ``1 -`` it use :func:`assert_pearson_close`; everything else
     ``|got - want| <= metric_atol + RTOL * |want|``.
     """
     expected = [prefix + name for name in want]
@@ -335,11 +439,16 @@ def assert_metrics_close(got: Mapping[str, float], want: Reference, *, prefix: s
         if not isinstance(actual, float):
             failures.append(f"{key}: expected a Python float, got {type(actual).__name__}")
             continue
-        if name == PEARSON:
+        if name in _PEARSON_RANGE:
             try:
                 assert_pearson_close(actual, value, want.pearson_sides, key)
             except AssertionError as error:
                 failures.append(str(error))
+            continue
+        if name == "rollout_alignment_lag" and not _lag_close(actual, want):
+            failures.append(f"{key}: got {actual!r}, correlations by lag {want.lags}")
+            continue
+        if name == "rollout_alignment_lag":
             continue
         if math.isnan(value) or math.isnan(actual):
             if not (math.isnan(value) and math.isnan(actual)):

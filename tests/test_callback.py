@@ -16,8 +16,13 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from lightning_helpers import (
+    LIGHTNING,
+    NEEDS_LIGHTNING,
+    PACKAGES,
+    PYTORCH_LIGHTNING,
     TRAINER_DEFAULTS,
     DataProtoLike,
+    Lightning,
     RolloutModule,
     assert_batches_equal,
     at_step,
@@ -29,8 +34,7 @@ from lightning_helpers import (
     split_windows,
     step_of_batches,
 )
-from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint
-from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+from pytorch_lightning.callbacks import Callback
 from reference import ALL_NAMES, NAMES, PEARSON, Reference, assert_metrics_close, reference_metrics
 
 from lightning_rollout_debug import GROUPS, BatchError, RolloutDebugCallback, RolloutDebugWarning
@@ -52,8 +56,8 @@ DEFAULT_GROUPS = tuple(group for group in GROUPS if group != "token_ids")
 
 
 # ---------------------------------------------------------------------- helpers
-def tb_logger(tmp_path: Path, version: int = 0) -> TensorBoardLogger:
-    return TensorBoardLogger(tmp_path, name="tb", version=version)
+def tb_logger(tmp_path: Path, version: int = 0, lit: Lightning = PYTORCH_LIGHTNING) -> Any:
+    return lit.loggers.TensorBoardLogger(tmp_path, name="tb", version=version)
 
 
 def fit(
@@ -62,10 +66,12 @@ def fit(
     *,
     logger: Any = False,
     ckpt_path: str | None = None,
+    lit: Lightning = PYTORCH_LIGHTNING,
     **trainer_kwargs: Any,
 ) -> pl.Trainer:
+    """A one-epoch CPU run of ``module`` with the Trainer of ``lit``'s package."""
     options = {**TRAINER_DEFAULTS, "max_epochs": 1, **trainer_kwargs}
-    trainer = pl.Trainer(logger=logger, callbacks=list(callbacks), **options)
+    trainer = lit.Trainer(logger=logger, callbacks=list(callbacks), **options)
     trainer.fit(module, ckpt_path=ckpt_path)
     return trainer
 
@@ -253,11 +259,18 @@ def test_every_invalid_argument_is_reported_at_once() -> None:
 
 
 # ---------------------------------------------------------------------- windows
-def test_plain_run_logs_each_window_at_the_self_log_steps(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lit", PACKAGES)
+def test_plain_run_logs_each_window_at_the_self_log_steps(tmp_path: Path, lit: Lightning) -> None:
     batches = make_batches(6, seed=1)
     originals = clone_batches(batches)
-    module = RolloutModule(batches)
-    trainer = fit(module, [RolloutDebugCallback()], logger=tb_logger(tmp_path), log_every_n_steps=2)
+    module = lit.RolloutModule(batches)
+    trainer = fit(
+        module,
+        [RolloutDebugCallback()],
+        logger=tb_logger(tmp_path, lit=lit),
+        log_every_n_steps=2,
+        lit=lit,
+    )
 
     series = read_scalars(tmp_path / "tb" / "version_0")
     assert logged_steps(series) == logged_steps(series, "loss") == [1, 3, 5]
@@ -399,6 +412,7 @@ def test_a_window_without_tokens_logs_valid_zero_and_nothing_stale(tmp_path: Pat
         "rollout_tokens": 0.0,
         "rollout_sequences": 0.0,
         "rollout_nonfinite_tokens": 0.0,
+        "rollout_zero_log_prob_tokens": 0.0,
     }
     assert all(math.isfinite(v) for values in series.values() for v in values.values())
     # After the empty window callback_metrics hold no value of the previous window.
@@ -571,14 +585,16 @@ def test_token_id_group_and_group_selection(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------- loggers
-def test_every_logger_gets_the_metrics(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lit", PACKAGES)
+def test_every_logger_gets_the_metrics(tmp_path: Path, lit: Lightning) -> None:
     batches = make_batches(4, seed=12)
-    csv_logger = CSVLogger(tmp_path, name="csv", version=0)
+    csv_logger = lit.loggers.CSVLogger(tmp_path, name="csv", version=0)
     fit(
-        RolloutModule(batches),
+        lit.RolloutModule(batches),
         [RolloutDebugCallback()],
-        logger=[tb_logger(tmp_path), csv_logger],
+        logger=[tb_logger(tmp_path, lit=lit), csv_logger],
         log_every_n_steps=2,
+        lit=lit,
     )
 
     windows = split_windows(batches, step_of_batches(4), [1, 3])
@@ -589,12 +605,17 @@ def test_every_logger_gets_the_metrics(tmp_path: Path) -> None:
     assert logged_steps(csv_series) == logged_steps(csv_series, "loss") == [1, 3]
 
 
-def test_without_a_logger_one_warning_and_callback_metrics_still_filled() -> None:
+@pytest.mark.parametrize("lit", PACKAGES)
+def test_without_a_logger_one_warning_and_callback_metrics_still_filled(lit: Lightning) -> None:
     batches = make_batches(4, seed=13)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         trainer = fit(
-            RolloutModule(batches), [RolloutDebugCallback()], logger=False, log_every_n_steps=2
+            lit.RolloutModule(batches),
+            [RolloutDebugCallback()],
+            logger=False,
+            log_every_n_steps=2,
+            lit=lit,
         )
 
     messages = rollout_warnings(record)
@@ -602,17 +623,21 @@ def test_without_a_logger_one_warning_and_callback_metrics_still_filled() -> Non
     assert_metrics_close(callback_values(trainer), expected_logged(window_reference(batches[2:])))
 
 
+@pytest.mark.parametrize("lit", PACKAGES)
 @pytest.mark.parametrize("setting", ["stopping_threshold", "divergence_threshold"])
-def test_early_stopping_on_the_pearson_correlation(tmp_path: Path, setting: str) -> None:
+def test_early_stopping_on_the_pearson_correlation(
+    tmp_path: Path, setting: str, lit: Lightning
+) -> None:
     correlated = setting == "stopping_threshold"
     batches = make_batches(4, seed=14, batch_size=4, width=8, independent=not correlated)
-    stopper = EarlyStopping(monitor=CORR, mode="max", patience=100, **{setting: 0.9})
+    stopper = lit.callbacks.EarlyStopping(monitor=CORR, mode="max", patience=100, **{setting: 0.9})
     trainer = fit(
-        RolloutModule(batches),
+        lit.RolloutModule(batches),
         [RolloutDebugCallback(), stopper],
-        logger=tb_logger(tmp_path),
+        logger=tb_logger(tmp_path, lit=lit),
         log_every_n_steps=2,
         max_epochs=5,
+        lit=lit,
     )
 
     corr = window_reference(batches[2:])[PEARSON]
@@ -627,7 +652,9 @@ def test_early_stopping_after_a_window_without_tokens(tmp_path: Path) -> None:
     # The epoch ends on a window without tokens: the correlation is undefined, so it is
     # absent from callback_metrics (never NaN, never the previous window's value).
     batches = [make_batch(seed=21, index=0), make_batch(seed=22, index=1, mask="zeros")]
-    strict = EarlyStopping(monitor=CORR, mode="max", stopping_threshold=0.5)
+    strict = PYTORCH_LIGHTNING.callbacks.EarlyStopping(
+        monitor=CORR, mode="max", stopping_threshold=0.5
+    )
     with pytest.raises(RuntimeError, match="not available"):
         fit(
             RolloutModule(batches),
@@ -636,7 +663,9 @@ def test_early_stopping_after_a_window_without_tokens(tmp_path: Path) -> None:
             log_every_n_steps=1,
         )
 
-    lenient = EarlyStopping(monitor=CORR, mode="max", stopping_threshold=0.5, strict=False)
+    lenient = PYTORCH_LIGHTNING.callbacks.EarlyStopping(
+        monitor=CORR, mode="max", stopping_threshold=0.5, strict=False
+    )
     trainer = fit(
         RolloutModule(batches),
         [RolloutDebugCallback(), lenient],
@@ -648,16 +677,20 @@ def test_early_stopping_after_a_window_without_tokens(tmp_path: Path) -> None:
     assert CORR not in trainer.callback_metrics and float(trainer.callback_metrics[VALID]) == 0
 
 
-def test_model_checkpoint_monitors_a_rollout_metric(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lit", PACKAGES)
+def test_model_checkpoint_monitors_a_rollout_metric(tmp_path: Path, lit: Lightning) -> None:
     batches = make_batches(4, seed=15)
-    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor=CORR, mode="max", save_top_k=1)
+    checkpoint = lit.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", monitor=CORR, mode="max", save_top_k=1
+    )
     fit(
-        RolloutModule(batches),
+        lit.RolloutModule(batches),
         [RolloutDebugCallback(), checkpoint],
-        logger=tb_logger(tmp_path),
+        logger=tb_logger(tmp_path, lit=lit),
         log_every_n_steps=2,
         max_epochs=2,
         enable_checkpointing=True,
+        lit=lit,
     )
 
     assert checkpoint.best_model_path and Path(checkpoint.best_model_path).is_file()
@@ -730,23 +763,39 @@ def test_state_dict_round_trip_and_config_mismatch_warning() -> None:
     other = RolloutDebugCallback(is_threshold=3.0)
     with pytest.warns(RolloutDebugWarning, match="checkpoint was written with"):
         other.load_state_dict(state)
-    assert torch.equal(same._restored_window, state["window"])
+    assert torch.equal(same.monitor._stats.state, state["window"])
+
+
+# The package that writes the checkpoint, and the one that resumes from it.
+RESUMES = [
+    pytest.param(PYTORCH_LIGHTNING, PYTORCH_LIGHTNING, id="pytorch_lightning"),
+    pytest.param(LIGHTNING, LIGHTNING, id="lightning", marks=NEEDS_LIGHTNING),
+    pytest.param(
+        PYTORCH_LIGHTNING, LIGHTNING, id="pytorch_lightning-then-lightning", marks=NEEDS_LIGHTNING
+    ),
+]
 
 
 @pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before")
+@pytest.mark.parametrize(("lit", "then"), RESUMES)
 @pytest.mark.parametrize("ckpt_step", [2, 4])
-def test_resuming_mid_window_continues_the_window(tmp_path: Path, ckpt_step: int) -> None:
+def test_resuming_mid_window_continues_the_window(
+    tmp_path: Path, ckpt_step: int, lit: Lightning, then: Lightning
+) -> None:
     batches = make_batches(6, seed=17)
     options = {"log_every_n_steps": 3, "enable_checkpointing": True}
 
-    def checkpoint(name: str) -> ModelCheckpoint:
-        return ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=2, save_top_k=-1)
+    def checkpoint(name: str, lit: Lightning) -> Any:
+        return lit.callbacks.ModelCheckpoint(
+            dirpath=tmp_path / name, every_n_train_steps=2, save_top_k=-1
+        )
 
-    first = RolloutModule(batches)
+    first = lit.RolloutModule(batches)
     fit(
         first,
-        [RolloutDebugCallback(), checkpoint("ckpt")],
-        logger=tb_logger(tmp_path, 0),
+        [RolloutDebugCallback(), checkpoint("ckpt", lit)],
+        logger=tb_logger(tmp_path, 0, lit),
+        lit=lit,
         **options,
     )
     uninterrupted = read_scalars(tmp_path / "tb" / "version_0")
@@ -760,12 +809,13 @@ def test_resuming_mid_window_continues_the_window(tmp_path: Path, ckpt_step: int
     (state,) = [v for k, v in saved.items() if k.startswith("RolloutDebugCallback")]
     assert state["batches_in_window"] == len(restored)
 
-    resumed = RolloutModule(batches)
+    resumed = then.RolloutModule(batches)
     fit(
         resumed,
-        [RolloutDebugCallback(), checkpoint("ckpt")],
-        logger=tb_logger(tmp_path, 1),
+        [RolloutDebugCallback(), checkpoint("ckpt", then)],
+        logger=tb_logger(tmp_path, 1, then),
         ckpt_path=str(ckpt),
+        lit=then,
         **options,
     )
     series = read_scalars(tmp_path / "tb" / "version_1")

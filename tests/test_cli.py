@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from lightning_helpers import RolloutDataModule, TinyModel, read_scalars, split_windows
-from pytorch_lightning.cli import LightningCLI
+from lightning_helpers import PACKAGES, Lightning, read_scalars, split_windows
 from reference import NAMES, assert_metrics_close, reference_metrics
 
 from lightning_rollout_debug import RolloutDebugCallback
@@ -23,6 +22,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:`isinstance.treespec, LeafSpec.` is deprecated"),
     # Lightning's own use of jsonargparse APIs deprecated in jsonargparse 4.49.
     pytest.mark.filterwarnings("ignore::DeprecationWarning:pytorch_lightning.cli"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:lightning.pytorch.cli"),
     pytest.mark.filterwarnings("ignore:RolloutDebugCallback at step .* is outside"),
 ]
 
@@ -47,7 +47,7 @@ CALLBACK_ARGS: dict[str, Any] = {
 }
 
 
-def write_config(tmp_path: Path, callback_args: dict[str, Any]) -> Path:
+def write_config(tmp_path: Path, callback_args: dict[str, Any], lit: Lightning) -> Path:
     config = {
         "seed_everything": 0,
         "trainer": {
@@ -60,7 +60,7 @@ def write_config(tmp_path: Path, callback_args: dict[str, Any]) -> Path:
             "enable_checkpointing": False,
             "default_root_dir": str(tmp_path),
             "logger": {
-                "class_path": "pytorch_lightning.loggers.TensorBoardLogger",
+                "class_path": f"{lit.pytorch.__name__}.loggers.TensorBoardLogger",
                 "init_args": {"save_dir": str(tmp_path), "name": "tb", "version": 0},
             },
             "callbacks": [
@@ -78,22 +78,23 @@ def write_config(tmp_path: Path, callback_args: dict[str, Any]) -> Path:
     return path
 
 
-def make_cli(args: list[str], run: bool = True) -> LightningCLI:
-    return LightningCLI(
-        TinyModel,
-        RolloutDataModule,
+def make_cli(lit: Lightning, args: list[str], run: bool = True) -> Any:
+    """The ``LightningCLI`` of ``lit``'s package, with the test model and data."""
+    return lit.LightningCLI(
+        lit.TinyModel,
+        lit.RolloutDataModule,
         args=args,
         run=run,
         save_config_kwargs={"overwrite": True},
     )
 
 
-def the_callback(cli: LightningCLI) -> RolloutDebugCallback:
+def the_callback(cli: Any) -> RolloutDebugCallback:
     (callback,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, RolloutDebugCallback)]
     return callback
 
 
-def assert_logged_like_the_reference(log_dir: Path, datamodule: RolloutDataModule) -> None:
+def assert_logged_like_the_reference(log_dir: Path, datamodule: Any) -> None:
     series = read_scalars(log_dir)
     batches = datamodule.batches
     windows = split_windows(batches, [0, 1, 2, 3], [1, 3])
@@ -118,9 +119,12 @@ def assert_logged_like_the_reference(log_dir: Path, datamodule: RolloutDataModul
         assert_metrics_close(got, want)
 
 
-def test_callback_from_yaml_gets_every_init_arg(tmp_path: Path) -> None:
-    config = write_config(tmp_path, CALLBACK_ARGS)
-    cli = make_cli(["--config", str(config)], run=False)
+@pytest.mark.parametrize("lit", PACKAGES)
+def test_callback_from_yaml_gets_every_init_arg(tmp_path: Path, lit: Lightning) -> None:
+    config = write_config(tmp_path, CALLBACK_ARGS, lit)
+    cli = make_cli(lit, ["--config", str(config)], run=False)
+    assert isinstance(cli.trainer, lit.Trainer)
+    assert isinstance(cli.trainer.logger, lit.loggers.TensorBoardLogger)
 
     callback = the_callback(cli)
     assert callback.rollout_log_probs_key == "rollout_log_probs"
@@ -140,16 +144,18 @@ def test_callback_from_yaml_gets_every_init_arg(tmp_path: Path) -> None:
     assert "rl/rollout_probs_diff_mean" in cli.trainer.callback_metrics
 
 
-def test_fit_subcommand_runs_with_the_yaml_callback(tmp_path: Path) -> None:
-    config = write_config(tmp_path, CALLBACK_ARGS)
-    cli = make_cli(["fit", "--config", str(config)])
+@pytest.mark.parametrize("lit", PACKAGES)
+def test_fit_subcommand_runs_with_the_yaml_callback(tmp_path: Path, lit: Lightning) -> None:
+    config = write_config(tmp_path, CALLBACK_ARGS, lit)
+    cli = make_cli(lit, ["fit", "--config", str(config)])
 
     assert cli.trainer.global_step == 4
     assert_logged_like_the_reference(tmp_path / "tb" / "version_0", cli.datamodule)
 
 
-def test_callback_from_the_command_line(tmp_path: Path) -> None:
-    config = write_config(tmp_path, {"prefix": "unused/"})
+@pytest.mark.parametrize("lit", PACKAGES)
+def test_callback_from_the_command_line(tmp_path: Path, lit: Lightning) -> None:
+    config = write_config(tmp_path, {"prefix": "unused/"}, lit)
     args = [
         "--config",
         str(config),
@@ -158,20 +164,21 @@ def test_callback_from_the_command_line(tmp_path: Path) -> None:
         "--trainer.callbacks.seq_ratio_bounds=[0.9, 1.1]",
         "--trainer.callbacks.groups=[seed]",
     ]
-    cli = make_cli(args, run=False)
+    cli = make_cli(lit, args, run=False)
     callback = the_callback(cli)
     assert callback.prefix == "cmd/"
     assert callback.groups == ("seed",)
     assert tuple(callback._stats.seq_ratio_bounds) == (0.9, 1.1)
 
 
+@pytest.mark.parametrize("lit", PACKAGES)
 def test_invalid_init_args_in_yaml_are_reported(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], lit: Lightning
 ) -> None:
-    config = write_config(tmp_path, {"groups": ["seed", "bogus"], "is_threshold": 0.5})
+    config = write_config(tmp_path, {"groups": ["seed", "bogus"], "is_threshold": 0.5}, lit)
     # jsonargparse raises the ValueError under pytest and exits with it printed otherwise.
     with pytest.raises((ValueError, SystemExit)) as info:
-        make_cli(["--config", str(config)], run=False)
+        make_cli(lit, ["--config", str(config)], run=False)
     error = str(info.value) + capsys.readouterr().err
     # jsonargparse shows the callback's own message: both problems, and the valid groups.
     assert "`is_threshold` must be a finite number greater than 1, got 0.5" in error

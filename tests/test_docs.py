@@ -6,7 +6,9 @@
 - the code blocks of ``docs/usage.md`` marked ``<!-- test: run -->`` run, and the YAML
   block marked ``<!-- test: lightningcli -->`` configures the callback through
   LightningCLI;
-- every page in ``docs/`` is in the ``mkdocs.yml`` navigation.
+- every page in ``docs/`` is in the ``mkdocs.yml`` navigation;
+- the quick test subset the README documents (``pytest -m "not slow"``) exists: the
+  marker is registered and the slow tables of ``tests/conftest.py`` name real tests.
 """
 
 from __future__ import annotations
@@ -155,3 +157,25 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_the_quick_subset_is_documented_and_its_marker_registered(
+    pytestconfig: pytest.Config,
+) -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert 'pytest -m "not slow"' in readme
+    assert any(marker.startswith("slow:") for marker in pytestconfig.getini("markers"))
+
+
+def test_the_slow_tables_name_existing_tests() -> None:
+    from conftest import SLOW_FIXTURES, SLOW_MODULES, SLOW_TESTS
+
+    tests = ROOT / "tests"
+    for module in SLOW_MODULES:
+        assert (tests / module).is_file(), f"tests/conftest.py: no module {module}"
+    for test in SLOW_TESTS:
+        module, function = test.split("::")
+        assert f"def {function}(" in (tests / module).read_text(encoding="utf-8"), test
+    sources = [path.read_text(encoding="utf-8") for path in tests.glob("*.py")]
+    for fixture in SLOW_FIXTURES:
+        assert any(f"def {fixture}(" in source for source in sources), fixture

@@ -1,9 +1,13 @@
-"""Run examples/grpo_mismatch.py for a few steps and read its TensorBoard logs back."""
+"""Run examples/grpo_mismatch.py for a few steps and read its TensorBoard logs back.
+
+Also: ``--help`` answers before torch and Lightning are imported.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -16,6 +20,13 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_mismatch.py"
 PROBS_DIFF = "training/rollout_probs_diff_mean"
 KL_K3 = "training/rollout_actor_kl_k3"
 REWARD = "train/reward"
+HEAVY_MODULES = (
+    "torch",
+    "pytorch_lightning",
+    "lightning",
+    "lightning_rollout_debug",
+    "tensorboard",
+)
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +98,34 @@ def test_mismatch_ordering(mismatch: dict, tag: str, smaller: str, larger: str) 
 def test_fp32_in_sync_engine_matches_trainer(mismatch: dict) -> None:
     assert mismatch["fp32"][PROBS_DIFF] < 1e-6
     assert abs(mismatch["fp32"][KL_K3]) < 1e-6
+
+
+def imported_modules(importtime_log: str) -> set[str]:
+    """The modules a ``python -X importtime`` run imported, from its stderr."""
+    names = set()
+    for line in importtime_log.splitlines():
+        if line.startswith("import time:") and line.count("|") == 2:
+            names.add(line.rsplit("|", 1)[1].strip())
+    return names
+
+
+@pytest.mark.parametrize("flags", [["--help"], ["--weight-sync-every", "0"]])
+def test_the_command_line_answers_before_the_heavy_imports(flags: list[str]) -> None:
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", str(EXAMPLE), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    imported = imported_modules(result.stderr)
+    assert "argparse" in imported, result.stderr[-2000:]
+    if flags == ["--help"]:
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.startswith("usage: grpo_mismatch.py"), result.stdout
+        assert "--rollout-dtype {float32,bfloat16,float16}" in result.stdout
+    else:
+        assert result.returncode == 2
+        assert "--weight-sync-every must be at least 1" in result.stderr
+    heavy = sorted(name for name in imported if name.split(".")[0] in HEAVY_MODULES)
+    assert not heavy, f"{' '.join(flags)} imported {heavy[:5]}"

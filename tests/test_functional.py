@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import (
     NAMES,
+    SEED_FUNCTION_NAMES,
     assert_metrics_close,
     assert_pearson_close,
     pearson,
@@ -32,7 +33,7 @@ from lightning_rollout_debug.functional import (
 )
 
 PREFIX = "training/"
-SEED_KEYS = [PREFIX + name for name in NAMES["seed"]]
+SEED_KEYS = [PREFIX + name for name in SEED_FUNCTION_NAMES]
 NO_ID_NAMES = [name for group, names in NAMES.items() if group != "token_ids" for name in names]
 ALL = [name for names in NAMES.values() for name in names]
 
@@ -62,7 +63,7 @@ CONTAINERS = ["dict", "tensordict", "dataproto", "dataproto_dict"]
 
 
 def seed_reference(rollout: Any, old: Any, mask: Any) -> Any:
-    return reference_metrics(rollout, old, mask).select(NAMES["seed"])
+    return reference_metrics(rollout, old, mask).select(SEED_FUNCTION_NAMES)
 
 
 # ------------------------------------------------------------- calculate_debug_metrics
@@ -94,8 +95,8 @@ def test_debug_metrics_prefix(container: str, rng: np.random.Generator) -> None:
         container,
     )
     got = calculate_debug_metrics(data, prefix="debug/")
-    assert list(got) == ["debug/" + name for name in NAMES["seed"]]
-    assert list(calculate_debug_metrics(data, prefix="")) == list(NAMES["seed"])
+    assert list(got) == ["debug/" + name for name in SEED_FUNCTION_NAMES]
+    assert list(calculate_debug_metrics(data, prefix="")) == list(SEED_FUNCTION_NAMES)
 
 
 @pytest.mark.parametrize("container", CONTAINERS)
@@ -331,6 +332,7 @@ def test_mismatch_metrics_default_prefix_and_empty_mask() -> None:
         "rollout_tokens": 0.0,
         "rollout_sequences": 0.0,
         "rollout_nonfinite_tokens": 0.0,
+        "rollout_zero_log_prob_tokens": 0.0,
     }
     for name in NO_ID_NAMES:
         value = got[PREFIX + name]

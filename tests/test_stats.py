@@ -94,6 +94,7 @@ def test_empty_window() -> None:
         "rollout_tokens",
         "rollout_sequences",
         "rollout_nonfinite_tokens",
+        "rollout_zero_log_prob_tokens",
     }
     assert all(math.isnan(got[name]) for name in undefined)
 
@@ -112,6 +113,7 @@ def test_hand_computed_values() -> None:
         "rollout_tokens": 3.0,
         "rollout_sequences": 2.0,
         "rollout_nonfinite_tokens": 0.0,
+        "rollout_zero_log_prob_tokens": 0.0,
         "rollout_probs_diff_valid": 1.0,
         "rollout_probs_diff_max": 0.25,
         "rollout_probs_diff_mean": 0.35 / 3,

@@ -11,7 +11,6 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -19,7 +18,10 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from lightning_helpers import (
+    PACKAGES,
+    PYTORCH_LIGHTNING,
     TRAINER_DEFAULTS,
+    Lightning,
     ReleaseProcessGroups,
     RolloutModule,
     make_batch,
@@ -31,7 +33,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_rollout_debug import RolloutDebugCallback
+from lightning_rollout_debug import RolloutDebugCallback, RolloutDebugMonitor
 from lightning_rollout_debug.bins import (
     HISTOGRAMS,
     LOG_RATIO_BINS,
@@ -42,6 +44,7 @@ from lightning_rollout_debug.bins import (
 )
 from lightning_rollout_debug.catalog import DASHBOARD
 from lightning_rollout_debug.extras import WORST_FIELDS, TokenExtras
+from lightning_rollout_debug.ranks import Ranks
 from lightning_rollout_debug.rows import LOG_PROB_FLOOR
 from lightning_rollout_debug.tensorboard import dashboard_layout
 
@@ -116,11 +119,13 @@ def fit(
     batches: list[dict[str, torch.Tensor]],
     callback: RolloutDebugCallback,
     logger: Any,
+    lit: Lightning = PYTORCH_LIGHTNING,
     **trainer_kwargs: Any,
 ) -> pl.Trainer:
+    """A CPU run of the batches with the Trainer of ``lit``'s package, logging every 2 steps."""
     options = {**TRAINER_DEFAULTS, "max_steps": len(batches), "log_every_n_steps": 2}
-    trainer = pl.Trainer(**{**options, **trainer_kwargs}, logger=logger, callbacks=[callback])
-    trainer.fit(RolloutModule(batches))
+    trainer = lit.Trainer(**{**options, **trainer_kwargs}, logger=logger, callbacks=[callback])
+    trainer.fit(lit.RolloutModule(batches))
     return trainer
 
 
@@ -140,12 +145,13 @@ def parse_table(text: str) -> list[dict[str, str]]:
     ]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Four batches, logged every two steps: two windows of two batches each."""
+@pytest.fixture(scope="module", params=PACKAGES)
+def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Four batches, logged every two steps: two windows of two batches each (each package)."""
+    lit = request.param
     batches = [batch(seed) for seed in range(4)]
-    logger = TensorBoardLogger(tmp_path_factory.mktemp("tb"), name="tb", version=0)
-    fit(batches, RolloutDebugCallback(worst_tokens_k=5), logger)
+    logger = lit.loggers.TensorBoardLogger(tmp_path_factory.mktemp("tb"), name="tb", version=0)
+    fit(batches, RolloutDebugCallback(worst_tokens_k=5), logger, lit)
     return {
         "batches": batches,
         "windows": [batches[:2], batches[2:]],
@@ -336,11 +342,12 @@ def test_csv_logger_only_gets_scalars_and_nothing_fails(tmp_path: Path) -> None:
     assert not list(tmp_path.rglob("events.out.tfevents.*"))
 
 
-def test_csv_and_tensorboard_together(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lit", PACKAGES)
+def test_csv_and_tensorboard_together(tmp_path: Path, lit: Lightning) -> None:
     batches = [batch(seed) for seed in range(2)]
-    csv = CSVLogger(tmp_path, name="csv", version=0)
-    tb = TensorBoardLogger(tmp_path, name="tb", version=0)
-    fit(batches, RolloutDebugCallback(), [csv, tb])
+    csv = lit.loggers.CSVLogger(tmp_path, name="csv", version=0)
+    tb = lit.loggers.TensorBoardLogger(tmp_path, name="tb", version=0)
+    fit(batches, RolloutDebugCallback(), [csv, tb], lit)
     assert f"{PREFIX}rollout_tokens" in read_csv_metrics(Path(csv.log_dir) / "metrics.csv")
     tags = accumulator(tb.log_dir).Tags()
     assert LOG_RATIO_TAG in tags["histograms"] and TEXT_TAG in tags["tensors"]
@@ -433,26 +440,24 @@ def test_empty_windows_and_tiny_batches() -> None:
 def test_all_ranks_sends_stats_and_extras_in_one_collective() -> None:
     """Two simulated ranks: one ``all_gather`` of one vector, split and merged per part."""
     batches = [batch(40), batch(41, rows=5)]
-    callbacks = [RolloutDebugCallback(worst_tokens_k=4) for _ in batches]
-    for rank, (callback, data) in enumerate(zip(callbacks, batches, strict=True)):
-        callback._rank = rank
-        callback._batches_in_window = 1
-        callback._update(data, data)
+    monitors = [RolloutDebugMonitor(worst_tokens_k=4) for _ in batches]
+    for rank, (monitor, data) in enumerate(zip(monitors, batches, strict=True)):
+        monitor._rank = rank
+        monitor.update(data)
     sent = []
 
-    def all_gather(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    def all_gather(tensor: torch.Tensor) -> torch.Tensor:
         sent.append(tensor)
-        other = torch.cat([callbacks[1]._stats.state, callbacks[1]._extras.state])
+        other = torch.cat([monitors[1]._stats.state, monitors[1]._extras.state])
         return torch.stack([tensor, other])
 
-    strategy = SimpleNamespace(all_gather=all_gather, root_device=torch.device("cpu"))
-    trainer = SimpleNamespace(world_size=2, global_rank=0, strategy=strategy)
-    stats, extras = callbacks[0]._host_window(trainer)
+    ranks = Ranks(world_size=2, is_global_zero=True, gather=all_gather)
+    stats, extras = monitors[0]._host_window(ranks)
     assert len(sent) == 1 and sent[0].dtype == torch.float64
     tokens = sum(len(counting(data)["r"]) for data in batches)
     assert stats.compute()["rollout_tokens"] == tokens
     assert extras.histograms["rollout_log_ratio_hist"].num == tokens
-    assert {token.rank for token in extras.worst_tokens} <= {0, 1}
+    assert {token.rank for token in extras.worst_tokens} == {0, 1}
     want = sorted((abs(r) for data in batches for r in counting(data)["r"]), reverse=True)[:4]
     assert [abs(t.log_ratio) for t in extras.worst_tokens] == pytest.approx(want, rel=1e-6)
 

@@ -32,7 +32,11 @@ namespace {
   X("max_prob_diff", max_diff) X("max_log_ratio", max_r) X("max_neg_log_ratio", max_neg_r) \
   X("log_diff", abs_r) X("log_diff*log_diff", r2) X("log_ratio", r) X("kl_k3", k3)         \
   X("mult_error_m1", mult) X("ratio_m1", rm1) X("ratio_sq_m1", rsqm1) X("ratio", ratio)    \
-  X("ratio_sq", ratio2) X("ratio_high", high) X("ratio_low", low)
+  X("ratio_sq", ratio2) X("ratio_high", high) X("ratio_low", low)                         \
+  X("zero_rollout_log_prob", zero_b) X("neighbour_pairs", pairs)                          \
+  X("sum_actor_log_prob_sq", aa) X("sum_rollout_log_prob_sq", bb)                         \
+  X("sum_actor_x_rollout", ab) X("sum_actor_x_next_rollout", ab_next)                     \
+  X("sum_next_actor_x_rollout", ab_prev)
 
 #define ROLLOUT_ROW_NAME(name, member) name,
 constexpr const char* kColumns[] = {ROLLOUT_ROW_COLUMNS(ROLLOUT_ROW_NAME)};
@@ -130,6 +134,13 @@ struct Count {
 
 inline f32 select(i32 flags, f32 yes, f32 no) { return flags ? yes : no; }
 
+// Each lane's left neighbour: the last lane of `before`, then the lanes of `x` but its last.
+template <typename T>
+inline T shifted(T before, T x) {
+  return __builtin_shufflevector(before, x, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27,
+                                 28, 29, 30);
+}
+
 // e^x as 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by its Taylor series to
 // f^7 (truncation below 1e-8 relative). Rounding x log2 e costs |x| * 6e-8 relative, as
 // in the compiled path. For x >= -87 (log-probs are floored at -20); the result
@@ -183,10 +194,13 @@ struct Options {
 
 // The running sums of one row.
 struct RowSums {
-  Count count, nonfinite, high, low;
+  Count count, nonfinite, high, low, zero_b, pairs;
   Max max_a, max_b, max_diff, max_r, max_neg_r;
   Sum sum_a, sum_b, pa, pb, diff, pa2, pb2, papb, diff2, abs_r, r2, r, k3, mult, rm1, rsqm1;
-  Sum ratio, ratio2;
+  Sum ratio, ratio2, aa, bb, ab, ab_next, ab_prev;
+  // The previous vector's a, b and counting lanes, for the pairs of neighbouring tokens.
+  f32 prev_a{}, prev_b{};
+  i32 prev_counting{};
   // The last vector's r, |pa - pb| and counting lanes, for the extras (kept in registers).
   f32 last_r{}, last_diff{};
   i32 last_counting{};
@@ -223,6 +237,19 @@ struct RowSums {
     if constexpr (kInputSums) {
       sum_a.add(a);
       sum_b.add(b);
+      // The moments of the log-probs at lags -1, 0 and +1 along the row (a and b are zero
+      // where a token does not count, so their products are too).
+      aa.add_product(a, a);
+      bb.add_product(b, b);
+      ab.add_product(a, b);
+      const f32 a_before = shifted(prev_a, a), b_before = shifted(prev_b, b);
+      pairs.add(shifted(prev_counting, counting) & counting);
+      ab_next.add_product(a_before, b);  // a_t b_(t+1)
+      ab_prev.add_product(a, b_before);  // a_(t+1) b_t
+      prev_a = a;
+      prev_b = b;
+      prev_counting = counting;
+      zero_b.add(counting & (b == 0.0f) & (a != 0.0f));
     }
     const f32 wide_pa = select(counting, pa_, zero);
     const f32 wide_pb = select(counting, pb_, zero);
@@ -526,7 +553,13 @@ int dispatch_mask(const void* rollout, const void* old, const void* mask, int ma
   X(s_high, "ratio_high") X(s_low, "ratio_low") X(s_sequences, "sequences")                 \
   X(s_ppl_a, "seq_ppl_actor") X(s_ppl_b, "seq_ppl_rollout") X(s_seq_r, "seq_log_ratio")      \
   X(s_outside, "seq_outside") X(s_id_updates, "id_updates") X(s_id_rows, "id_rows")          \
-  X(s_id_diff, "id_diff") X(s_id_diff_rows, "id_diff_rows") X(s_max_diff, "max_prob_diff")   \
+  X(s_id_diff, "id_diff") X(s_id_diff_rows, "id_diff_rows")                                 \
+  X(s_zero_b, "zero_rollout_log_prob") X(s_pairs, "neighbour_pairs")                             \
+  X(s_pad_updates, "pad_updates") X(s_pad, "pad_in_mask")                                   \
+  X(s_sum_a, "sum_actor_log_prob") X(s_sum_b, "sum_rollout_log_prob")                       \
+  X(s_aa, "sum_actor_log_prob_sq") X(s_bb, "sum_rollout_log_prob_sq")                       \
+  X(s_ab, "sum_actor_x_rollout") X(s_ab_next, "sum_actor_x_next_rollout")                   \
+  X(s_ab_prev, "sum_next_actor_x_rollout") X(s_max_diff, "max_prob_diff")                   \
   X(s_max_abs_r, "max_log_diff") X(s_max_r, "max_log_ratio")                                \
   X(s_max_seq_abs, "max_seq_abs_log_ratio") X(s_max_seq, "max_seq_log_ratio")               \
   X(s_max_a, "max_actor_log_prob") X(s_max_b, "max_rollout_log_prob")                       \
@@ -628,7 +661,14 @@ struct StateOf {
       for (int64_t row = 0; row < rows; ++row) sequences += at(row, c_count) > 0;
       state[s_sequences] = sequences;
     }
-    if (has(c_sum_a)) write_sequences(low_bound, high_bound, state);
+    if (on(g_health)) {
+      const struct { Column column; Slot slot; } health[] = {
+          {c_zero_b, s_zero_b}, {c_pairs, s_pairs}, {c_sum_a, s_sum_a}, {c_sum_b, s_sum_b},
+          {c_aa, s_aa},         {c_bb, s_bb},       {c_ab, s_ab},       {c_ab_next, s_ab_next},
+          {c_ab_prev, s_ab_prev}};
+      for (const auto& sum : health) state[sum.slot] = total(sum.column);
+    }
+    if (on(g_sequence)) write_sequences(low_bound, high_bound, state);
   }
 
   // Sequence statistics from the float64 row sums of a and b (`_sequence_sums`).

@@ -1,0 +1,144 @@
+"""Naming the usual pipeline mistakes from a merged window.
+
+Most of the mismatch a new pipeline shows comes from how its log-probs were sliced,
+masked or sampled, not from numerics. Each rule here reads a merged window (its
+:class:`~lightning_rollout_debug.catalog.Window` and metrics) and returns a
+:class:`Diagnosis` whose message names the mistake and its fix; none of them holds on a
+correct run. The callback warns once per kind and run (raises under ``strict=True``).
+
+Example:
+    >>> import torch
+    >>> from lightning_rollout_debug import MismatchStats
+    >>> from lightning_rollout_debug.catalog import Window
+    >>> old = torch.log(0.9 * torch.rand(8, 64, generator=torch.Generator().manual_seed(0)))
+    >>> stats = MismatchStats()  # the engine renormalised over 95% of the mass: + 0.05 nats
+    >>> stats.update(old + 0.05, old, torch.ones(8, 64))
+    >>> [found.kind for found in diagnose(Window(stats.state.tolist()), stats.compute())]
+    ['truncated']
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch.nn.modules.dropout import _DropoutNd
+
+from lightning_rollout_debug.catalog import Window, lag_correlations
+
+MIN_PAIRS = 64
+"""Neighbouring token pairs a window needs before its alignment is judged."""
+ALIGNMENT_MARGIN = 0.25
+"""How much a shifted correlation must beat the unshifted one to call the log-probs
+misaligned; it must also reach :data:`ALIGNED_CORRELATION`."""
+ALIGNED_CORRELATION = 0.5
+TRUNCATION_K1 = 0.01
+"""k1 above this, and above :data:`TRUNCATION_FACTOR` times k3 by three standard errors
+of k1, looks like engine-side truncation (top-k / top-p) with renormalised log-probs."""
+TRUNCATION_FACTOR = 8.0
+MIN_TOKENS = 256
+"""Tokens a window needs before its k1 and k3 are compared."""
+
+KINDS = ("misaligned", "padding", "truncated", "prompt", "dropout")
+"""The kinds of diagnosis, each warned about once per run."""
+
+
+class RolloutDiagnosisWarning(UserWarning):
+    """A pipeline mistake the window shows (its message names the fix)."""
+
+
+class RolloutDiagnosisError(RuntimeError):
+    """A pipeline mistake, raised instead of warned about with ``strict=True``."""
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """One named mistake: its kind (one of :data:`KINDS`) and a message with the fix."""
+
+    kind: str
+    message: str
+
+
+def diagnose(window: Window, metrics: Mapping[str, float]) -> list[Diagnosis]:
+    """The mistakes a merged window shows (``metrics``: its un-prefixed metrics)."""
+    found = [_misaligned(window), _padding(window), _truncated(window, metrics)]
+    return [diagnosis for diagnosis in found if diagnosis is not None]
+
+
+def active_dropout(model: torch.nn.Module) -> list[str]:
+    """The names of ``model``'s dropout modules with ``p > 0`` in training mode."""
+    return [
+        name or type(module).__name__
+        for name, module in model.named_modules()
+        if isinstance(module, _DropoutNd) and module.p > 0 and module.training
+    ]
+
+
+def _k1_error(window: Window, k3: float) -> float:
+    """The standard error of k1, ``sqrt(mean(r^2) / n)``.
+
+    ``sum(r^2)`` comes from the health group's sums of ``a^2``, ``b^2`` and ``a b``; without
+    them ``mean(r^2)`` is taken as ``2 k3``, its value for small ``r``.
+    """
+    n = window.n
+    squares = window["sum_actor_log_prob_sq"] + window["sum_rollout_log_prob_sq"]
+    mean_square = (squares - 2.0 * window["sum_actor_x_rollout"]) / n if squares > 0 else 2 * k3
+    return math.sqrt(max(mean_square, 0.0) / n)
+
+
+def _misaligned(window: Window) -> Diagnosis | None:
+    if window["neighbour_pairs"] < MIN_PAIRS:
+        return None
+    correlations = lag_correlations(window)
+    unshifted = correlations[0]
+    lag, best = max(((lag, c) for lag, c in correlations.items() if lag), key=lambda x: x[1])
+    if math.isnan(best) or best < ALIGNED_CORRELATION:
+        return None
+    if not math.isnan(unshifted) and best - unshifted < ALIGNMENT_MARGIN:
+        return None
+    side = "early" if lag > 0 else "late"
+    return Diagnosis(
+        "misaligned",
+        f"The log-probs look misaligned by one position: the trainer's old_log_probs "
+        f"correlate {best:.3f} with the rollout's shifted by {lag:+d}, against "
+        f"{unshifted:.3f} unshifted (the trainer's are one token {side}). Causal-LM logits at "
+        "position t predict token t + 1: take the log-probs of the response from "
+        "logits[:, P - 1 : -1] for a prompt of width P (see "
+        "lightning_rollout_debug.response_log_probs).",
+    )
+
+
+def _padding(window: Window) -> Diagnosis | None:
+    zeros, pads = window["zero_rollout_log_prob"], window["pad_in_mask"]
+    if zeros <= 0 and pads <= 0:
+        return None
+    seen = []
+    if zeros > 0:
+        seen.append(
+            f"{zeros:.0f} masked-in tokens whose rollout log-prob is exactly 0.0 while the "
+            "trainer's is not (what an engine writes for padding)"
+        )
+    if pads > 0:
+        seen.append(f"{pads:.0f} pad tokens inside the response mask")
+    return Diagnosis(
+        "padding",
+        f"The response mask looks like it includes padding: {' and '.join(seen)}. Mask out "
+        "every position after the first EOS (and the pad tokens) in response_mask.",
+    )
+
+
+def _truncated(window: Window, metrics: Mapping[str, float]) -> Diagnosis | None:
+    k1 = metrics.get("rollout_actor_kl_k1", math.nan)
+    k3 = metrics.get("rollout_actor_kl_k3", math.nan)
+    if window.n < MIN_TOKENS or not k1 > TRUNCATION_K1:
+        return None
+    if not k1 > TRUNCATION_FACTOR * k3 + 3.0 * _k1_error(window, k3):
+        return None
+    return Diagnosis(
+        "truncated",
+        f"KL k1 = {k1:.4g} is far above k3 = {k3:.4g}: the rollout log-probs look "
+        "renormalised after top-k / top-p truncated sampling in the engine, which biases k3 "
+        "low. Trust k1 here, or have the engine return log-probs of the full distribution.",
+    )

@@ -1,0 +1,764 @@
+"""RolloutDebugMonitor: the window of a training loop, its merge across ranks, and its logs.
+
+The engine behind every front door that follows a training loop. It finds the tensors of
+each batch (:mod:`.batch`), adds them to a window of statistics and extras on the batch's
+device (:mod:`.stats`, :mod:`.extras`), and at a logged step merges the window of every
+rank with one collective, copies it to the host once, logs the scalars and writes the
+TensorBoard extras (:mod:`.tensorboard`), checks the alerts (:mod:`.alerts`) and starts
+a new window. :class:`~lightning_rollout_debug.RolloutDebugCallback` is this engine with
+a Lightning Trainer deciding when to log and how ranks gather.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from lightning_rollout_debug.alerts import (
+    AlertMonitor,
+    RolloutAlertError,
+    RolloutAlertWarning,
+    alert_problems,
+    enabled_metric_names,
+    resolve_alert_ranges,
+)
+from lightning_rollout_debug.backends import compile_problems
+from lightning_rollout_debug.batch import (
+    RESPONSES_KEY,
+    BatchError,
+    MismatchInputs,
+    batch_type_error,
+    extract_inputs,
+    lookup,
+    tensor_sources,
+)
+from lightning_rollout_debug.catalog import GROUPS, METRIC_NAMES, Window
+from lightning_rollout_debug.diagnosis import (
+    Diagnosis,
+    RolloutDiagnosisError,
+    RolloutDiagnosisWarning,
+    active_dropout,
+    diagnose,
+)
+from lightning_rollout_debug.extras import (
+    ExtrasSummary,
+    TokenExtras,
+    extras_problems,
+    token_ids_for,
+    update_together,
+)
+from lightning_rollout_debug.layout import merge_states, state_problems
+from lightning_rollout_debug.packages import TENSORBOARD_LOGGERS
+from lightning_rollout_debug.ranks import Ranks, global_rank, loop_ranks, rank_in
+from lightning_rollout_debug.stats import (
+    MismatchStats,
+    validate_groups,
+    validate_is_threshold,
+    validate_seq_ratio_bounds,
+)
+from lightning_rollout_debug.tensorboard import dashboard_layout, write_extras
+
+POSITIVE_LOG_PROB_TOLERANCE = 1e-3
+"""Log-probs above this (nats) are reported: no log-probability is above 0."""
+
+
+class RolloutDebugWarning(UserWarning):
+    """A batch that was skipped, or a setting that cannot be honoured."""
+
+
+@dataclass(frozen=True)
+class FrontDoor:
+    """How messages name the front door in use, and what it searches before the batch."""
+
+    name: str
+    before_batch: str
+
+
+MONITOR_DOOR = FrontDoor("RolloutDebugMonitor", "what was given before it")
+
+
+class RolloutDebugMonitor:
+    r"""Measure the mismatch between rollout-engine and trainer log-probabilities in any loop.
+
+    The front door for loops that are not a Lightning Trainer: Lightning Fabric, or plain
+    PyTorch. :meth:`update` finds ``rollout_log_probs`` (recorded by the inference engine),
+    ``old_log_probs`` (recomputed by the trainer) and ``response_mask`` in the mappings or
+    objects it is given, first to last, and adds them to a window of statistics on the
+    batch's device without waiting for it. :meth:`log` merges the window across processes,
+    computes every metric of ``docs/metrics.md`` once, sends the scalars to the loggers,
+    writes the histograms, the worst tokens and the dashboard layout to TensorBoard
+    loggers, checks the alerts and starts a new window. :meth:`state_dict` and
+    :meth:`load_state_dict` carry a window over a restart. The
+    :class:`~lightning_rollout_debug.RolloutDebugCallback` is this monitor driven by a
+    Trainer.
+
+    Args:
+        rollout_log_probs_key: key of the ``[B, T]`` log-probs the rollout engine recorded.
+        old_log_probs_key: key of the ``[B, T]`` log-probs the trainer recomputed.
+        response_mask_key: key of the ``[B, T]`` mask of response tokens (non-zero counts).
+            Without it, ``attention_mask`` cut to the width of ``responses`` is used.
+        prefix: put before every metric name.
+        strict: raise on a batch the monitor cannot use instead of skipping it with a
+            warning (and on a checkpoint state it cannot restore).
+        is_threshold: ``C`` of the importance-ratio group (``rho > C`` is high).
+        seq_ratio_bounds: ``(lo, hi)`` band of sequence geometric-mean ratios.
+        token_ids_keys: keys of the rollout's and the trainer's token ids; turns on the
+            token-id group.
+        groups: metric groups to log, from ``GROUPS``; ``None`` logs all that the
+            configuration allows (the token-id group needs ``token_ids_keys``).
+        process_group: the ``torch.distributed`` process group to merge over; ``None``
+            means all ranks. Pass the data-parallel group when several ranks hold the same
+            tokens (tensor, sequence or pipeline parallelism). A rank outside the group
+            keeps its own window.
+        histograms: with a TensorBoard logger, write histograms of the log ratio
+            ``r = a - b`` and of ``abs(pa - pb)`` over the window's tokens.
+        worst_tokens_k: with a TensorBoard logger, write a table of the ``k`` tokens with
+            the largest ``abs(r)`` of each window; 0 turns it off. The token ids come from
+            ``token_ids_keys[0]`` or ``responses``.
+        dashboard_layout: with a TensorBoard logger, write a custom-scalars layout grouping
+            the charts once per log directory.
+        alert_ranges: allowed ``(low, high)`` per un-prefixed metric name (either bound
+            ``None``); ``None`` uses ``DEFAULT_ALERT_RANGES`` and ``{}`` turns alerts off.
+        on_alert: what a value outside its range does: ``"warn"`` (a warning once per
+            crossing), ``"stop"`` (also sets :attr:`should_stop`, for the loop to read) or
+            ``"raise"`` (:class:`~lightning_rollout_debug.RolloutAlertError`).
+        compile: fuse the statistics and the extras of large batches into one pass, as
+            the callback's ``compile`` does; see ``docs/performance.md``.
+        pad_token_id: the pad token's id: pad tokens inside the mask are counted
+            (``rollout_pad_tokens_in_mask``) and diagnosed. The ids come from
+            ``token_ids_keys[0]`` or ``responses``.
+
+    Every logged window is also checked for the usual pipeline mistakes
+    (:mod:`~lightning_rollout_debug.diagnosis`: misaligned log-probs, padding in the mask,
+    truncated sampling), each warned about once (raised with ``strict=True``);
+    :meth:`check_dropout` checks a model.
+
+    Attributes:
+        should_stop: set when a window was out of range with ``on_alert="stop"``.
+        batches_in_window: the updates since the window began, skipped batches too.
+
+    Example:
+        >>> import torch
+        >>> from lightning_rollout_debug import RolloutDebugMonitor
+        >>> monitor = RolloutDebugMonitor(groups=["seed", "health"])
+        >>> rollout = torch.log(torch.tensor([[0.5, 0.25, 0.9]]))
+        >>> batch = {"rollout_log_probs": rollout, "response_mask": torch.tensor([[1, 1, 0]])}
+        >>> outputs = {"old_log_probs": rollout - 0.001}
+        >>> monitor.update(outputs, batch)
+        >>> logged = monitor.log(step=0)
+        >>> logged["training/rollout_tokens"], logged["training/rollout_probs_diff_valid"]
+        (2.0, 1.0)
+        >>> monitor.batches_in_window
+        0
+    """
+
+    _door = MONITOR_DOOR
+
+    def __init__(
+        self,
+        rollout_log_probs_key: str = "rollout_log_probs",
+        old_log_probs_key: str = "old_log_probs",
+        response_mask_key: str = "response_mask",
+        prefix: str = "training/",
+        strict: bool = False,
+        is_threshold: float = 2.0,
+        seq_ratio_bounds: tuple[float, float] = (0.99, 1.01),
+        token_ids_keys: tuple[str, str] | None = None,
+        groups: Sequence[str] | None = None,
+        process_group: Any | None = None,
+        histograms: bool = True,
+        worst_tokens_k: int = 10,
+        dashboard_layout: bool = True,
+        alert_ranges: Mapping[str, tuple[float | None, float | None]] | None = None,
+        on_alert: Literal["warn", "stop", "raise"] = "warn",
+        compile: bool | None = None,
+        pad_token_id: int | None = None,
+    ) -> None:
+        problems = monitor_problems(
+            rollout_log_probs_key=rollout_log_probs_key,
+            old_log_probs_key=old_log_probs_key,
+            response_mask_key=response_mask_key,
+            prefix=prefix,
+            strict=strict,
+            is_threshold=is_threshold,
+            seq_ratio_bounds=seq_ratio_bounds,
+            token_ids_keys=token_ids_keys,
+            groups=groups,
+            histograms=histograms,
+            worst_tokens_k=worst_tokens_k,
+            dashboard_layout=dashboard_layout,
+            alert_ranges=alert_ranges,
+            on_alert=on_alert,
+            compile=compile,
+            pad_token_id=pad_token_id,
+        )
+        if callable(process_group):
+            problems.append(
+                "`process_group` must be a torch.distributed process group or None, got a "
+                "callable; create the group first and pass it."
+            )
+        if problems:
+            raise ValueError(
+                f"Invalid {type(self).__name__} arguments:\n- " + "\n- ".join(problems)
+            )
+        self.rollout_log_probs_key = rollout_log_probs_key
+        self.old_log_probs_key = old_log_probs_key
+        self.response_mask_key = response_mask_key
+        self.prefix = prefix
+        self.strict = strict
+        self.token_ids_keys = None if token_ids_keys is None else tuple(token_ids_keys)
+        enabled = enabled_groups(groups, token_ids_keys)
+        self.groups = tuple(group for group in GROUPS if group in enabled)
+        self.process_group = process_group
+        self.histograms = histograms
+        self.worst_tokens_k = worst_tokens_k
+        self.dashboard_layout = dashboard_layout
+        self.on_alert = on_alert
+        self.pad_token_id = pad_token_id
+        self.alert_ranges = resolve_alert_ranges(alert_ranges, self.groups)
+        self.should_stop = False
+        self.batches_in_window = 0
+        self._stats = MismatchStats(
+            is_threshold=is_threshold,
+            seq_ratio_bounds=seq_ratio_bounds,
+            groups=self.groups,
+            compile=compile,
+        )
+        self._extras = (
+            TokenExtras(histograms=histograms, worst_tokens_k=worst_tokens_k, compile=compile)
+            if histograms or worst_tokens_k
+            else None
+        )
+        self._alerts = AlertMonitor(self.alert_ranges)
+        self._rank: int | None = None  # shown in the worst-tokens table; None: asked of torch
+        self._warned: set[str] = set()
+        self.diagnosed: set[str] = set()
+        """The kinds of mistake warned about so far (each once per run)."""
+        self._layouts_written: set[str] = set()
+
+    # ------------------------------------------------------------------ the loop's calls
+    def update(self, *sources: Any) -> None:
+        """Add one batch to the window, on its device, without waiting for it.
+
+        Args:
+            *sources: mappings of tensors, TensorDicts, or objects whose ``.batch`` is
+                one (verl's ``DataProto``): each tensor is taken from the first source that
+                holds its key, so put what the training step computed before the batch.
+
+        A batch the monitor cannot use is skipped with one warning per kind of problem, or
+        raised with ``strict=True``.
+        """
+        if not sources:
+            raise TypeError(
+                "update() takes the batch: one or more mappings of tensors, TensorDicts or "
+                "objects whose `.batch` is one."
+            )
+        self.batches_in_window += 1
+        self._update(sources, self.batches_in_window - 1)
+
+    def log(
+        self, step: int, loggers: Any | None = None, *, fabric: Any | None = None
+    ) -> dict[str, float]:
+        """Log the window at ``step``, start a new one, and return what was logged.
+
+        Every process must call it at the same steps: the window of every rank is merged
+        with one collective, through ``fabric.all_gather`` when given a Fabric, over
+        ``process_group`` when ``torch.distributed`` is initialised, else not at all. Rank
+        0 sends the scalars to the loggers and writes the histograms, worst tokens and
+        dashboard layout to the TensorBoard ones; every rank checks the alerts.
+
+        Args:
+            step: the step the values are logged at (an int >= 0).
+            loggers: a logger or a list of them, of either Lightning package or of Fabric
+                (anything with ``log_metrics(metrics, step)``); by default the Fabric's own
+                loggers, or none.
+            fabric: the ``lightning.fabric.Fabric`` running the loop, if any.
+
+        Returns:
+            The logged scalars by prefixed name; undefined values (no tokens, a single
+            token for a standard deviation) are left out.
+        """
+        step = _checked_step(step)
+        if loggers is None:
+            loggers = [] if fabric is None else list(fabric.loggers)
+        ranks = loop_ranks(fabric, self.process_group)
+        scalars, metrics = self._write(step, _checked_loggers(loggers), ranks)
+        self._alert(metrics, step, warn=ranks.is_global_zero)
+        return scalars
+
+    def reset(self) -> None:
+        """Start over: an empty window, no open alert episodes, ``should_stop`` cleared."""
+        self._begin()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The window (statistics and extras), its batch count and configuration, on the CPU.
+
+        When ``torch.distributed`` is initialised the window is merged over the process
+        group first, so every rank must call it, as ``fabric.save`` does.
+        """
+        stats, extras = self._merged(loop_ranks(None, self.process_group))
+        return self._saved(stats, extras, self._config())
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Continue the window of :meth:`state_dict`.
+
+        The saved window holds every rank's tokens: the first rank of the process group
+        carries it on, the others start empty. A damaged state starts an empty window with
+        a warning (an error with ``strict=True``); another configuration warns.
+        """
+        self._load(state_dict, self._config())
+
+    # ------------------------------------------------------------------ updates
+    def _update(self, sources: Sequence[Any], index: int) -> None:
+        """Add the batch of ``sources`` (the batch last) as the window's ``index``-th."""
+        try:
+            found = tensor_sources(*sources)
+            inputs, fallback = extract_inputs(
+                found,
+                rollout_log_probs_key=self.rollout_log_probs_key,
+                old_log_probs_key=self.old_log_probs_key,
+                response_mask_key=self.response_mask_key,
+                token_ids_keys=self.token_ids_keys,
+            )
+            if fallback is not None:
+                self._warn_once("mask-fallback", fallback)
+            rank = self._rank if self._rank is not None else global_rank()
+            token_ids = _token_ids(found, inputs)
+            together = self._extras is not None and update_together(
+                self._stats, self._extras, inputs, token_ids, batch_index=index, rank=rank
+            )
+            if not together:
+                self._stats.update(
+                    inputs.rollout_log_probs,
+                    inputs.old_log_probs,
+                    inputs.mask,
+                    inputs.rollout_token_ids,
+                    inputs.trainer_token_ids,
+                )
+            self._count_pads(inputs, token_ids)
+        except BatchError as error:
+            # No local may hold the error (its traceback holds this frame, and with it the
+            # batch and any autograd graph, until a gc cycle).
+            self._skip_batch(batch_type_error(sources[-1], error, self._door.before_batch))
+            return
+        except Exception as error:
+            if self.strict:
+                raise
+            self._warn_once(
+                type(error).__name__, f"Could not update the statistics ({error!r}); skipped."
+            )
+            return
+        if self._extras is not None and not together:
+            self._update_extras(self._extras, inputs, token_ids, index, rank)
+
+    def _count_pads(self, inputs: MismatchInputs, token_ids: Tensor | None) -> None:
+        if self.pad_token_id is None:
+            return
+        if token_ids is None:
+            self._warn_once(
+                "pad-ids",
+                f"`pad_token_id={self.pad_token_id}` is set but the batch holds no token ids "
+                f"(`{RESPONSES_KEY}` or `token_ids_keys[0]`); pad tokens are not counted.",
+            )
+            return
+        self._stats.count_pads(inputs.mask, token_ids, self.pad_token_id)
+
+    def _update_extras(
+        self,
+        extras: TokenExtras,
+        inputs: MismatchInputs,
+        token_ids: Tensor | None,
+        index: int,
+        rank: int,
+    ) -> None:
+        """Add the batch to the histograms and worst tokens (its statistics are counted)."""
+        try:
+            extras.update(
+                inputs.rollout_log_probs,
+                inputs.old_log_probs,
+                inputs.mask,
+                token_ids,
+                batch_index=index,
+                rank=rank,
+            )
+        except Exception as error:
+            if self.strict:
+                raise
+            self._warn_once(
+                f"extras:{type(error).__name__}",
+                f"Could not add a batch to the histograms and worst tokens ({error!r}); they "
+                "miss it, the statistics count it.",
+            )
+
+    def _skip_batch(self, error: BatchError) -> None:
+        if self.strict:
+            raise error
+        self._warn_once(error.kind, f"{error} The batch is skipped.")
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(f"{self._door.name}: {message}", RolloutDebugWarning, stacklevel=3)
+
+    # ------------------------------------------------------------------ diagnoses
+    def check_dropout(self, model: torch.nn.Module) -> None:
+        """Warn once (raise with ``strict=True``) if ``model`` has dropout active.
+
+        Log-probs recomputed by a model in training mode with dropout ``p > 0`` carry
+        dropout noise that reads as mismatch; compute them in eval mode.
+        """
+        active = active_dropout(model)
+        if active:
+            shown = ", ".join(active[:3]) + (", ..." if len(active) > 3 else "")
+            self._report(
+                Diagnosis(
+                    "dropout",
+                    f"{len(active)} dropout module(s) of the model are active in training mode "
+                    f"({shown}). Log-probs recomputed with dropout carry its noise, which reads "
+                    "as mismatch: recompute old_log_probs in eval mode (model.eval()), or set "
+                    "the dropout to 0. Pass warn_dropout=False if the recompute already runs "
+                    "in eval mode.",
+                ),
+                rank_zero=global_rank() == 0,
+            )
+
+    def _diagnose(
+        self, stats: MismatchStats, metrics: Mapping[str, float], rank_zero: bool
+    ) -> None:
+        for found in diagnose(Window(stats.state.tolist()), metrics):
+            self._report(found, rank_zero=rank_zero)
+
+    def _report(self, found: Diagnosis, *, rank_zero: bool) -> None:
+        """Warn once per kind (on rank zero), or raise with ``strict=True`` (every rank)."""
+        if self.strict:
+            raise RolloutDiagnosisError(f"{self._door.name}: {found.message}")
+        if rank_zero and found.kind not in self.diagnosed:
+            self.diagnosed.add(found.kind)
+            warnings.warn(f"{self._door.name}: {found.message}", RolloutDiagnosisWarning, 3)
+
+    # ------------------------------------------------------------------ windows
+    def _begin(self, *, keep_window: bool = False, device: torch.device | None = None) -> None:
+        """Start a run: no open alert episodes; the window emptied, or kept on ``device``."""
+        self._alerts.reset()
+        self.should_stop = False
+        if not keep_window:
+            self._empty_window()
+        elif device is not None:
+            self._stats.load_state(self._stats.state.to(device))
+            if self._extras is not None:
+                self._extras.load_state(self._extras.state.to(device))
+
+    def _empty_window(self) -> None:
+        self._stats.reset()
+        if self._extras is not None:
+            self._extras.reset()
+        self.batches_in_window = 0
+
+    def _merged(self, ranks: Ranks) -> tuple[MismatchStats, Tensor | None]:
+        """The window merged over ``ranks``: one collective of one float64 vector.
+
+        The packed statistics and the packed extras (histogram bins, worst-token
+        candidates) travel together, the same length on every rank, empty window or not.
+        Returns the merged statistics and the merged extras state (``None`` without
+        extras), both on the device.
+        """
+        extras = None if self._extras is None else self._extras.state
+        if ranks.gather is None:
+            return self._stats, extras
+        device = ranks.device or self._stats.device or torch.device("cpu")
+        parts = [self._stats.state.to(device)]
+        if extras is not None:
+            parts.append(extras.to(device))
+        width = parts[0].numel()
+        local = torch.cat(parts)
+        gathered = ranks.gather(local).reshape(-1, local.numel()).to(torch.float64)
+        stats = copy.copy(self._stats)
+        stats.load_state(merge_states(gathered[:, :width]))
+        if self._extras is not None:
+            extras = self._extras.merge_states(gathered[:, width:])
+        return stats, extras
+
+    def _host_window(self, ranks: Ranks) -> tuple[MismatchStats, ExtrasSummary | None]:
+        """The merged window, copied to the host in one transfer: statistics and extras."""
+        stats, extras = self._merged(ranks)
+        state = stats.state
+        host = torch.cat([state] if extras is None else [state, extras.to(state.device)]).cpu()
+        on_host = copy.copy(stats)
+        on_host.load_state(host[: state.numel()])
+        if extras is None or self._extras is None:
+            return on_host, None
+        return on_host, self._extras.summary(host[state.numel() :])
+
+    # ------------------------------------------------------------------ logged steps
+    def _write(
+        self, step: int, loggers: Sequence[Any], ranks: Ranks
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """Merge and log the window at ``step``, then empty it: (logged scalars, metrics)."""
+        stats, extras = self._host_window(ranks)
+        self._empty_window()
+        self._check_log_prob_signs(stats, step)
+        metrics = stats.compute()
+        self._diagnose(stats, metrics, ranks.is_global_zero)
+        scalars = {
+            f"{self.prefix}{name}": value
+            for name, value in metrics.items()
+            if not math.isnan(value)
+        }
+        if ranks.is_global_zero:
+            if scalars:
+                for logger in loggers:
+                    logger.log_metrics(dict(scalars), step=step)
+            self._write_tensorboard(loggers, extras, step, show_rank=ranks.world_size > 1)
+        return scalars, metrics
+
+    def _write_tensorboard(
+        self, loggers: Sequence[Any], extras: ExtrasSummary | None, step: int, *, show_rank: bool
+    ) -> None:
+        """Histograms, worst tokens and (once per log directory) the layout."""
+        for logger in loggers:
+            if not isinstance(logger, TENSORBOARD_LOGGERS):
+                continue
+            writer = logger.experiment
+            if self.dashboard_layout and logger.log_dir not in self._layouts_written:
+                self._layouts_written.add(logger.log_dir)
+                names = enabled_metric_names(self.groups)
+                writer.add_custom_scalars(dashboard_layout(self.prefix, names))
+            if extras is not None:
+                write_extras(writer, self.prefix, extras, step, show_rank=show_rank)
+
+    def _check_log_prob_signs(self, stats: MismatchStats, step: int) -> None:
+        """Warn once per key when the window holds log-probs above 0 (read off the host copy)."""
+        keys = (self.old_log_probs_key, self.rollout_log_probs_key)
+        for key, largest in zip(keys, stats.largest_log_probs(), strict=True):
+            if largest > POSITIVE_LOG_PROB_TOLERANCE:
+                self._warn_once(
+                    f"positive:{key}",
+                    f"`{key}` holds values up to {largest:.6g} in the window ending at step "
+                    f"{step}; log-probabilities are at most 0 (logits, or negative "
+                    "log-likelihoods?). Its tokens are counted as they are: probabilities "
+                    "above 1, perplexities below 1.",
+                )
+
+    def _alert(self, metrics: Mapping[str, float], step: int, *, warn: bool) -> bool:
+        """Act on the metrics outside their range; whether the loop should stop.
+
+        The metrics are the same on every rank, so every rank decides the same; only
+        ``warn`` ranks (rank 0) warn.
+        """
+        result = self._alerts.check(metrics)
+        if not result.outside:
+            return False
+        if self.on_alert == "raise":
+            found = "; ".join(alert.describe(self.prefix) for alert in result.outside)
+            raise RolloutAlertError(f"{self._door.name} at step {step}: {found}.")
+        stop = self.on_alert == "stop"
+        self.should_stop = self.should_stop or stop
+        then = (
+            "stopping the training (on_alert='stop')"
+            if stop
+            else "warning again only after it is back in range"
+        )
+        for alert in result.new if warn else ():
+            warnings.warn(
+                f"{self._door.name} at step {step}: {alert.describe(self.prefix)}; {then}.",
+                RolloutAlertWarning,
+                stacklevel=3,
+            )
+        return stop
+
+    # ------------------------------------------------------------------ state
+    def _config(self) -> dict[str, Any]:
+        return {
+            "rollout_log_probs_key": self.rollout_log_probs_key,
+            "old_log_probs_key": self.old_log_probs_key,
+            "response_mask_key": self.response_mask_key,
+            "prefix": self.prefix,
+            "is_threshold": self._stats.is_threshold,
+            "seq_ratio_bounds": tuple(self._stats.seq_ratio_bounds),
+            "token_ids_keys": self.token_ids_keys,
+            "groups": self.groups,
+            "pad_token_id": self.pad_token_id,
+        }
+
+    def _saved(
+        self, stats: MismatchStats, extras: Tensor | None, config: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """A checkpoint state of the window ``stats`` and ``extras``."""
+        return {
+            "window": stats.state.detach().cpu().clone(),
+            "batches_in_window": self.batches_in_window,
+            "extras_window": None if extras is None else extras.detach().cpu().clone(),
+            "config": dict(config),
+        }
+
+    def _load(self, state_dict: Any, config: Mapping[str, Any]) -> bool:
+        """Restore a window of :meth:`_saved` (see :meth:`load_state_dict`); whether it was."""
+        self._empty_window()
+        problems = _checkpoint_problems(state_dict) or state_problems(state_dict["window"])
+        if problems:
+            self._reject_checkpoint(problems, "the window starts empty")
+            return False
+        saved = state_dict.get("config", {})
+        if saved and {key: saved.get(key) for key in config} != dict(config):
+            self._warn_on_rank_zero(
+                f"{self._door.name}: the checkpoint was written with {dict(saved)}; "
+                f"continuing with the constructor's {dict(config)}."
+            )
+        extras = state_dict.get("extras_window")
+        if self._extras is None or extras is None:
+            extras = None
+        elif problems := self._extras.state_problems(extras):
+            if not isinstance(extras, Tensor) or extras.shape == (self._extras.size,):
+                self._reject_checkpoint(problems, "the histograms and worst tokens start empty")
+            extras = None  # else saved with other histograms or another k: those start empty
+        self.batches_in_window = state_dict.get("batches_in_window", 0)
+        if rank_in(self.process_group, global_rank()) == 0:
+            # The state holds the window of all ranks (of the process group) merged: the
+            # first rank (of each group: they hold the same tokens) alone carries it on.
+            self._stats.load_state(state_dict["window"])
+            if self._extras is not None and extras is not None:
+                self._extras.load_state(extras)
+        return True
+
+    def _reject_checkpoint(self, problems: Sequence[str], consequence: str) -> None:
+        message = (
+            f"{self._door.name}(prefix={self.prefix!r}): the checkpoint's state cannot be "
+            f"restored: {'; '.join(problems)}."
+        )
+        if self.strict:
+            raise ValueError(message)
+        self._warn_on_rank_zero(f"{message} Training goes on; {consequence}.")
+
+    @staticmethod
+    def _warn_on_rank_zero(message: str) -> None:
+        if global_rank() == 0:
+            warnings.warn(message, RolloutDebugWarning, stacklevel=4)
+
+
+# ---------------------------------------------------------------------- validation
+def monitor_problems(
+    *,
+    rollout_log_probs_key: Any,
+    old_log_probs_key: Any,
+    response_mask_key: Any,
+    prefix: Any,
+    strict: Any,
+    is_threshold: Any,
+    seq_ratio_bounds: Any,
+    token_ids_keys: Any,
+    groups: Any,
+    histograms: Any,
+    worst_tokens_k: Any,
+    dashboard_layout: Any,
+    alert_ranges: Any,
+    on_alert: Any,
+    compile: Any,
+    pad_token_id: Any = None,
+) -> list[str]:
+    """What is wrong with the monitor's arguments, one line per problem (empty if nothing)."""
+    problems = []
+    for name, value in (
+        ("rollout_log_probs_key", rollout_log_probs_key),
+        ("old_log_probs_key", old_log_probs_key),
+        ("response_mask_key", response_mask_key),
+    ):
+        if not isinstance(value, str) or not value:
+            problems.append(f"`{name}` must be a non-empty string, got {value!r}.")
+    if not isinstance(prefix, str):
+        problems.append(f"`prefix` must be a string such as 'training/', got {prefix!r}.")
+    if not isinstance(strict, bool):
+        problems.append(f"`strict` must be True or False, got {strict!r}.")
+    if token_ids_keys is not None and (
+        isinstance(token_ids_keys, str)
+        or len(token_ids_keys) != 2
+        or not all(isinstance(key, str) and key for key in token_ids_keys)
+    ):
+        problems.append(
+            "`token_ids_keys` must be None or a pair of batch keys "
+            f"(rollout_ids_key, trainer_ids_key), got {token_ids_keys!r}."
+        )
+    for validate, value in (
+        (validate_is_threshold, is_threshold),
+        (validate_seq_ratio_bounds, seq_ratio_bounds),
+        (validate_groups, groups),
+    ):
+        try:
+            validate(value)
+        except ValueError as error:
+            problems.append(str(error))
+    if groups is not None and "token_ids" in groups and token_ids_keys is None:
+        problems.append("The `token_ids` group needs `token_ids_keys=(rollout_key, trainer_key)`.")
+    problems += extras_problems(
+        histograms=histograms, worst_tokens_k=worst_tokens_k, dashboard_layout=dashboard_layout
+    )
+    problems += alert_problems(alert_ranges, on_alert, enabled_groups(groups, token_ids_keys))
+    problems += compile_problems(compile)
+    if pad_token_id is not None and (
+        isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral)
+    ):
+        problems.append(f"`pad_token_id` must be None or an int token id, got {pad_token_id!r}.")
+    return problems
+
+
+def enabled_groups(groups: Any, token_ids_keys: Any) -> frozenset[str]:
+    """The groups that will be logged (all of them if ``groups`` is invalid)."""
+    try:
+        chosen = validate_groups(groups)
+    except (TypeError, ValueError):
+        chosen = frozenset(GROUPS)
+    return chosen if token_ids_keys is not None else chosen - {"token_ids"}
+
+
+def metric_names(prefix: str, groups: Iterable[str]) -> set[str]:
+    """The prefixed names of every metric of ``groups``."""
+    return {f"{prefix}{name}" for group in groups for name in METRIC_NAMES[group]}
+
+
+def _checked_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise ValueError(f"`step` must be an int >= 0, got {step!r}.")
+    return int(step)
+
+
+def _checked_loggers(loggers: Any) -> list[Any]:
+    """``loggers`` as a list, every one with ``log_metrics``; checked before any collective."""
+    listed = [loggers] if hasattr(loggers, "log_metrics") else list(loggers)
+    wrong = [repr(logger) for logger in listed if not callable(getattr(logger, "log_metrics", 0))]
+    if wrong:
+        raise TypeError(
+            "`loggers` must be a logger or a list of loggers with `log_metrics(metrics, step)` "
+            "(those of lightning.pytorch.loggers, pytorch_lightning.loggers or "
+            f"lightning.fabric.loggers); got {', '.join(wrong)}."
+        )
+    return listed
+
+
+def _checkpoint_problems(state_dict: Any) -> list[str]:
+    """What is wrong with the keys and plain values of a checkpoint state."""
+    if not isinstance(state_dict, Mapping):
+        return [f"its state is a {type(state_dict).__name__}, not a dict"]
+    problems = []
+    if "window" not in state_dict:
+        problems.append(f"it has no `window` (keys: {sorted(map(str, state_dict))})")
+    batches = state_dict.get("batches_in_window", 0)
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 0:
+        problems.append(f"`batches_in_window` is {batches!r}; expected an int >= 0")
+    if not isinstance(state_dict.get("config", {}), Mapping):
+        problems.append(f"`config` is a {type(state_dict['config']).__name__}, not a dict")
+    return problems
+
+
+def _token_ids(sources: Sequence[Any], inputs: MismatchInputs) -> Tensor | None:
+    """Ids of the sampled tokens for the worst-tokens table: rollout ids, else ``responses``."""
+    if inputs.rollout_token_ids is not None:
+        return inputs.rollout_token_ids
+    return token_ids_for(lookup(sources, RESPONSES_KEY), inputs.mask)
