@@ -176,40 +176,40 @@ def _one_minus_ess(w: Window) -> float:
     return max(0.0, min(1.0, 1.0 - ess))
 
 
-LAGS = (-1, 0, 1)
-"""The lags of :func:`lag_correlations`."""
-
-
 def lag_correlations(w: Window) -> dict[int, float]:
     """Correlation of the trainer's and the rollout's log-probs at lags -1, 0 and +1.
 
-    At lag ``L`` the pairs are ``(a_t, b_(t+L))`` along each response, both counting:
-    ``c_L = (mean(a_t b_(t+L)) - mean(a) mean(b)) / (sd(a) sd(b))``, the sample
-    cross-correlation with the means and (population) spreads of all counting tokens.
-    ``c_0`` is the Pearson correlation of the log-probs. NaN without two tokens, with a
-    constant side, or, at ``L = +-1``, without a pair of neighbouring tokens.
+    At lag ``L`` the pairs are ``(a_t, b_(t+L))`` of one sequence whose tokens both
+    count (at ``L = 0`` every counting token), and ``c_L`` is their Pearson correlation,
+    each side's mean and spread taken over the pairs. NaN with fewer than two pairs or a
+    side constant over them.
     """
-    nan = {lag: math.nan for lag in LAGS}
-    n = w.n
-    if n < 2:
-        return nan
-    mean_a, mean_b = w["sum_actor_log_prob"] / n, w["sum_rollout_log_prob"] / n
-    spreads = []
-    for squares, mean in (("sum_actor_log_prob_sq", mean_a), ("sum_rollout_log_prob_sq", mean_b)):
-        variance = w[squares] / n - mean * mean
-        if variance <= 0.0 or math.sqrt(variance) <= _CONSTANT_RELATIVE_STD * abs(mean):
-            return nan
-        spreads.append(math.sqrt(variance))
-    scale, pairs = spreads[0] * spreads[1], w["neighbour_pairs"]
-
-    def correlation(total: float, count: float) -> float:
-        return (total / count - mean_a * mean_b) / scale if count >= 1 else math.nan
-
     return {
-        -1: correlation(w["sum_next_actor_x_rollout"], pairs),
-        0: correlation(w["sum_actor_x_rollout"], n),
-        1: correlation(w["sum_actor_x_next_rollout"], pairs),
-    }
+        -1: _pearson_of_sums(
+            w["neighbour_pairs"], w["minus_actor"], w["minus_rollout"], w["minus_actor_sq"],
+            w["minus_rollout_sq"], w["sum_next_actor_x_rollout"],
+        ),
+        0: _pearson_of_sums(
+            w.n, w["sum_actor_log_prob"], w["sum_rollout_log_prob"],
+            w["sum_actor_log_prob_sq"], w["sum_rollout_log_prob_sq"], w["sum_actor_x_rollout"],
+        ),
+        1: _pearson_of_sums(
+            w["neighbour_pairs"], w["plus_actor"], w["plus_rollout"], w["plus_actor_sq"],
+            w["plus_rollout_sq"], w["sum_actor_x_next_rollout"],
+        ),
+    }  # fmt: skip
+
+
+def _pearson_of_sums(n: float, sx: float, sy: float, sxx: float, syy: float, sxy: float) -> float:
+    """Pearson correlation from a count and the sums of ``x``, ``y``, ``x^2``, ``y^2``, ``xy``.
+
+    Plain sums serve log-probs, whose spread is never small against their mean.
+    """
+    if n < 2:
+        return math.nan
+    mean_x, mean_y = sx / n, sy / n
+    m_xx, m_yy = sxx - sx * mean_x, syy - sy * mean_y
+    return pearson_from_moments(n, mean_x, mean_y, m_xx, m_yy, sxy - sx * mean_y)
 
 
 def _alignment_lag(w: Window) -> float:

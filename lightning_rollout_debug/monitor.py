@@ -132,9 +132,9 @@ class RolloutDebugMonitor:
             ``"raise"`` (:class:`~lightning_rollout_debug.RolloutAlertError`).
         compile: fuse the statistics and the extras of large batches into one pass, as
             the callback's ``compile`` does; see ``docs/performance.md``.
-        pad_token_id: the pad token's id: pad tokens inside the mask are counted
-            (``rollout_pad_tokens_in_mask``) and diagnosed. The ids come from
-            ``token_ids_keys[0]`` or ``responses``.
+        pad_token_id: the pad token's id: pad tokens inside the mask are counted and
+            named in the ``padding`` diagnosis. The ids come from ``token_ids_keys[0]`` or
+            ``responses``.
 
     Every logged window is also checked for the usual pipeline mistakes
     (:mod:`~lightning_rollout_debug.diagnosis`: misaligned log-probs, padding in the mask,
@@ -452,6 +452,7 @@ class RolloutDebugMonitor:
         self.should_stop = False
         if not keep_window:
             self._empty_window()
+            self.diagnosed.clear()
         elif device is not None:
             self._stats.load_state(self._stats.state.to(device))
             if self._extras is not None:

@@ -41,9 +41,22 @@ _LAG_MOMENTS = (
     "sum_actor_x_rollout",
     "sum_actor_x_next_rollout",
     "sum_next_actor_x_rollout",
+    "plus_actor",
+    "plus_actor_sq",
+    "plus_rollout",
+    "plus_rollout_sq",
+    "minus_actor",
+    "minus_actor_sq",
+    "minus_rollout",
+    "minus_rollout_sq",
 )
-"""Sums of ``a^2``, ``b^2``, ``a_t b_t``, ``a_t b_(t+1)`` and ``a_(t+1) b_t`` (pairs of
-neighbouring tokens that both count)."""
+"""Sums of ``a^2``, ``b^2`` and ``a_t b_t`` over the counting tokens; over the pairs of
+neighbouring tokens that both count, ``a_t b_(t+1)`` and ``a_(t+1) b_t``, and each side's
+own sum and sum of squares at lag +1 (``a_t``, ``b_(t+1)``: ``plus_*``) and -1
+(``a_(t+1)``, ``b_t``: ``minus_*``)."""
+PADDING_ACTOR_LOG_PROB = -1.0
+"""A rollout log-prob of exactly 0 counts as padding where the trainer's is below this:
+no rounding turns a probability under ``e^-1`` into 1."""
 HEALTH_SUMS = (
     "zero_rollout_log_prob",
     "neighbour_pairs",
@@ -392,15 +405,27 @@ def _neighbour_sums(a: Tensor, b: Tensor, counting: Tensor) -> dict[str, Tensor]
     """The row sums of the health group from ``a`` and ``b`` (zero where not counting)."""
     f64 = torch.float64
     wide_a, wide_b = a.to(f64), b.to(f64)
-    return {
-        "zero_rollout_log_prob": (counting & (b == 0.0) & (a != 0.0)).sum(1, dtype=torch.int32),
-        "neighbour_pairs": (counting[:, :-1] & counting[:, 1:]).sum(1, dtype=torch.int32),
+    pair = counting[:, :-1] & counting[:, 1:]
+    zero = (counting & (b == 0.0) & (a < PADDING_ACTOR_LOG_PROB)).sum(1, dtype=torch.int32)
+    sides = {
+        "plus_actor": wide_a[:, :-1],  # the pairs (a_t, b_(t+1))
+        "plus_rollout": wide_b[:, 1:],
+        "minus_actor": wide_a[:, 1:],  # the pairs (a_(t+1), b_t)
+        "minus_rollout": wide_b[:, :-1],
+    }
+    sums = {
+        "zero_rollout_log_prob": zero,
+        "neighbour_pairs": pair.sum(1, dtype=torch.int32),
         "sum_actor_log_prob_sq": (wide_a * wide_a).sum(1),
         "sum_rollout_log_prob_sq": (wide_b * wide_b).sum(1),
         "sum_actor_x_rollout": (wide_a * wide_b).sum(1),
         "sum_actor_x_next_rollout": (wide_a[:, :-1] * wide_b[:, 1:]).sum(1),
         "sum_next_actor_x_rollout": (wide_a[:, 1:] * wide_b[:, :-1]).sum(1),
     }
+    for name, side in sides.items():
+        kept = torch.where(pair, side, 0.0)
+        sums[name], sums[f"{name}_sq"] = kept.sum(1), (kept * kept).sum(1)
+    return sums
 
 
 def _centre(

@@ -115,8 +115,8 @@ class Reference(dict):
     pearson_sides: list[tuple[float, float]] | None = None
     lags: Mapping[int, float] = {}
     """Correlations of the log-probs by lag (:func:`lag_correlations`)."""
-    lag_sides: list[tuple[float, float]] | None = None
-    """``(mean, population std)`` of ``a`` and ``b``, or ``None`` when fewer than two."""
+    lag_sides: Mapping[int, list[tuple[float, float]] | None] = {}
+    """By lag, ``(mean, population std)`` of both sides of its pairs (:func:`lag_sides`)."""
 
     def select(self, names: Iterable[str]) -> Reference:
         """The same reference restricted to ``names`` (in that order)."""
@@ -231,7 +231,7 @@ def reference_metrics(
         nonfinite += int(np.sum(masked & ~finite))
         token_a.append(a[counts])
         token_b.append(b[counts])
-        zero_rollout += int(np.sum(counts & (b == 0.0) & (a != 0.0)))
+        zero_rollout += int(np.sum(counts & (b == 0.0) & (a < -1.0)))
         for row in range(a.shape[0]):
             for t in range(a.shape[1] - 1):
                 if counts[row, t] and counts[row, t + 1]:
@@ -322,7 +322,7 @@ def reference_metrics(
     out.prob_scale = max(_max(pa), _max(pb)) if n else 1.0
     out.pearson_sides = pearson_sides(pa, pb)
     out.lags = lags
-    out.lag_sides = pearson_sides(a, b)
+    out.lag_sides = lag_sides(a, b, pairs_prev, pairs_next)
     return out
 
 
@@ -332,26 +332,35 @@ def lag_correlations(
     pairs_prev: Sequence[tuple[float, float]],
     pairs_next: Sequence[tuple[float, float]],
 ) -> dict[int, float]:
-    """Cross-correlation of the log-probs at lags -1, 0, +1 (pairs ``(a_t, b_(t+L))``).
+    """Pearson correlation of the log-probs at lags -1, 0, +1: of the pairs ``(a_t, b_(t+L))``.
 
-    ``(mean of the pair products - mean(a) mean(b)) / (std(a) std(b))``, the means and
-    population spreads over all counting tokens; NaN with fewer than two tokens, a
-    constant side, or no pairs.
+    At lag 0 the pairs are the counting tokens; at -1 and +1 the neighbouring tokens of a
+    sequence that both count. NaN with fewer than two pairs or a constant side.
     """
-    if a.size < 2 or np.std(a) == 0.0 or np.std(b) == 0.0:
-        return {-1: math.nan, 0: math.nan, 1: math.nan}
-    centre, scale = float(np.mean(a) * np.mean(b)), float(np.std(a) * np.std(b))
-
-    def correlation(pairs: np.ndarray) -> float:
-        if pairs.size == 0:
-            return math.nan
-        return (float(np.mean(pairs[:, 0] * pairs[:, 1])) - centre) / scale
-
     return {
-        -1: correlation(np.array(pairs_prev, dtype=np.float64).reshape(-1, 2)),
-        0: correlation(np.stack([a, b], axis=1)),
-        1: correlation(np.array(pairs_next, dtype=np.float64).reshape(-1, 2)),
+        -1: pearson(*_sides(pairs_prev)),
+        0: pearson(a, b),
+        1: pearson(*_sides(pairs_next)),
     }
+
+
+def lag_sides(
+    a: np.ndarray,
+    b: np.ndarray,
+    pairs_prev: Sequence[tuple[float, float]],
+    pairs_next: Sequence[tuple[float, float]],
+) -> dict[int, list[tuple[float, float]] | None]:
+    """``(mean, population std)`` of both sides of each lag's pairs (``None``: fewer than 2)."""
+    return {
+        -1: pearson_sides(*_sides(pairs_prev)),
+        0: pearson_sides(a, b),
+        1: pearson_sides(*_sides(pairs_next)),
+    }
+
+
+def _sides(pairs: Sequence[tuple[float, float]]) -> tuple[np.ndarray, np.ndarray]:
+    table = np.array(pairs, dtype=np.float64).reshape(-1, 2)
+    return table[:, 0], table[:, 1]
 
 
 def _best_lag(lags: Mapping[int, float]) -> float:
@@ -397,19 +406,20 @@ def assert_pearson_close(
 def _lag_close(got: float, want: Reference) -> bool:
     """Whether ``got`` is a lag whose correlation is the largest, to rounding.
 
-    A side nearly constant (spread within float32 rounding of its mean) leaves any lag,
-    or NaN, acceptable.
+    A lag with a side nearly constant over its pairs (spread within float32 rounding of
+    its mean) may be undefined or take any value in the package.
     """
-    if want.lag_sides and any(std <= 16 * EPS32 * abs(mean) for mean, std in want.lag_sides):
-        return math.isnan(got) or got in (-1.0, 0.0, 1.0)
-    lags = want.lags
-    defined = {lag: c for lag, c in lags.items() if not math.isnan(c)}
-    if not defined:
-        return math.isnan(got)
+    uncertain = {
+        lag
+        for lag, sides in want.lag_sides.items()
+        if sides and any(std <= 16 * EPS32 * abs(mean) for mean, std in sides)
+    }
+    certain = {lag: c for lag, c in want.lags.items() if not math.isnan(c) and lag not in uncertain}
     if math.isnan(got):
-        return False
-    best = max(defined.values())
-    return int(got) in defined and defined[int(got)] >= best - 1e-4
+        return not certain
+    if int(got) in uncertain or not certain:
+        return int(got) in uncertain or int(got) in want.lags
+    return int(got) in certain and certain[int(got)] >= max(certain.values()) - 1e-4
 
 
 def metric_atol(name: str, want: Reference) -> float:

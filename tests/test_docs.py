@@ -179,3 +179,15 @@ def test_the_slow_tables_name_existing_tests() -> None:
     sources = [path.read_text(encoding="utf-8") for path in tests.glob("*.py")]
     for fixture in SLOW_FIXTURES:
         assert any(f"def {fixture}(" in source for source in sources), fixture
+
+
+def test_cost_figures_live_on_the_performance_page_only() -> None:
+    """One set of cost figures, from the benchmarks: the other pages link to it."""
+    timing = re.compile(r"\b\d+(?:\.\d+)?\s?(?:ms|µs|us|ns)(?:/| per |\b)")
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    quoted = {
+        page.name: timing.findall(page.read_text(encoding="utf-8"))
+        for page in pages
+        if page.name != "performance.md"
+    }
+    assert not {name: found for name, found in quoted.items() if found}

@@ -36,7 +36,10 @@ namespace {
   X("zero_rollout_log_prob", zero_b) X("neighbour_pairs", pairs)                          \
   X("sum_actor_log_prob_sq", aa) X("sum_rollout_log_prob_sq", bb)                         \
   X("sum_actor_x_rollout", ab) X("sum_actor_x_next_rollout", ab_next)                     \
-  X("sum_next_actor_x_rollout", ab_prev)
+  X("sum_next_actor_x_rollout", ab_prev) X("plus_actor", plus_a)                          \
+  X("plus_actor_sq", plus_a2) X("plus_rollout", plus_b) X("plus_rollout_sq", plus_b2)       \
+  X("minus_actor", minus_a) X("minus_actor_sq", minus_a2) X("minus_rollout", minus_b)       \
+  X("minus_rollout_sq", minus_b2)
 
 #define ROLLOUT_ROW_NAME(name, member) name,
 constexpr const char* kColumns[] = {ROLLOUT_ROW_COLUMNS(ROLLOUT_ROW_NAME)};
@@ -53,6 +56,9 @@ constexpr float kLogProbFloor = -20.0f;
 constexpr float kRatioMin = 2.061153622438558e-09f;  // e^-20
 constexpr float kRatioMax = 485165195.4097903f;      // e^20
 constexpr float kLog2E = 1.4426950408889634f;
+// A rollout log-prob of exactly 0 counts as padding where the trainer's is below this: no
+// rounding turns a probability under e^-1 into 1.
+constexpr float kPaddingActor = -1.0f;
 
 template <typename T>
 inline T splat(typename std::remove_reference<decltype(T{}[0])>::type value) {
@@ -134,6 +140,28 @@ struct Count {
 
 inline f32 select(i32 flags, f32 yes, f32 no) { return flags ? yes : no; }
 
+// A value set once.
+struct Total {
+  double value = 0;
+  double total() const { return value; }
+};
+
+// Sums of a, a^2, b, b^2 over the flagged lanes, lane by lane (for rare lanes).
+struct Edges {
+  double a = 0, a2 = 0, b = 0, b2 = 0;
+  void add_lane(double x, double y) {
+    a += x;
+    a2 += x * x;
+    b += y;
+    b2 += y * y;
+  }
+  void add(i32 flags, f32 x, f32 y) {
+    for (int k = 0; k < kLanes; ++k) {
+      if (flags[k]) add_lane(x[k], y[k]);
+    }
+  }
+};
+
 // Each lane's left neighbour: the last lane of `before`, then the lanes of `x` but its last.
 template <typename T>
 inline T shifted(T before, T x) {
@@ -198,6 +226,11 @@ struct RowSums {
   Max max_a, max_b, max_diff, max_r, max_neg_r;
   Sum sum_a, sum_b, pa, pb, diff, pa2, pb2, papb, diff2, abs_r, r2, r, k3, mult, rm1, rsqm1;
   Sum ratio, ratio2, aa, bb, ab, ab_next, ab_prev;
+  // Each side's moments over the neighbouring pairs: the moments of all counting tokens
+  // less those of the tokens that start a run of counting tokens (no predecessor) or end
+  // one (no successor), which are few and summed lane by lane.
+  Edges starts, ends;
+  Total plus_a, plus_a2, plus_b, plus_b2, minus_a, minus_a2, minus_b, minus_b2;
   // The previous vector's a, b and counting lanes, for the pairs of neighbouring tokens.
   f32 prev_a{}, prev_b{};
   i32 prev_counting{};
@@ -243,13 +276,21 @@ struct RowSums {
       bb.add_product(b, b);
       ab.add_product(a, b);
       const f32 a_before = shifted(prev_a, a), b_before = shifted(prev_b, b);
-      pairs.add(shifted(prev_counting, counting) & counting);
+      const i32 pair = shifted(prev_counting, counting) & counting;
+      pairs.add(pair);
       ab_next.add_product(a_before, b);  // a_t b_(t+1)
       ab_prev.add_product(a, b_before);  // a_(t+1) b_t
+      const i32 before_counts = shifted(prev_counting, counting);
+      const i32 start = counting & ~before_counts;  // token t starts a run
+      const i32 end = before_counts & ~counting;    // token t - 1 ends one
+      if (any(start | end)) {
+        starts.add(start, a, b);
+        ends.add(end, a_before, b_before);
+      }
       prev_a = a;
       prev_b = b;
       prev_counting = counting;
-      zero_b.add(counting & (b == 0.0f) & (a != 0.0f));
+      zero_b.add(counting & (b == 0.0f) & (a < kPaddingActor));
     }
     const f32 wide_pa = select(counting, pa_, zero);
     const f32 wide_pb = select(counting, pb_, zero);
@@ -290,6 +331,23 @@ struct RowSums {
       ratio2.add(select(counting, ratio_ * ratio_, zero));
       high.add(counting & (ratio_m1 > options.ratio_high_m1));
       low.add(counting & (ratio_m1 < options.ratio_low_m1));
+    }
+  }
+
+  // The pair moments, once the row is done (the last vector's last lane may end a run).
+  template <bool kInputSums>
+  void finish() {
+    if constexpr (kInputSums) {
+      if (prev_counting[kLanes - 1]) ends.add_lane(prev_a[kLanes - 1], prev_b[kLanes - 1]);
+      const double a1 = sum_a.total(), a2 = aa.total(), b1 = sum_b.total(), b2 = bb.total();
+      plus_a.value = a1 - ends.a;  // a_t of the pairs (t, t + 1): every a but the run ends
+      plus_a2.value = a2 - ends.a2;
+      plus_b.value = b1 - starts.b;  // b_(t+1): every b but the run starts
+      plus_b2.value = b2 - starts.b2;
+      minus_a.value = a1 - starts.a;
+      minus_a2.value = a2 - starts.a2;
+      minus_b.value = b1 - ends.b;
+      minus_b2.value = b2 - ends.b2;
     }
   }
 
@@ -461,6 +519,7 @@ void reduce_row(const LogProb* b_row, const LogProb* a_row, const Mask* m_row, i
       if (extras) extras->add(sums.last_r, sums.last_diff, sums.last_counting, start + whole);
     }
   }
+  sums.template finish<kInputSums>();
   sums.write(out);
 }
 
@@ -559,7 +618,10 @@ int dispatch_mask(const void* rollout, const void* old, const void* mask, int ma
   X(s_sum_a, "sum_actor_log_prob") X(s_sum_b, "sum_rollout_log_prob")                       \
   X(s_aa, "sum_actor_log_prob_sq") X(s_bb, "sum_rollout_log_prob_sq")                       \
   X(s_ab, "sum_actor_x_rollout") X(s_ab_next, "sum_actor_x_next_rollout")                   \
-  X(s_ab_prev, "sum_next_actor_x_rollout") X(s_max_diff, "max_prob_diff")                   \
+  X(s_ab_prev, "sum_next_actor_x_rollout") X(s_plus_a, "plus_actor")                       \
+  X(s_plus_a2, "plus_actor_sq") X(s_plus_b, "plus_rollout") X(s_plus_b2, "plus_rollout_sq")   \
+  X(s_minus_a, "minus_actor") X(s_minus_a2, "minus_actor_sq") X(s_minus_b, "minus_rollout")   \
+  X(s_minus_b2, "minus_rollout_sq") X(s_max_diff, "max_prob_diff")                          \
   X(s_max_abs_r, "max_log_diff") X(s_max_r, "max_log_ratio")                                \
   X(s_max_seq_abs, "max_seq_abs_log_ratio") X(s_max_seq, "max_seq_log_ratio")               \
   X(s_max_a, "max_actor_log_prob") X(s_max_b, "max_rollout_log_prob")                       \
@@ -665,7 +727,9 @@ struct StateOf {
       const struct { Column column; Slot slot; } health[] = {
           {c_zero_b, s_zero_b}, {c_pairs, s_pairs}, {c_sum_a, s_sum_a}, {c_sum_b, s_sum_b},
           {c_aa, s_aa},         {c_bb, s_bb},       {c_ab, s_ab},       {c_ab_next, s_ab_next},
-          {c_ab_prev, s_ab_prev}};
+          {c_ab_prev, s_ab_prev}, {c_plus_a, s_plus_a}, {c_plus_a2, s_plus_a2},
+          {c_plus_b, s_plus_b},   {c_plus_b2, s_plus_b2}, {c_minus_a, s_minus_a},
+          {c_minus_a2, s_minus_a2}, {c_minus_b, s_minus_b}, {c_minus_b2, s_minus_b2}};
       for (const auto& sum : health) state[sum.slot] = total(sum.column);
     }
     if (on(g_sequence)) write_sequences(low_bound, high_bound, state);

@@ -1,0 +1,336 @@
+"""What each usual pipeline mistake looks like on the dashboard, and which diagnosis names it.
+
+The setup of ``benchmarks/calibrate_alerts.py``'s ``realistic`` model, nothing downloaded:
+a random-weight Hugging Face GPT-2 (4 layers, width 128, vocabulary 1024); its bf16 copy
+samples with ``generate`` and a KV cache (the rollout engine, log-probs from its per-step
+logits), the float32 model recomputes the log-probs with one forward pass (the trainer),
+both through :func:`lightning_rollout_debug.response_log_probs`. Prompts are
+in-distribution (the model continues two random ids, as natural text would be). A random
+model almost never samples ``calibrate_alerts``' EOS id, so the EOS here is a token the
+model samples now and then (the commonest one below 8% of a pilot batch): responses end
+at different lengths and are padded after EOS, as an RL batch is.
+
+Each scenario feeds the same windows (one batch of ``--batch`` sequences each) through a
+fresh :class:`lightning_rollout_debug.RolloutDebugMonitor` and reports the median of each
+metric over the windows (the most common ``alignment_lag``) and every diagnosis that
+fired during the run:
+
+* ``correct``: the pipeline as it should be (bf16 engine, fp32 trainer).
+* ``shifted +1 (lp[:, P:])`` / ``shifted -1 (lp[:, P-2:-1])``: the per-token log-probs
+  ``lp = log_softmax(logits[:, :-1]).gather(sequences[:, 1:])`` sliced one column late
+  (padded with a 0 column to the response's width) or one column early.
+* ``wrong token (logits[:, P:])``: the logits sliced from ``P`` and gathered at the
+  response tokens themselves: each position scores the token it reads, not the next one.
+  Not a shift, so the lag check cannot name it; the mismatch alerts catch it.
+* ``padding, zero-filled``: the mask covers the padding after EOS, for which the engine
+  wrote log-prob 0.0.
+* ``padding, real log-probs``: the same mask, but the engine returned real log-probs
+  for the pad steps (``generate``'s ``output_logits`` does): invisible in the mismatch
+  metrics; ``+ pad_token_id`` is the same run with the monitor's ``pad_token_id``.
+* ``prompt columns``: ``old_log_probs`` over the prompt and the response (``P + T``
+  wide) with ``prompts`` in the batch: every batch is skipped, with the slice to take.
+* ``top-k 50 engine``, ``top-k 5 engine``: the engine samples from the k most likely
+  tokens and records the renormalised log-prob (``generate``'s processed ``scores``); the
+  trainer the full one. This policy keeps almost all its mass in its top 50 (the KL that
+  truncation causes, which k1 estimates, is tiny there); top 5 drops a few percent.
+* ``dropout 0.1``: the trainer recomputes in training mode with GPT-2's default dropout.
+* ``correct, peaked (gain 12)``: a correct run of a more confident policy (largest
+  logits ~30, like a trained LM's); shows whether healthy bf16 rounding of log p ~ 0 to
+  exactly 0.0 reads as padding.
+
+Run (about 35 s on two CPU cores with the defaults; ``--threads 1`` is the default, as in
+``calibrate_alerts.py``: these ops are too small to split)::
+
+    python benchmarks/mistakes.py
+    python benchmarks/mistakes.py --windows 16 --seed 1 --top-k 50,20,5
+
+It prints a markdown table (columns: the un-prefixed metric names without ``rollout_`` /
+``rollout_actor_``), ready for ``docs/troubleshooting.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lightning_rollout_debug import RolloutDebugMonitor, RolloutDebugWarning, response_log_probs
+from lightning_rollout_debug.diagnosis import KINDS, RolloutDiagnosisWarning
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import calibrate_alerts
+
+COLUMNS = {  # table column: logged metric name (un-prefixed)
+    "probs_diff_mean": "rollout_probs_diff_mean",
+    "pearson": "rollout_actor_probs_pearson_corr",
+    "kl_k1": "rollout_actor_kl_k1",
+    "kl_k3": "rollout_actor_kl_k3",
+    "mult_prob_error": "rollout_actor_mult_prob_error",
+    "alignment_lag": "rollout_alignment_lag",
+    "zero_log_prob_tokens": "rollout_zero_log_prob_tokens",
+    "actor_ppl": "actor_ppl",
+}
+PREFIX = "training/"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--windows", type=int, default=8, help="windows (batches) per scenario")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per window")
+    parser.add_argument("--prompt-len", type=int, default=16, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=48, help="max response tokens")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and sampling")
+    parser.add_argument(
+        "--top-k", default="50,5", help="k of the truncated engines (a comma list: one row each)"
+    )
+    parser.add_argument("--dropout", type=float, default=0.1, help="p of the dropout scenario")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    return parser.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------ rollouts
+@dataclass
+class Rollout:
+    """One window: what the engine sampled, the trainer's logits, both sides' log-probs."""
+
+    sequences: torch.Tensor  # [B, P + T]
+    logits: torch.Tensor  # [B, P + T, V] the trainer's
+    rollout: torch.Tensor  # [B, T] the engine's log-probs
+    rollout_mask: torch.Tensor  # [B, T] response mask (up to the first EOS, pads out)
+    old: torch.Tensor  # [B, T] the trainer's log-probs, correctly sliced
+
+
+class Policy:
+    """The tiny GPT-2 as rollout engine (bf16, KV cache) and trainer (fp32 forward)."""
+
+    def __init__(self, args: argparse.Namespace, gain: float | None = None) -> None:
+        self.args = args
+        options = [
+            *("--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)),
+            *("--seed", str(args.seed), "--batch", str(args.batch)),
+            *(() if gain is None else ("--gain", str(gain))),
+        ]
+        config = calibrate_alerts.parse_args(options)
+        torch.manual_seed(args.seed)
+        windows = calibrate_alerts.HFWindows(config, "realistic")
+        self.engine, self.trainer = windows.engine, windows.trainer
+        self.vocab, self.pad = config.vocab, calibrate_alerts.PAD
+        self.eos = calibrate_alerts.EOS
+        tokens = self.sample(0, torch.Generator().manual_seed(args.seed)).sequences
+        tokens = tokens[:, args.prompt_len :].flatten()
+        ids, counts = tokens.unique(return_counts=True)
+        counts[(ids == self.pad) | (counts > 0.08 * tokens.numel())] = 0
+        self.eos = int(ids[counts.argmax()])
+
+    @torch.no_grad()
+    def sample(
+        self, top_k: int, generator: torch.Generator, trainer: torch.nn.Module | None = None
+    ) -> Rollout:
+        """One window; ``top_k > 0``: the engine's log-probs are renormalised over the top k."""
+        a = self.args
+        seeds = torch.randint(2, self.vocab, (a.batch, 2), generator=generator)
+        prompts = self.trainer.generate(
+            seeds,
+            attention_mask=torch.ones_like(seeds),
+            do_sample=True,
+            top_k=0,
+            max_new_tokens=a.prompt_len - 2,
+            min_new_tokens=a.prompt_len - 2,
+            eos_token_id=self.eos,
+            pad_token_id=self.pad,
+        )
+        out = self.engine.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            do_sample=True,
+            top_k=top_k,
+            top_p=1.0,
+            temperature=1.0,
+            max_new_tokens=a.new_tokens,
+            output_logits=True,
+            output_scores=True,
+            return_dict_in_generate=True,
+            eos_token_id=self.eos,
+            pad_token_id=self.pad,
+        )
+        sequences = out.sequences
+        steps = torch.stack(out.scores if top_k else out.logits, 1)  # scores: after top-k
+        ids = {"eos_token_id": self.eos, "pad_token_id": self.pad}
+        rollout, mask = response_log_probs(steps, sequences, a.prompt_len, **ids)
+        model = self.trainer if trainer is None else trainer
+        logits = model(sequences, attention_mask=torch.ones_like(sequences)).logits
+        old, _ = response_log_probs(logits, sequences, a.prompt_len, **ids)
+        return Rollout(sequences, logits, rollout, mask, old)
+
+
+# ------------------------------------------------------------------------------ mistakes
+Batch = dict[str, torch.Tensor]
+
+
+def shifted(r: Rollout, prompt: int, shift: int) -> torch.Tensor:
+    """``lp[:, P:]`` padded with a 0 column (+1), or ``lp[:, P - 2 : -1]`` (-1)."""
+    log_p = r.logits[:, :-1].float().log_softmax(-1)
+    lp = log_p.gather(-1, r.sequences[:, 1:].unsqueeze(-1)).squeeze(-1)
+    if shift == 1:
+        return torch.nn.functional.pad(lp[:, prompt:], (0, 1))
+    return lp[:, prompt - 2 : -1]
+
+
+def wrong_token(r: Rollout, prompt: int) -> torch.Tensor:
+    """``log_softmax(logits[:, P:])`` gathered at the response tokens themselves."""
+    log_p = r.logits[:, prompt:].float().log_softmax(-1)
+    return log_p.gather(-1, r.sequences[:, prompt:].unsqueeze(-1)).squeeze(-1)
+
+
+def with_prompt(r: Rollout) -> torch.Tensor:
+    """The log-prob of every token of the sequence (0 for the first): ``P + T`` wide."""
+    log_p = r.logits[:, :-1].float().log_softmax(-1)
+    lp = log_p.gather(-1, r.sequences[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.nn.functional.pad(lp, (1, 0))
+
+
+@dataclass
+class Scenario:
+    name: str
+    batch: Callable[[Rollout, int], Batch]
+    """The window's batch from a rollout and the prompt width."""
+    top_k: int = 0
+    dropout: float = 0.0
+    gain: float | None = None
+    monitor: dict[str, object] = field(default_factory=dict)
+
+
+def plain(r: Rollout, prompt: int, old: torch.Tensor | None = None, **extra: torch.Tensor) -> Batch:
+    return {
+        "rollout_log_probs": r.rollout,
+        "old_log_probs": r.old if old is None else old,
+        "response_mask": r.rollout_mask,
+        "responses": r.sequences[:, prompt:],
+        **extra,
+    }
+
+
+def padding(r: Rollout, prompt: int, *, zero_filled: bool) -> Batch:
+    """The mask left all ones: the padding after EOS (and sampled pad ids) count."""
+    rollout = r.rollout.masked_fill(~r.rollout_mask, 0.0) if zero_filled else r.rollout
+    batch = plain(r, prompt)
+    batch.update(rollout_log_probs=rollout, response_mask=torch.ones_like(r.rollout_mask))
+    return batch
+
+
+def scenarios(args: argparse.Namespace) -> list[Scenario]:
+    return [
+        Scenario("correct", plain),
+        Scenario("shifted +1 (`lp[:, P:]`)", lambda r, p: plain(r, p, shifted(r, p, 1))),
+        Scenario("shifted -1 (`lp[:, P-2:-1]`)", lambda r, p: plain(r, p, shifted(r, p, -1))),
+        Scenario("wrong token (`logits[:, P:]`)", lambda r, p: plain(r, p, wrong_token(r, p))),
+        Scenario("padding, zero-filled", lambda r, p: padding(r, p, zero_filled=True)),
+        Scenario("padding, real log-probs", lambda r, p: padding(r, p, zero_filled=False)),
+        Scenario(
+            "padding, real log-probs + `pad_token_id`",
+            lambda r, p: padding(r, p, zero_filled=False),
+            monitor={"pad_token_id": calibrate_alerts.PAD},
+        ),
+        Scenario(
+            "prompt columns",
+            lambda r, p: plain(r, p, with_prompt(r), prompts=r.sequences[:, :p]),
+        ),
+        *(Scenario(f"top-k {k} engine", plain, top_k=int(k)) for k in args.top_k.split(",")),
+        Scenario(f"dropout {args.dropout:g}", plain, dropout=args.dropout),
+        Scenario("correct, peaked (gain 12)", plain, gain=12.0),
+    ]
+
+
+# ------------------------------------------------------------------------------ runs
+def with_dropout(model: torch.nn.Module, p: float) -> torch.nn.Module:
+    """A copy of ``model`` with every dropout at ``p``, in training mode."""
+    model = copy.deepcopy(model).train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = p
+    return model
+
+
+def run(args: argparse.Namespace, scenario: Scenario, policy: Policy) -> dict[str, str]:
+    monitor = RolloutDebugMonitor(
+        histograms=False, worst_tokens_k=0, alert_ranges={}, **scenario.monitor
+    )
+    trainer = with_dropout(policy.trainer, scenario.dropout) if scenario.dropout else None
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    torch.manual_seed(args.seed + 1)  # generate() samples from the global generator
+    values: dict[str, list[float]] = collections.defaultdict(list)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if trainer is not None:
+            monitor.check_dropout(trainer)
+        for step in range(args.windows):
+            rollout = policy.sample(scenario.top_k, generator, trainer)
+            monitor.update(scenario.batch(rollout, args.prompt_len))
+            logged = monitor.log(step)
+            for column, name in COLUMNS.items():
+                if f"{PREFIX}{name}" in logged:
+                    values[column].append(logged[f"{PREFIX}{name}"])
+    fired = [kind for kind in KINDS if kind in monitor.diagnosed]
+    messages = [str(w.message) for w in caught if w.category is RolloutDebugWarning]
+    if any("includes the prompt" in message for message in messages):
+        fired.append("prompt (batches skipped)")
+    assert len([w for w in caught if w.category is RolloutDiagnosisWarning]) == len(
+        monitor.diagnosed
+    ), "one warning per kind"
+    row = {"scenario": scenario.name}
+    for column in COLUMNS:
+        row[column] = summary(column, values[column])
+    row["diagnoses"] = ", ".join(fired) or "none"
+    return row
+
+
+def summary(column: str, values: list[float]) -> str:
+    if not values:
+        return "-"
+    if column == "alignment_lag":
+        return f"{collections.Counter(values).most_common(1)[0][0]:+.0f}"
+    if column == "zero_log_prob_tokens":
+        return f"{statistics.median(values):.0f}"
+    return f"{statistics.median(values):.4g}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    start = time.perf_counter()
+    policies: dict[float | None, Policy] = {}
+    rows = []
+    for scenario in scenarios(args):
+        if scenario.gain not in policies:
+            policies[scenario.gain] = Policy(args, scenario.gain)
+        rows.append(run(args, scenario, policies[scenario.gain]))
+    header = ["scenario", *COLUMNS, "diagnoses"]
+    print(
+        f"Tiny random GPT-2, bf16 `generate` engine vs fp32 trainer; {args.windows} windows of "
+        f"{args.batch} sequences (prompt {args.prompt_len}, up to {args.new_tokens} new "
+        f"tokens), seed {args.seed}; medians over the windows.\n"
+    )
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---" for _ in header) + "|")
+    for row in rows:
+        print("| " + " | ".join(row[column] for column in header) + " |")
+    print(f"\n({time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

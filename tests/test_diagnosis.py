@@ -1,0 +1,688 @@
+"""The usual pipeline mistakes, each fed through a real Trainer, and the correct run.
+
+Each mistake (log-probs shifted by one position, padding left in the mask, the prompt's
+columns kept, truncated sampling in the engine, dropout in the recompute) must produce
+its own :class:`~lightning_rollout_debug.diagnosis.RolloutDiagnosisWarning` (once per
+run and kind; :class:`~lightning_rollout_debug.diagnosis.RolloutDiagnosisError` with
+``strict=True``), and a correct run none. The realistic data come from a tiny random
+GPT-2 (``benchmarks/calibrate_alerts.py``'s ``realistic`` model): a bf16 copy samples
+with ``generate`` and its KV cache (the rollout engine), the float32 model recomputes the
+log-probs with one forward pass (the trainer), both through
+:func:`~lightning_rollout_debug.response_log_probs`; the mistakes are the real slicing
+errors on those logits. The statistics behind the lag check are compared with the
+float64 NumPy reference (``tests/reference.py``) and merged across simulated ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from lightning_helpers import FEATURES, TRAINER_DEFAULTS, MemoryLogger, RolloutModule
+from reference import reference_metrics
+from torch import Tensor, nn
+
+from lightning_rollout_debug import (
+    MismatchStats,
+    RolloutDebugCallback,
+    RolloutDebugWarning,
+    response_log_probs,
+)
+from lightning_rollout_debug.catalog import Window, lag_correlations
+from lightning_rollout_debug.diagnosis import (
+    RolloutDiagnosisError,
+    RolloutDiagnosisWarning,
+    diagnose,
+)
+from lightning_rollout_debug.layout import merge_states
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),
+    pytest.mark.filterwarnings("ignore:The number of training batches .* is smaller than"),
+    pytest.mark.filterwarnings("ignore:`isinstance.treespec, LeafSpec.` is deprecated"),
+    pytest.mark.filterwarnings("ignore:Found .* module.* in eval mode at the start of training"),
+    # Threshold alerts on mistaken data: what these tests check is the diagnosis.
+    pytest.mark.filterwarnings("ignore:RolloutDebugCallback at step .* is outside"),
+]
+
+PREFIX = "training/"
+LAG = f"{PREFIX}rollout_alignment_lag"
+ZEROS = f"{PREFIX}rollout_zero_log_prob_tokens"
+K1, K3 = f"{PREFIX}rollout_actor_kl_k1", f"{PREFIX}rollout_actor_kl_k3"
+PROMPT, NEW_TOKENS, ROWS = 8, 24, 8
+"""The GPT-2 rollouts: prompt width, response width, sequences per batch."""
+
+
+# ---------------------------------------------------------------------- the tiny GPT-2
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the tiny model on one CPU thread: its ops are too small to split, and on a busy
+    machine two threads ran the fixture 20x slower (as ``calibrate_alerts.py`` found)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@dataclass
+class Rollout:
+    """One batch of a tiny GPT-2: what the engine sampled and both sides' log-probs."""
+
+    sequences: Tensor
+    """``[B, P + T]`` prompt then response ids."""
+    logits: Tensor
+    """``[B, P + T, V]`` the float32 trainer's logits over ``sequences``."""
+    rollout: Tensor
+    """``[B, T]`` the bf16 engine's log-probs (``generate``'s per-step logits)."""
+    old: Tensor
+    """``[B, T]`` the trainer's log-probs, correctly sliced."""
+    mask: Tensor
+    """``[B, T]`` the response mask: up to the first EOS, pads out."""
+
+
+class TinyGPT2:
+    """The ``realistic`` model of ``benchmarks/calibrate_alerts.py``: bf16 engine, fp32 trainer."""
+
+    def __init__(self, seed: int = 0) -> None:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+        import calibrate_alerts
+
+        self.eos, self.pad = calibrate_alerts.EOS, calibrate_alerts.PAD
+        args = calibrate_alerts.parse_args(
+            ["--prompt-len", str(PROMPT), "--new-tokens", str(NEW_TOKENS), "--seed", str(seed)]
+        )
+        self.vocab = args.vocab
+        torch.manual_seed(seed)
+        windows = calibrate_alerts.HFWindows(args, "realistic")
+        self.engine, self.trainer = windows.engine, windows.trainer
+        self.generator = torch.Generator().manual_seed(seed)
+        # A random model almost never samples calibrate_alerts' EOS (1 of 1,024 ids): end
+        # the responses at a token it samples now and then (the commonest one below 8% of
+        # a pilot batch), so that rows end early and the masks are prefixes of every length.
+        tokens = self.rollout().sequences[:, PROMPT:].flatten()
+        ids, counts = tokens.unique(return_counts=True)
+        counts[(ids == self.pad) | (counts > 0.08 * tokens.numel())] = 0
+        self.eos = int(ids[counts.argmax()])
+
+    @torch.no_grad()
+    @one_thread()
+    def rollout(self) -> Rollout:
+        # In-distribution prompts (as natural text is): the model continues two random ids.
+        seeds = torch.randint(2, self.vocab, (ROWS, 2), generator=self.generator)
+        prompts = self.trainer.generate(
+            seeds,
+            attention_mask=torch.ones_like(seeds),
+            do_sample=True,
+            top_k=0,
+            max_new_tokens=PROMPT - 2,
+            min_new_tokens=PROMPT - 2,
+            eos_token_id=self.eos,
+            pad_token_id=self.pad,
+        )
+        out = self.engine.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            do_sample=True,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=NEW_TOKENS,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=self.eos,
+            pad_token_id=self.pad,
+        )
+        sequences = out.sequences
+        ids = {"eos_token_id": self.eos, "pad_token_id": self.pad}
+        rollout, mask = response_log_probs(torch.stack(out.logits, 1), sequences, PROMPT, **ids)
+        logits = self.trainer(sequences, attention_mask=torch.ones_like(sequences)).logits
+        old, trainer_mask = response_log_probs(logits, sequences, PROMPT, **ids)
+        assert torch.equal(mask, trainer_mask)
+        return Rollout(sequences, logits, rollout, old, mask)
+
+    @torch.no_grad()
+    @one_thread()
+    def forward_log_probs(self, sequences: Tensor) -> tuple[Tensor, Tensor]:
+        """``(engine, trainer)`` log-probs of the response of ``sequences``, full forwards."""
+        sides = []
+        for model in (self.engine, self.trainer):
+            logits = model(sequences, attention_mask=torch.ones_like(sequences)).logits
+            sides.append(response_log_probs(logits, sequences, PROMPT)[0])
+        return sides[0], sides[1]
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> TinyGPT2:
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    with one_thread():
+        return TinyGPT2()
+
+
+@pytest.fixture(scope="module")
+def rollouts(gpt2: TinyGPT2) -> list[Rollout]:
+    """Four batches of the tiny GPT-2, shared by the tests of this module."""
+    return [gpt2.rollout() for _ in range(4)]
+
+
+def shifted_old(rollout: Rollout, shift: int) -> Tensor:
+    """The trainer's log-probs sliced one position off: the real mistake, on real logits.
+
+    ``lp = log_softmax(logits[:, :-1]).gather(sequences[:, 1:])`` holds in column ``j``
+    the log-prob of token ``j + 1``, so the response's are ``lp[:, P - 1 :]``. ``+1``:
+    ``lp[:, P:]``, padded with a 0 column to the response's width: ``old[t]`` is the
+    log-prob of response token ``t + 1`` (the trainer's are one token early). ``-1``:
+    ``lp[:, P - 2 : -1]``: ``old[t]`` is that of token ``t - 1`` (one token late).
+    """
+    log_p = rollout.logits[:, :-1].float().log_softmax(-1)
+    lp = log_p.gather(-1, rollout.sequences[:, 1:].unsqueeze(-1)).squeeze(-1)
+    if shift == 1:
+        return torch.nn.functional.pad(lp[:, PROMPT:], (0, 1))
+    return lp[:, PROMPT - 2 : -1]
+
+
+def batch_of(
+    rollout: Tensor, old: Tensor, mask: Tensor, seed: int = 0, **extra: Tensor
+) -> dict[str, Tensor]:
+    """A training batch of :class:`RolloutModule`: the rollout tensors and the model input."""
+    rows = rollout.shape[0]
+    x = torch.randn(rows, FEATURES, generator=torch.Generator().manual_seed(seed))
+    return {
+        "rollout_log_probs": rollout,
+        "old_log_probs": old,
+        "response_mask": mask,
+        "x": x,
+        **extra,
+    }
+
+
+def gpt2_batches(rollouts: Sequence[Rollout], shift: int = 0) -> list[dict[str, Tensor]]:
+    return [
+        batch_of(
+            r.rollout,
+            r.old if shift == 0 else shifted_old(r, shift),
+            r.mask,
+            seed=i,
+            responses=r.sequences[:, PROMPT:],
+        )
+        for i, r in enumerate(rollouts)
+    ]
+
+
+# ---------------------------------------------------------------------- synthetic data
+def sampled_batch(
+    seed: int, *, top_k: int | None = None, rows: int = 16, width: int = 32, vocab: int = 32
+) -> dict[str, Tensor]:
+    """Real softmax distributions over a small vocabulary; the engine samples from them.
+
+    With ``top_k`` the engine samples from the ``top_k`` most likely tokens renormalised
+    and records that log-prob (truncated sampling); the trainer records the log-prob of
+    the full distribution. Otherwise both record the full one. The engine's value carries
+    bf16-like rounding noise; the mask is a prefix of random length per row.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    log_p = (2.5 * torch.randn(rows, width, vocab, generator=generator)).log_softmax(-1)
+    k = vocab if top_k is None else top_k
+    top = log_p.topk(k, -1).values
+    choice = torch.multinomial(top.exp().reshape(-1, k), 1, generator=generator)
+    old = top.gather(-1, choice.reshape(rows, width, 1)).squeeze(-1)
+    rollout = old - top.logsumexp(-1) if top_k is not None else old.clone()
+    rollout = rollout + 2e-3 * torch.randn(rows, width, generator=generator) * rollout.abs()
+    rollout = rollout.clamp(max=0.0)
+    lengths = torch.randint(width // 2, width + 1, (rows, 1), generator=generator)
+    mask = torch.arange(width)[None, :] < lengths
+    return batch_of(rollout, old, mask, seed)
+
+
+# ---------------------------------------------------------------------- Trainer runs
+class DropoutModule(RolloutModule):
+    """:class:`RolloutModule` with a dropout layer in front (``p``, in eval mode if asked)."""
+
+    def __init__(self, batches: Sequence[Any], p: float, *, eval_mode: bool = False) -> None:
+        super().__init__(batches)
+        self.dropout = nn.Dropout(p)
+        if eval_mode:
+            self.dropout.eval()
+
+    def _loss(self, data: Mapping[str, Any]) -> Tensor:
+        return self.layer(self.dropout(data["x"].float())).pow(2).mean()
+
+
+class GPT2Module(RolloutModule):
+    """:class:`RolloutModule` holding a GPT-2 with its default dropout (0.1), in training mode."""
+
+    def __init__(self, batches: Sequence[Any]) -> None:
+        super().__init__(batches)
+        import transformers
+
+        config = transformers.GPT2Config(
+            vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2
+        )
+        self.policy = transformers.GPT2LMHeadModel(config)
+
+
+@dataclass
+class Run:
+    callback: RolloutDebugCallback
+    logger: Any
+    caught: list[warnings.WarningMessage]
+
+    def diagnoses(self) -> list[str]:
+        """The messages of the diagnosis warnings, in order."""
+        return [
+            str(w.message) for w in self.caught if issubclass(w.category, RolloutDiagnosisWarning)
+        ]
+
+    def skips(self) -> list[str]:
+        return [str(w.message) for w in self.caught if w.category is RolloutDebugWarning]
+
+    def logged(self, name: str) -> list[float]:
+        """The values of ``name`` at every logged step, in order."""
+        steps = self.logger.steps
+        return [steps[step][name] for step in sorted(steps) if name in steps[step]]
+
+
+def fit(
+    batches: Sequence[Mapping[str, Tensor]] = (),
+    *,
+    module: Any = None,
+    log_every_n_steps: int = 100,
+    **callback_kwargs: Any,
+) -> Run:
+    """One epoch of ``module`` (a :class:`RolloutModule` over ``batches`` by default)."""
+    callback = RolloutDebugCallback(
+        log_every_n_steps=log_every_n_steps,
+        histograms=False,
+        worst_tokens_k=0,
+        **callback_kwargs,
+    )
+    logger = MemoryLogger()
+    trainer = pl_trainer(callback, logger)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module if module is not None else RolloutModule(batches))
+    return Run(callback, logger, caught)
+
+
+def pl_trainer(callback: RolloutDebugCallback, logger: Any) -> Any:
+    import pytorch_lightning as pl
+
+    return pl.Trainer(logger=logger, callbacks=[callback], max_epochs=1, **TRAINER_DEFAULTS)
+
+
+def one_with(messages: Sequence[str], keyword: str) -> str:
+    """The one message containing ``keyword`` (the test fails if not exactly one)."""
+    found = [message for message in messages if keyword in message]
+    assert len(found) == 1, (keyword, messages)
+    return found[0]
+
+
+# ---------------------------------------------------------------------- the correct run
+def test_the_tiny_gpt2_rollouts_are_realistic(rollouts: list[Rollout]) -> None:
+    """bf16 engine vs fp32 trainer: close but not equal, peaked, a few EOS-ended rows."""
+    old = torch.cat([r.old[r.mask] for r in rollouts])
+    rollout = torch.cat([r.rollout[r.mask] for r in rollouts])
+    assert old.numel() > 500
+    assert 0 < (old - rollout).abs().mean() < 0.1
+    assert 0.3 < old.exp().mean() < 0.95  # a peaked policy, not the uniform random one
+    lengths = torch.cat([r.mask.sum(1) for r in rollouts])
+    assert (lengths < NEW_TOKENS).sum() >= 4 and (lengths == NEW_TOKENS).sum() >= 4
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["warn", "strict"])
+def test_a_correct_gpt2_run_is_diagnosed_with_nothing(
+    rollouts: list[Rollout], gpt2: TinyGPT2, strict: bool
+) -> None:
+    run = fit(
+        gpt2_batches(rollouts),
+        log_every_n_steps=2,
+        strict=strict,
+        pad_token_id=gpt2.pad,
+        warn_dropout=True,
+    )
+    assert run.diagnoses() == []
+    assert run.callback.monitor.diagnosed == set()
+    assert run.logged(LAG) == [0.0, 0.0]
+    assert run.logged(ZEROS) == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["warn", "strict"])
+def test_a_correct_synthetic_run_is_diagnosed_with_nothing(strict: bool) -> None:
+    """Full-distribution sampling with rounding noise and prefix masks (no transformers)."""
+    run = fit([sampled_batch(seed) for seed in range(4)], log_every_n_steps=2, strict=strict)
+    assert run.diagnoses() == []
+    assert run.logged(LAG) == [0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "trainer",
+    [-3.814697265625e-06, -1e-4, -5e-3],
+    ids=["fp32-rounding", "shifted-confident-token", "dropout-noise"],
+)
+def test_confident_tokens_rounded_to_zero_by_the_engine_are_not_padding(trainer: float) -> None:
+    """The engine's log-prob of a token with p > 1 - 1e-5 rounds to 0.0 exactly.
+
+    The fp32 trainer's is one float32 step below (-3.8e-6 beside logits near 30): seen on
+    correct runs of the tiny GPT-2 (``calibrate_alerts.py`` ``realistic``: 1 token in
+    7,680; gain 8: 4; gain 12: 12), and more often with a trained, peaked LM. With another
+    mistake (a shift, dropout), the trainer's value there is another confident token's or
+    a noisy one (-1e-4, -5e-3 in ``benchmarks/mistakes.py``). Padding's trainer log-probs
+    are far from 0 (-7 to -28 there): only a trainer's log-prob below -1 counts.
+    """
+    batch = sampled_batch(0)
+    confident = torch.zeros_like(batch["response_mask"])
+    confident[:, 0] = True
+    batch["rollout_log_probs"] = torch.where(confident, 0.0, batch["rollout_log_probs"])
+    batch["old_log_probs"] = torch.where(confident, trainer, batch["old_log_probs"])
+    run = fit([batch])
+    assert run.diagnoses() == []
+
+
+# ---------------------------------------------------------------------- misaligned
+def rows_of(rollouts: Sequence[Rollout], ended: bool) -> list[Rollout]:
+    """The rows of ``rollouts`` that end with EOS (``ended``) or run to the full width."""
+    keep = torch.cat([r.mask.all(1) != ended for r in rollouts])
+
+    def rows(name: str) -> Tensor:
+        return torch.cat([getattr(r, name) for r in rollouts])[keep]
+
+    return [Rollout(*(rows(name) for name in ("sequences", "logits", "rollout", "old", "mask")))]
+
+
+@pytest.mark.parametrize(
+    ("shift", "rows"),
+    [
+        (1, "eos-ended"),
+        (1, "full"),
+        (-1, "eos-ended"),
+        (-1, "full"),
+    ],
+)
+def test_log_probs_shifted_by_one_are_misaligned(
+    rollouts: list[Rollout], shift: int, rows: str
+) -> None:
+    """``lp[:, P:]`` (+1) and ``lp[:, P - 2 : -1]`` (-1) on the tiny GPT-2's rows that end
+    with EOS (as RL responses mostly do), or on those that ran to the full width."""
+    data = rows_of(rollouts, ended=rows == "eos-ended")
+    assert data[0].mask.shape[0] >= 4
+    run = fit(gpt2_batches(data, shift))
+    message = one_with(run.diagnoses(), "misaligned")
+    assert f"shifted by {shift:+d}" in message
+    assert f"one token {'early' if shift > 0 else 'late'}" in message
+    assert "logits[:, P - 1 : -1]" in message
+    # Pairs (a_t, b_(t+L)), a the trainer's: old[t] = rollout[t + 1] peaks at L = +1.
+    assert set(run.logged(LAG)) == {float(shift)}
+    assert run.callback.monitor.diagnosed == {"misaligned"}
+
+
+@pytest.mark.parametrize("shift", [1, -1])
+def test_the_shifted_log_probs_correlate_at_their_lag(rollouts: list[Rollout], shift: int) -> None:
+    """What the rule reads: a correlation (within [-1, 1]) near 1 at the shift, small at 0.
+
+    The pairs themselves correlate 0.9996 (NumPy over the pairs, below)."""
+    stats = MismatchStats()
+    pairs = []
+    for r in rows_of(rollouts, ended=True):
+        old = shifted_old(r, shift)
+        stats.update(r.rollout, old, r.mask)
+        both = r.mask[:, :-1] & r.mask[:, 1:]
+        first, second = (
+            (old[:, :-1], r.rollout[:, 1:]) if shift > 0 else (old[:, 1:], r.rollout[:, :-1])
+        )
+        pairs.append(torch.stack([first[both], second[both]]).double())
+    assert np.corrcoef(torch.cat(pairs, 1).numpy())[0, 1] > 0.99
+    correlations = lag_correlations(Window(stats.state.tolist()))
+    assert all(-1.0 <= c <= 1.0 for c in correlations.values()), correlations
+    assert correlations[shift] > 0.9, correlations
+    assert correlations[0] < 0.5 and correlations[-shift] < 0.5, correlations
+
+
+# ---------------------------------------------------------------------- padding
+def padded(gpt2: TinyGPT2, rollout: Rollout, seed: int) -> tuple[Tensor, Tensor]:
+    """``rollout``'s sequences ended early: pad ids after a random length per row."""
+    generator = torch.Generator().manual_seed(seed)
+    width = rollout.mask.shape[1]
+    lengths = torch.randint(width // 3, width - 2, (ROWS, 1), generator=generator)
+    after = torch.arange(width)[None, :] > lengths  # the response ends at `lengths`
+    sequences = rollout.sequences.clone()
+    sequences[:, PROMPT:][after] = gpt2.pad
+    return sequences, after
+
+
+def test_zero_filled_padding_in_the_mask_is_named(gpt2: TinyGPT2, rollouts: list[Rollout]) -> None:
+    """The engine wrote 0.0 for the pad positions, the trainer real log-probs; all masked in."""
+    batches, padding = [], 0
+    for i, r in enumerate(rollouts[:2]):
+        sequences, after = padded(gpt2, r, seed=i)
+        rollout, old = gpt2.forward_log_probs(sequences)
+        rollout = rollout.masked_fill(after, 0.0)
+        assert old[after].max() < -1.0  # the trainer's log-probs of pads: far from 0
+        padding += int(after.sum())
+        mask = torch.ones_like(after)
+        batches.append(batch_of(rollout, old, mask, seed=i, responses=sequences[:, PROMPT:]))
+    run = fit(batches)
+    message = one_with(run.diagnoses(), "padding")
+    assert f"{padding} masked-in tokens whose rollout log-prob is exactly 0.0" in message
+    assert "Mask out every position after the first EOS" in message
+    assert run.logged(ZEROS) == [float(padding)]
+    assert run.callback.monitor.diagnosed == {"padding"}
+
+
+@pytest.mark.parametrize("pad_token_id", [None, "pad"], ids=["no-pad-id", "pad-id"])
+def test_pad_ids_in_the_mask_are_named_with_pad_token_id(
+    gpt2: TinyGPT2, rollouts: list[Rollout], pad_token_id: str | None
+) -> None:
+    """The engine returned real log-probs for the pads (HF ``output_logits`` does): only
+    ``pad_token_id`` can see them."""
+    batches, pads = [], 0
+    for i, r in enumerate(rollouts[:2]):
+        sequences, after = padded(gpt2, r, seed=i)
+        rollout, old = gpt2.forward_log_probs(sequences)
+        pads += int((sequences[:, PROMPT:] == gpt2.pad).sum())
+        mask = torch.ones_like(after)
+        batches.append(batch_of(rollout, old, mask, seed=i, responses=sequences[:, PROMPT:]))
+    run = fit(batches, pad_token_id=None if pad_token_id is None else gpt2.pad)
+    assert run.logged(ZEROS) == [0.0]
+    if pad_token_id is None:
+        assert run.diagnoses() == []
+        return
+    message = one_with(run.diagnoses(), "padding")
+    assert f"{pads} pad tokens inside the response mask" in message
+    assert "exactly 0.0" not in message
+
+
+# ---------------------------------------------------------------------- prompt columns
+@pytest.mark.parametrize("source", ["prompts", "attention_mask", None])
+def test_log_probs_with_the_prompt_columns_are_skipped_with_the_slice(
+    rollouts: list[Rollout], source: str | None
+) -> None:
+    r = rollouts[0]
+    log_p = r.logits.float().log_softmax(-1)[:, :-1]
+    every = log_p.gather(-1, r.sequences[:, 1:].unsqueeze(-1)).squeeze(-1)
+    whole = torch.nn.functional.pad(every, (1, 0))  # [B, P + T]: the prompt's columns too
+    width = r.mask.shape[1]
+    extra = {}
+    if source == "prompts":
+        extra["prompts"] = r.sequences[:, :PROMPT]
+    elif source == "attention_mask":
+        extra["attention_mask"] = torch.ones_like(r.sequences)
+    run = fit([batch_of(r.rollout, whole, r.mask, **extra)])
+    skipped = [message for message in run.skips() if "old_log_probs" in message]
+    assert len(skipped) == 1, run.skips()
+    if source is None:
+        assert "prompt" not in skipped[0]
+        return
+    assert "`old_log_probs` looks like it includes the prompt" in skipped[0]
+    assert f"{PROMPT} columns wider" in skipped[0]
+    assert f"`old_log_probs[:, -{width}:]`" in skipped[0]
+    assert "The batch is skipped" in skipped[0]
+    assert run.diagnoses() == []
+    # The slice it names is the correct run's log-probs.
+    torch.testing.assert_close(whole[:, -width:], r.old)
+
+
+# ---------------------------------------------------------------------- truncated sampling
+def test_renormalised_top_k_log_probs_are_named_truncated() -> None:
+    run = fit([sampled_batch(seed, top_k=8) for seed in range(2)])
+    message = one_with(run.diagnoses(), "truncat")
+    assert "top-k / top-p" in message and "Trust k1" in message
+    (k1,), (k3,) = run.logged(K1), run.logged(K3)
+    assert k1 > 0.05 and k1 > 5 * k3
+    assert run.callback.monitor.diagnosed == {"truncated"}
+
+
+# ---------------------------------------------------------------------- dropout
+def test_active_dropout_is_named_once_at_train_start() -> None:
+    batches = [sampled_batch(seed) for seed in range(3)]
+    run = fit(module=DropoutModule(batches, 0.1), log_every_n_steps=1)
+    message = one_with(run.diagnoses(), "dropout")
+    assert "1 dropout module(s)" in message and "(dropout)" in message
+    assert "eval mode" in message and "warn_dropout=False" in message
+    assert len(run.diagnoses()) == 1
+    assert run.callback.monitor.diagnosed == {"dropout"}
+
+
+def test_a_gpt2_with_its_default_dropout_is_named() -> None:
+    pytest.importorskip("transformers")
+    run = fit(module=GPT2Module([sampled_batch(0)]))
+    message = one_with(run.diagnoses(), "dropout")
+    assert "4 dropout module(s)" in message  # embeddings; attention, residual, MLP of 1 layer
+
+
+@pytest.mark.parametrize(
+    ("p", "eval_mode", "warn_dropout"),
+    [(0.1, False, False), (0.0, False, True), (0.1, True, True)],
+    ids=["warn_dropout=False", "p=0", "eval-mode"],
+)
+def test_no_dropout_warning(p: float, eval_mode: bool, warn_dropout: bool) -> None:
+    batches = [sampled_batch(seed) for seed in range(2)]
+    module = DropoutModule(batches, p, eval_mode=eval_mode)
+    run = fit(module=module, warn_dropout=warn_dropout, strict=True)
+    assert run.diagnoses() == []
+
+
+# ---------------------------------------------------------------------- strict
+def zero_padded_batch(seed: int = 0) -> dict[str, Tensor]:
+    """A synthetic batch whose last 5 columns are zero-filled padding, masked in (the
+    trainer scores the pad tokens there: -12 nats)."""
+    batch = sampled_batch(seed)
+    batch["response_mask"] = torch.ones_like(batch["response_mask"])
+    batch["rollout_log_probs"][:, -5:] = 0.0
+    batch["old_log_probs"][:, -5:] = -12.0
+    return batch
+
+
+@pytest.mark.parametrize("kind", ["misaligned", "padding", "truncated", "dropout"])
+def test_strict_raises_each_mistake_out_of_fit(request: pytest.FixtureRequest, kind: str) -> None:
+    module: Any
+    if kind == "misaligned":
+        rollouts = request.getfixturevalue("rollouts")
+        module = RolloutModule(gpt2_batches(rollouts[:2], shift=-1))
+    elif kind == "padding":
+        module = RolloutModule([zero_padded_batch()])
+    elif kind == "truncated":
+        module = RolloutModule([sampled_batch(0, top_k=8)])
+    else:
+        module = DropoutModule([sampled_batch(0)], 0.1)
+    with pytest.raises(RolloutDiagnosisError, match=kind[:7]):
+        fit(module=module, strict=True)
+
+
+# ---------------------------------------------------------------------- once per run
+@pytest.mark.parametrize("kind", ["misaligned", "padding", "truncated"])
+def test_each_kind_is_warned_once_per_run(request: pytest.FixtureRequest, kind: str) -> None:
+    """Every window shows the mistake (one window per batch): one warning."""
+    if kind == "misaligned":
+        batches = gpt2_batches(request.getfixturevalue("rollouts"), shift=-1)
+    elif kind == "padding":
+        batches = [zero_padded_batch(seed) for seed in range(3)]
+    else:
+        batches = [sampled_batch(seed, top_k=8) for seed in range(3)]
+    run = fit(batches, log_every_n_steps=1)
+    assert len(run.logged(LAG)) == len(batches)
+    if kind == "misaligned":
+        assert run.logged(LAG) == [-1.0] * len(batches)
+    if kind == "padding":
+        assert run.logged(ZEROS) == [5.0 * 16] * len(batches)
+    assert len(run.diagnoses()) == 1, run.diagnoses()
+    assert run.callback.monitor.diagnosed == {kind}
+
+
+# ---------------------------------------------------------------------- lag statistics
+def lag_batches(seed: int) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """Batches of different widths, dtypes and masks whose log-probs correlate along t."""
+    rng = np.random.default_rng(seed)
+    rollouts, olds, masks = [], [], []
+    for rows, width, kind in ((5, 17, "prefix"), (3, 1, "ones"), (7, 40, "random"), (2, 9, "none")):
+        walk = np.cumsum(rng.normal(0.0, 0.7, (rows, width + 1)), axis=1)
+        log_p = -np.abs(walk) - rng.exponential(0.5, (rows, width + 1))
+        old = log_p[:, 1:] + rng.normal(0.0, 0.05, (rows, width))
+        rollout = log_p[:, :-1] if kind == "random" else log_p[:, 1:]  # one batch shifted
+        if kind == "prefix":
+            mask = np.arange(width)[None, :] < rng.integers(0, width + 1, (rows, 1))
+        elif kind == "random":
+            mask = rng.random((rows, width)) < 0.8
+        else:
+            mask = np.full((rows, width), kind == "ones")
+        rollouts.append(torch.from_numpy(rollout).to(torch.bfloat16))
+        olds.append(torch.from_numpy(old).float())
+        masks.append(torch.from_numpy(mask))
+    return rollouts, olds, masks
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lag_correlations_equal_the_float64_reference(seed: int) -> None:
+    rollouts, olds, masks = lag_batches(seed)
+    stats = MismatchStats()
+    for batch in zip(rollouts, olds, masks, strict=True):
+        stats.update(*batch)
+    got = lag_correlations(Window(stats.state.tolist()))
+    want = reference_metrics(rollouts, olds, masks)
+    assert set(got) == set(want.lags) == {-1, 0, 1}
+    for lag, value in want.lags.items():
+        assert not math.isnan(value)
+        assert got[lag] == pytest.approx(value, abs=1e-9), (lag, got, want.lags)
+    assert stats.compute()["rollout_alignment_lag"] == want["rollout_alignment_lag"]
+
+
+def test_lag_correlations_are_exact_across_ranks() -> None:
+    """Per-batch windows (and rows of one batch split over two ranks) merge to one window."""
+    rollouts, olds, masks = lag_batches(3)
+    whole = MismatchStats()
+    parts = []
+    for batch in zip(rollouts, olds, masks, strict=True):
+        whole.update(*batch)
+        for rows in (slice(0, 1), slice(1, None)):  # rank 0 one row, rank 1 the rest
+            part = MismatchStats()
+            part.update(*(tensor[rows] for tensor in batch))
+            parts.append(part.state)
+    merged = Window(merge_states(torch.stack(parts)).tolist())
+    single = Window(whole.state.tolist())
+    for slot in ("neighbour_pairs", "sum_actor_x_next_rollout", "sum_next_actor_x_rollout"):
+        assert merged[slot] == pytest.approx(single[slot], rel=1e-12, abs=1e-12)
+    got, want = lag_correlations(merged), lag_correlations(single)
+    assert got == pytest.approx(want, abs=1e-12)
+    assert got == pytest.approx(reference_metrics(rollouts, olds, masks).lags, abs=1e-9)
+
+
+def test_a_misaligned_rank_is_diagnosed_after_the_merge(rollouts: list[Rollout]) -> None:
+    """The lag rule reads the merged window: two ranks of shifted GPT-2 batches."""
+    states = []
+    for r in rollouts[:2]:
+        stats = MismatchStats()
+        stats.update(r.rollout, shifted_old(r, -1), r.mask)
+        states.append(stats.state)
+    merged = MismatchStats.from_state(merge_states(torch.stack(states)))
+    found = diagnose(Window(merged.state.tolist()), merged.compute())
+    assert [d.kind for d in found] == ["misaligned"]
+    assert merged.compute()["rollout_alignment_lag"] == -1.0
