@@ -262,6 +262,26 @@ def tensor_problems(value: Any, shape: tuple[int, ...], what: str) -> list[str]:
 
 
 # ------------------------------------------------------------------ the statistics
+LAG_MOMENTS = (
+    "sum_actor_log_prob_sq",
+    "sum_rollout_log_prob_sq",
+    "sum_actor_x_rollout",
+    "sum_actor_x_next_rollout",
+    "sum_next_actor_x_rollout",
+    "plus_actor",
+    "plus_actor_sq",
+    "plus_rollout",
+    "plus_rollout_sq",
+    "minus_actor",
+    "minus_actor_sq",
+    "minus_rollout",
+    "minus_rollout_sq",
+)
+"""Sums of ``a^2``, ``b^2`` and ``a_t b_t`` over the counting tokens; over the pairs of
+neighbouring tokens that both count, ``a_t b_(t+1)`` and ``a_(t+1) b_t``, and each side's
+own sum and sum of squares at lag +1 (``a_t``, ``b_(t+1)``: ``plus_*``) and -1
+(``a_(t+1)``, ``b_t``: ``minus_*``)."""
+
 STATE = Layout(
     [
         Block("count", ("count",)),
@@ -300,26 +320,7 @@ STATE = Layout(
             whole=True,
         ),
         # The moments of the log-probs at lags -1, 0 and +1 along the response.
-        Block(
-            "sum",
-            (
-                "sum_actor_log_prob",
-                "sum_rollout_log_prob",
-                "sum_actor_log_prob_sq",
-                "sum_rollout_log_prob_sq",
-                "sum_actor_x_rollout",
-                "sum_actor_x_next_rollout",
-                "sum_next_actor_x_rollout",
-                "plus_actor",
-                "plus_actor_sq",
-                "plus_rollout",
-                "plus_rollout_sq",
-                "minus_actor",
-                "minus_actor_sq",
-                "minus_rollout",
-                "minus_rollout_sq",
-            ),
-        ),
+        Block("sum", ("sum_actor_log_prob", "sum_rollout_log_prob", *LAG_MOMENTS)),
         Block(
             "max",
             (

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_rollout_debug.layout import STATE
+from lightning_rollout_debug.layout import LAG_MOMENTS, STATE
 
 LOG_PROB_FLOOR = -20.0
 """Log-probabilities are floored here first, so ``-inf`` counts as -20 nats."""
@@ -35,25 +35,6 @@ _COMOMENTS = tuple(
 )
 
 
-_LAG_MOMENTS = (
-    "sum_actor_log_prob_sq",
-    "sum_rollout_log_prob_sq",
-    "sum_actor_x_rollout",
-    "sum_actor_x_next_rollout",
-    "sum_next_actor_x_rollout",
-    "plus_actor",
-    "plus_actor_sq",
-    "plus_rollout",
-    "plus_rollout_sq",
-    "minus_actor",
-    "minus_actor_sq",
-    "minus_rollout",
-    "minus_rollout_sq",
-)
-"""Sums of ``a^2``, ``b^2`` and ``a_t b_t`` over the counting tokens; over the pairs of
-neighbouring tokens that both count, ``a_t b_(t+1)`` and ``a_(t+1) b_t``, and each side's
-own sum and sum of squares at lag +1 (``a_t``, ``b_(t+1)``: ``plus_*``) and -1
-(``a_(t+1)``, ``b_t``: ``minus_*``)."""
 PADDING_ACTOR_LOG_PROB = -1.0
 """A rollout log-prob of exactly 0 counts as padding where the trainer's is below this:
 no rounding turns a probability under ``e^-1`` into 1."""
@@ -62,7 +43,7 @@ HEALTH_SUMS = (
     "neighbour_pairs",
     "sum_actor_log_prob",
     "sum_rollout_log_prob",
-    *_LAG_MOMENTS,
+    *LAG_MOMENTS,
 )
 """The health group's row sums, summed into the state slots of the same names."""
 
@@ -96,7 +77,7 @@ ROW_FIELDS: tuple[str, ...] = (
     "ratio_low",
     "zero_rollout_log_prob",
     "neighbour_pairs",
-    *_LAG_MOMENTS,
+    *LAG_MOMENTS,
 )
 """The per-row reductions of an update, in the column order of the native CPU kernel."""
 
