@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -686,3 +687,17 @@ def test_a_misaligned_rank_is_diagnosed_after_the_merge(rollouts: list[Rollout])
     found = diagnose(Window(merged.state.tolist()), merged.compute())
     assert [d.kind for d in found] == ["misaligned"]
     assert merged.compute()["rollout_alignment_lag"] == -1.0
+
+
+# ---------------------------------------------------------------------- arguments
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"pad_token_id": "0"}, "`pad_token_id` must be None or an int token id, got '0'"),
+        ({"pad_token_id": True}, "`pad_token_id` must be None or an int token id, got True"),
+        ({"warn_dropout": "yes"}, "`warn_dropout` must be True or False, got 'yes'"),
+    ],
+)
+def test_diagnosis_arguments_are_validated(arguments: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        RolloutDebugCallback(**arguments)
