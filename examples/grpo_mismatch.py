@@ -27,13 +27,23 @@ What it shows:
   clearly non-zero mismatch (token probabilities differ by roughly 5e-4 on average);
 * ``--weight-sync-every 4``: the engine samples with weights up to three optimizer steps old,
   and the KL (k1, k3) and importance-ratio metrics are much larger again (large enough for
-  the callback to warn about them).
+  the callback to warn about them);
+* ``--sync-stops-at 20``: the weight sync silently stops working at step 20, so the engine
+  falls further behind the trainer at every step. The mismatch creeps up from where it
+  started, and the callback's drift alert names it once it passes twice its baseline.
+
+Besides the scalars, TensorBoard's IMAGES tab shows, at every logged step, where the
+mismatch lives: along the response (``rollout_profile/by_position``), by the trainer's
+token probability (``rollout_profile/by_probability``), and the joint histogram of the
+two log-probs (``rollout_profile/joint``); the quantile charts (p50 ... p99.9) are in
+the ``quantiles`` section of the Custom Scalars tab.
 
 Run it, then open TensorBoard::
 
     python examples/grpo_mismatch.py --rollout-dtype float32 --logdir runs
     python examples/grpo_mismatch.py --logdir runs
     python examples/grpo_mismatch.py --weight-sync-every 4 --logdir runs
+    python examples/grpo_mismatch.py --sync-stops-at 20 --logdir runs
     tensorboard --logdir runs
 
 The default run takes well under two minutes on two CPU cores.
@@ -95,6 +105,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(N > 1 simulates a stale-weights bug).",
     )
     parser.add_argument(
+        "--sync-stops-at",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="From this optimizer step on the weight sync silently fails and the engine keeps "
+        "its last weights (a faulty-sync bug whose mismatch creeps up).",
+    )
+    parser.add_argument(
         "--max-steps",
         type=int,
         default=100,
@@ -113,6 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.weight_sync_every < 1:
         parser.error("--weight-sync-every must be at least 1")
+    if args.sync_stops_at is not None and args.sync_stops_at < 1:
+        parser.error("--sync-stops-at must be at least 1")
     return args
 
 
@@ -317,11 +337,13 @@ class GRPOModule(pl.LightningModule):
         weight_sync_every: int = 1,
         seed: int = 0,
         group_size: int = GROUP_SIZE,
+        sync_stops_at: int | None = None,
         lr: float = LEARNING_RATE,
         clip: float = PPO_CLIP,
     ) -> None:
         super().__init__()
         self.weight_sync_every = weight_sync_every
+        self.sync_stops_at = sync_stops_at
         self.group_size = group_size
         self.lr = lr
         self.clip = clip
@@ -334,8 +356,10 @@ class GRPOModule(pl.LightningModule):
         sep = torch.full_like(digits[:, :1], SEP)
         prompts = torch.cat([digits, sep], dim=1)
 
-        # The engine gets fresh weights only every `weight_sync_every` optimizer steps.
-        if self.global_step % self.weight_sync_every == 0:
+        # The engine gets fresh weights only every `weight_sync_every` optimizer steps, and
+        # none from `sync_stops_at` on.
+        syncing = self.sync_stops_at is None or self.global_step < self.sync_stops_at
+        if syncing and self.global_step % self.weight_sync_every == 0:
             self.rollout_engine.load_weights(self.policy)
         rollout = self.rollout_engine.generate(prompts)
 
@@ -382,13 +406,15 @@ def main(argv: list[str] | None = None) -> Path:
         rollout_dtype=DTYPES[args.rollout_dtype],
         weight_sync_every=args.weight_sync_every,
         seed=args.seed,
+        sync_stops_at=args.sync_stops_at,
     )
     prompts = PromptDataset(args.max_steps * PROMPTS_PER_STEP, seed=args.seed)
     loader = DataLoader(prompts, batch_size=PROMPTS_PER_STEP, num_workers=0)
 
-    tb_logger = TensorBoardLogger(
-        save_dir=args.logdir, name=f"grpo_{args.rollout_dtype}_sync{args.weight_sync_every}"
-    )
+    name = f"grpo_{args.rollout_dtype}_sync{args.weight_sync_every}"
+    if args.sync_stops_at is not None:
+        name += f"_stops{args.sync_stops_at}"
+    tb_logger = TensorBoardLogger(save_dir=args.logdir, name=name)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,

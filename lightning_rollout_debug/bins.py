@@ -11,15 +11,16 @@ import torch
 from torch import Tensor
 
 
-class QuarterOctaveBins:
+class LogBins:
     """Fixed logarithmic bins whose index is read off a float's bits, exactly and fast.
 
-    The edges are ``2**e * (1, 1.25, 1.5, 1.75)`` for ``e = low ... low + octaves - 1``,
-    then ``2**(low + octaves)``: four bins per octave (about 13 per decade, each at most
-    25 % wide), all of them exactly representable in float32 and float64. For a positive
-    float, the exponent and the two leading mantissa bits ARE the bin, so the index is a
-    shift of the bit pattern: several times cheaper than the binary search of
-    ``torch.bucketize``, with the same result (``bucketize(x, edges, right=True)``).
+    The edges are ``2**e * (1 + j / steps)`` for ``e = low ... low + octaves - 1`` and
+    ``j = 0 ... steps - 1``, then ``2**(low + octaves)``: ``steps`` bins per octave (a
+    power of two), all of them exactly representable in float32 and float64. For a
+    positive float, the exponent and the leading ``log2(steps)`` mantissa bits ARE the
+    bin, so the index is a shift of the bit pattern: several times cheaper than the
+    binary search of ``torch.bucketize``, with the same result (``bucketize(x, edges,
+    right=True)``).
 
     Unsigned bins (for values >= 0) are ``(-inf, m_0)``, ``[m_j, m_{j+1})``, ``[m_top,
     inf)`` over the magnitudes ``m``. Signed bins mirror them: ``(-inf, -m_top)``, ...,
@@ -30,12 +31,26 @@ class QuarterOctaveBins:
         low: ``m_0 = 2**low``, the smallest magnitude edge.
         octaves: the number of octaves above it (``m_top = 2**(low + octaves)``).
         signed: mirror the bins to negative values.
+        steps: bins per octave, a power of two from 1 to 1024.
+
+    Example:
+        >>> import torch
+        >>> bins = LogBins(-2, 2, signed=False, steps=2)
+        >>> bins.edges
+        (0.25, 0.375, 0.5, 0.75, 1.0)
+        >>> bins.index(torch.tensor([0.0, 0.3, 0.75, 7.0])).tolist()
+        [0, 1, 4, 5]
     """
 
-    def __init__(self, low: int, octaves: int, *, signed: bool) -> None:
-        self.low, self.octaves, self.signed = low, octaves, signed
-        self.top = 4 * octaves  # index of the largest magnitude edge
-        magnitudes = [2.0 ** (low + j // 4) * (1 + (j % 4) / 4) for j in range(self.top + 1)]
+    def __init__(self, low: int, octaves: int, *, signed: bool, steps: int = 4) -> None:
+        if steps < 1 or steps > 1024 or steps & (steps - 1):
+            raise ValueError(f"`steps` must be a power of two from 1 to 1024, got {steps!r}.")
+        self.low, self.octaves, self.signed, self.steps = low, octaves, signed, steps
+        self.bits = steps.bit_length() - 1  # mantissa bits that pick the step
+        self.top = steps * octaves  # index of the largest magnitude edge
+        magnitudes = [
+            2.0 ** (low + j // steps) * (1 + (j % steps) / steps) for j in range(self.top + 1)
+        ]
         negative = [-m for m in reversed(magnitudes)] if signed else []
         self.edges: tuple[float, ...] = (*negative, *magnitudes)
         """The sorted edges; ``len(edges) + 1`` bins."""
@@ -43,13 +58,14 @@ class QuarterOctaveBins:
     def index(self, values: Tensor) -> Tensor:
         """The bin of each of the (finite, contiguous) float32 or float64 ``values``."""
         if values.dtype == torch.float64:
-            int_dtype, shift, bias, magnitude = torch.int64, 50, 1023, (1 << 63) - 1
+            int_dtype, mantissa, bias, magnitude = torch.int64, 52, 1023, (1 << 63) - 1
         elif values.dtype == torch.float32:
-            int_dtype, shift, bias, magnitude = torch.int32, 21, 127, (1 << 31) - 1
+            int_dtype, mantissa, bias, magnitude = torch.int32, 23, 127, (1 << 31) - 1
         else:
-            raise TypeError(f"QuarterOctaveBins: float32 or float64 values, got {values.dtype}")
+            raise TypeError(f"{type(self).__name__}: float32 or float64 values, got {values.dtype}")
+        shift = mantissa - self.bits
         bits = values.view(int_dtype)
-        offset = (bias + self.low) << 2
+        offset = (bias + self.low) << self.bits
         if not self.signed:
             # A negative value has the sign bit set: a negative int, clamped to bin 0.
             return ((bits >> shift) - offset).clamp_(-1, self.top).add_(1).long()
@@ -59,6 +75,16 @@ class QuarterOctaveBins:
         steps = ((bits & magnitude) - negative.to(int_dtype)) >> shift
         side = (steps - offset).clamp_(-1, self.top).add_(1)
         return torch.where(negative, -side, side).add_(self.top + 1).long()
+
+
+class QuarterOctaveBins(LogBins):
+    """:class:`LogBins` with four bins per octave: the bins of the TensorBoard histograms.
+
+    About 13 bins per decade, each at most 25 % wide.
+    """
+
+    def __init__(self, low: int, octaves: int, *, signed: bool) -> None:
+        super().__init__(low, octaves, signed=signed, steps=4)
 
 
 LOG_RATIO_BINS = QuarterOctaveBins(-20, 25, signed=True)

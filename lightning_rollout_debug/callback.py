@@ -17,6 +17,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_rollout_debug.alerts import DEFAULT_DRIFT_BASELINE
 from lightning_rollout_debug.monitor import (
     FrontDoor,
     RolloutDebugMonitor,
@@ -91,12 +92,25 @@ class RolloutDebugCallback(Callback):
             with the largest ``abs(r)`` of each window (``{prefix}rollout_worst_tokens``);
             0 turns it off. The token ids come from ``token_ids_keys[0]`` or ``responses``.
         dashboard_layout: with a ``TensorBoardLogger``, write a custom-scalars layout
-            grouping the charts (agreement, divergence, sequences, health) once per run.
+            grouping the charts (agreement, divergence, sequences, health, quantiles) once
+            per run.
+        profile_images: with a ``TensorBoardLogger``, draw where each window's mismatch
+            lives in the IMAGES tab at each logged step: by response position, by trainer
+            probability, and the joint histogram of the two log-probs
+            (``{prefix}rollout_profile/by_position``, ``.../by_probability``,
+            ``.../joint``).
         alert_ranges: allowed ``(low, high)`` per un-prefixed metric name (either bound
             ``None``); ``None`` uses ``DEFAULT_ALERT_RANGES`` and ``{}`` turns alerts off.
         on_alert: what a value outside its range does: ``"warn"`` (a warning once per
             crossing), ``"stop"`` (also sets ``trainer.should_stop``) or ``"raise"``
             (:class:`RolloutAlertError`). See ``docs/tensorboard.md``.
+        drift_factors: drift alerts: a factor (> 1) per un-prefixed metric name; a logged
+            value above factor x the metric's baseline alerts, with ``on_alert``'s action.
+            ``None`` uses ``DEFAULT_DRIFT_FACTORS`` and ``{}`` turns drift alerts off;
+            independent of ``alert_ranges``.
+        drift_baseline: how many first logged (defined) values of a metric its baseline
+            is the median of. The baseline is kept in the checkpoint: a resumed run goes
+            on with it, a new run collects its own.
         compile: fuse the statistics and the extras into one pass: on CPUs the native
             kernel reads every batch once for both; on accelerators ``torch.compile`` takes
             batches of 65,536 tokens or more. ``None`` never compiles on a CPU and falls
@@ -146,8 +160,11 @@ class RolloutDebugCallback(Callback):
         histograms: bool = True,
         worst_tokens_k: int = 10,
         dashboard_layout: bool = True,
+        profile_images: bool = True,
         alert_ranges: Mapping[str, tuple[float | None, float | None]] | None = None,
         on_alert: Literal["warn", "stop", "raise"] = "warn",
+        drift_factors: Mapping[str, float] | None = None,
+        drift_baseline: int = DEFAULT_DRIFT_BASELINE,
         compile: bool | None = None,
         pad_token_id: int | None = None,
         warn_dropout: bool = True,
@@ -165,8 +182,11 @@ class RolloutDebugCallback(Callback):
             "histograms": histograms,
             "worst_tokens_k": worst_tokens_k,
             "dashboard_layout": dashboard_layout,
+            "profile_images": profile_images,
             "alert_ranges": alert_ranges,
             "on_alert": on_alert,
+            "drift_factors": drift_factors,
+            "drift_baseline": drift_baseline,
             "compile": compile,
             "pad_token_id": pad_token_id,
         }
@@ -204,8 +224,11 @@ class RolloutDebugCallback(Callback):
     histograms = _OfTheMonitor()
     worst_tokens_k = _OfTheMonitor()
     dashboard_layout = _OfTheMonitor()
+    profile_images = _OfTheMonitor()
     alert_ranges = _OfTheMonitor()
     on_alert = _OfTheMonitor()
+    drift_factors = _OfTheMonitor()
+    drift_baseline = _OfTheMonitor()
     pad_token_id = _OfTheMonitor()
     _stats = _OfTheMonitor()
     _extras = _OfTheMonitor()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_rollout_debug.layout import STATE
+from lightning_rollout_debug.profile import QUANTILE_BINS, QUANTILES, Profile
 
 _AT = STATE.at
 # A side of the Pearson correlation counts as constant when its spread is below what
@@ -39,11 +40,13 @@ class Window:
     """A merged window of statistics on the host, with the readings formulas need.
 
     Undefined readings are NaN: a mean without tokens, a standard deviation of fewer
-    than two tokens, an extreme of an empty window.
+    than two tokens, an extreme of an empty window, a quantile without a profile.
     """
 
-    def __init__(self, state: Sequence[float]) -> None:
+    def __init__(self, state: Sequence[float], profile: Profile | None = None) -> None:
         self.state = state
+        self.profile = profile
+        """The window's :class:`~lightning_rollout_debug.profile.Profile`, if it was kept."""
         self.n = state[_AT["count"]]
         """Counting tokens."""
         self.sequences = state[_AT["sequences"]]
@@ -78,6 +81,10 @@ class Window:
     def sequence_extreme(self, slot: str) -> float:
         """A maximum or minimum over the sequences (NaN without any)."""
         return self[slot] if self.sequences >= 1 else math.nan
+
+    def quantile(self, name: str) -> float:
+        """A quantile of the profile (NaN without a profile or tokens)."""
+        return math.nan if self.profile is None else self.profile.quantiles[name]
 
 
 @dataclass(frozen=True)
@@ -221,7 +228,8 @@ def _alignment_lag(w: Window) -> float:
 
 
 AGREEMENT, DIVERGENCE, SEQUENCES, HEALTH = "agreement", "divergence", "sequences", "health"
-CATEGORIES = (AGREEMENT, DIVERGENCE, SEQUENCES, HEALTH)
+QUANTILES_CATEGORY = "quantiles"
+CATEGORIES = (AGREEMENT, DIVERGENCE, SEQUENCES, HEALTH, QUANTILES_CATEGORY)
 """The dashboard's categories, in order."""
 
 _PROBS_DIFF = (AGREEMENT, "probability diff |pa - pb|: max, mean, std")
@@ -428,6 +436,17 @@ CATALOG: tuple[Metric, ...] = (
         lambda w: w["id_diff_rows"] / w["id_rows"] if w["id_rows"] >= 1 else math.nan,
         (HEALTH, "token-id diffs: fraction of sequences"),
     ),
+    # ------------------------------------------------------------ quantiles
+    *(
+        Metric(
+            f"{stem}_{suffix}",
+            "quantiles",
+            lambda w, name=f"{stem}_{suffix}": w.quantile(name),
+            (QUANTILES_CATEGORY, f"{what} quantiles: p50, p90, p99, p99.9"),
+        )
+        for (stem, _, _), what in zip(QUANTILE_BINS, ("|pa - pb|", "|a - b|"), strict=True)
+        for suffix, _ in QUANTILES
+    ),
 )
 """Every metric, in the order of ``docs/metrics.md``."""
 
@@ -476,7 +495,10 @@ DASHBOARD = _dashboard()
 """The custom-scalars dashboard: ``(category, ((chart title, metric names), ...))``."""
 
 
-def metrics_from_state(state: Sequence[float]) -> dict[str, float]:
-    """Every metric of the catalog from a packed state on the host (NaN if undefined)."""
-    window = Window(state)
+def metrics_from_state(state: Sequence[float], profile: Profile | None = None) -> dict[str, float]:
+    """Every metric of the catalog from a packed state on the host (NaN if undefined).
+
+    The quantiles come from the window's ``profile`` (NaN without one).
+    """
+    window = Window(state, profile)
     return {metric.name: metric.value(window) for metric in CATALOG}

@@ -52,10 +52,18 @@ from lightning_rollout_debug.bins import (
 )
 from lightning_rollout_debug.layout import Block, Layout
 from lightning_rollout_debug.native import WORST_FIELDS
+from lightning_rollout_debug.profile import (
+    PROFILE_SIZE,
+    Profile,
+    profile_blocks,
+    profile_from_tokens,
+    read_profile,
+)
 from lightning_rollout_debug.rows import (
     ROW_FIELDS,
     counting_tokens,
     exp,
+    kl_k3_tokens,
     prob_diff,
     rows_for,
 )
@@ -132,10 +140,15 @@ class WorstToken:
 
 @dataclass(frozen=True)
 class ExtrasSummary:
-    """What a window's extras show: its histograms (by tag) and worst tokens, worst first."""
+    """What a window's extras show: histograms by tag, worst tokens, profile.
+
+    The worst tokens come worst first; the profile
+    (:class:`~lightning_rollout_debug.profile.Profile`) is ``None`` when not kept.
+    """
 
     histograms: dict[str, Histogram]
     worst_tokens: list[WorstToken]
+    profile: Profile | None = None
 
 
 # ------------------------------------------------------------------------ the state
@@ -151,6 +164,8 @@ class TokenExtras(ThreadSafeWindow):
     Args:
         histograms: keep the two fixed-bin histograms of :data:`HISTOGRAMS`.
         worst_tokens_k: keep the ``k`` tokens with the largest ``abs(r)``; 0 keeps none.
+        profile: keep the :mod:`~lightning_rollout_debug.profile` of the window:
+            quantiles, profiles by position and by probability, the joint histogram.
         chunk_tokens: rows are processed in chunks of about this many tokens, which
             bounds the temporary memory of an update.
         compile: fuse an update, as :class:`~lightning_rollout_debug.MismatchStats`
@@ -177,12 +192,15 @@ class TokenExtras(ThreadSafeWindow):
         *,
         histograms: bool = True,
         worst_tokens_k: int = 10,
+        profile: bool = False,
         chunk_tokens: int = 1 << 18,
         compile: bool | None = None,
     ) -> None:
         problems = extras_problems(
             histograms=histograms, worst_tokens_k=worst_tokens_k, dashboard_layout=True
         )
+        if not isinstance(profile, bool):
+            problems.append(f"`profile` must be True or False, got {profile!r}.")
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             problems.append(f"`chunk_tokens` must be a positive int, got {chunk_tokens!r}.")
         problems += compile_problems(compile)
@@ -190,13 +208,16 @@ class TokenExtras(ThreadSafeWindow):
             raise ValueError("Invalid TokenExtras arguments:\n- " + "\n- ".join(problems))
         self.histograms = histograms
         self.worst_tokens_k = worst_tokens_k
+        self.profile = profile
         self.chunk_tokens = chunk_tokens
         self.compile = compile
         self._histograms = HISTOGRAMS if histograms else ()
-        self.layout = extras_layout(self._histograms, worst_tokens_k)
+        self.layout = extras_layout(self._histograms, worst_tokens_k, profile)
         """The packed state: each histogram as ``[bin counts..., num, min, max, sum,
-        sum_squares]``, then ``k`` candidates of :data:`WORST_FIELDS`."""
-        self._worst_at = self.layout.size - worst_tokens_k * _F
+        sum_squares]``, then ``k`` candidates of :data:`WORST_FIELDS`, then the profile
+        block (:data:`~lightning_rollout_debug.profile.PROFILE_SIZE` values)."""
+        self._profile_at = self.layout.size - (PROFILE_SIZE if profile else 0)
+        self._worst_at = self._profile_at - worst_tokens_k * _F
         self.size = self.layout.size
         self._state: Tensor | None = None
         self._pending: list[Tensor] = []
@@ -292,6 +313,7 @@ class TokenExtras(ThreadSafeWindow):
             diff_bins=(PROBS_DIFF_BINS.low, PROBS_DIFF_BINS.octaves),
             histograms=bool(self._histograms),
             k=self.worst_tokens_k,
+            profile=self.profile,
         )
 
     def kernel_states(
@@ -347,21 +369,24 @@ class TokenExtras(ThreadSafeWindow):
         a, b, r, masked, finite = counting_tokens(rollout_log_probs, old_log_probs, mask)
         counting = masked & finite
         parts = []
+        if self._histograms or self.profile:
+            # The same abs(pa - pb) as the statistics; r and the diff are zero where a
+            # token does not count.
+            prob_actor, prob_rollout = exp(a), exp(b)
+            diff = prob_diff(prob_actor, prob_rollout, r)
         if self._histograms:
             keep = counting.flatten()
             weight = keep.to(f64)
-            # The same abs(pa - pb) as the statistics; r and the diff are zero where a
-            # token does not count.
-            values = {
-                "rollout_log_ratio_hist": r,
-                "rollout_probs_diff_hist": prob_diff(exp(a), exp(b), r),
-            }
+            values = {"rollout_log_ratio_hist": r, "rollout_probs_diff_hist": diff}
             for name, spec in self._histograms:
                 parts.append(_histogram_state(values[name].flatten(), keep, weight, spec))
         if self.worst_tokens_k:
             parts.append(
                 self._candidates(a, b, r, counting, token_ids, first_row, batch_index, rank)
             )
+        if self.profile:
+            k3 = kl_k3_tokens(prob_actor, prob_rollout, r)
+            parts.append(profile_from_tokens(a, b, r, counting, diff, k3))
         return torch.cat(parts)
 
     def _candidates(
@@ -444,7 +469,7 @@ class TokenExtras(ThreadSafeWindow):
             histograms[name] = Histogram(edges, tuple(values[offset : offset + bins]), *moments)
             offset += bins + len(_MOMENTS)
         worst = []
-        for start in range(self._worst_at, self.size, _F):
+        for start in range(self._worst_at, self._profile_at, _F):
             row = dict(zip(WORST_FIELDS, values[start : start + _F], strict=True))
             if row["abs_log_ratio"] == -math.inf:
                 continue
@@ -460,7 +485,8 @@ class TokenExtras(ThreadSafeWindow):
                     rank=int(row["rank"]),
                 )
             )
-        return ExtrasSummary(histograms, worst)
+        profile = read_profile(values[self._profile_at :]) if self.profile else None
+        return ExtrasSummary(histograms, worst, profile)
 
 
 def _histogram_state(
@@ -485,9 +511,9 @@ def _histogram_state(
 
 
 def extras_layout(
-    histograms: Sequence[tuple[str, QuarterOctaveBins]], worst_tokens_k: int
+    histograms: Sequence[tuple[str, QuarterOctaveBins]], worst_tokens_k: int, profile: bool = False
 ) -> Layout:
-    """The packed extras state: per histogram its bins and moments, then the candidates."""
+    """The packed extras state: per histogram its bins and moments, the candidates, the profile."""
     blocks = []
     for name, spec in histograms:
         bins = tuple(f"{name}[{i}]" for i in range(len(spec.edges) + 1))
@@ -499,6 +525,8 @@ def extras_layout(
         ]
     if worst_tokens_k:
         blocks.append(Block("top", WORST_FIELDS, k=worst_tokens_k, empty=_PLACEHOLDER))
+    if profile:
+        blocks += profile_blocks()
     return Layout(blocks)
 
 

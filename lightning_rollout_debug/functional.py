@@ -1,8 +1,9 @@
 """One-shot functions on tensors and batches, for use outside Lightning.
 
 The first four keep the names and call shapes of the original debug-metrics module;
-:func:`mismatch_metrics` returns the whole catalog. All of them go through
-:class:`~lightning_rollout_debug.stats.MismatchStats`.
+:func:`mismatch_metrics` returns the whole catalog and :func:`mismatch_profile` where the
+mismatch lives. All of them go through :class:`~lightning_rollout_debug.stats.MismatchStats`
+and :class:`~lightning_rollout_debug.extras.TokenExtras`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from lightning_rollout_debug.batch import (
     tensor_sources,
 )
 from lightning_rollout_debug.catalog import METRIC_NAMES, SEED_FUNCTION_NAMES, pearson_from_moments
+from lightning_rollout_debug.extras import TokenExtras, update_together
+from lightning_rollout_debug.profile import Profile
 from lightning_rollout_debug.rows import paired_moments
 from lightning_rollout_debug.stats import MismatchStats
 
@@ -28,6 +31,7 @@ __all__ = [
     "calculate_log_prob_diff",
     "calculate_token_list_diff",
     "mismatch_metrics",
+    "mismatch_profile",
     "pearson_correlation_coefficient",
 ]
 
@@ -142,10 +146,59 @@ def mismatch_metrics(
         seq_ratio_bounds=seq_ratio_bounds,
         groups=[group for group in METRIC_NAMES if with_ids or group != "token_ids"],
     )
-    stats.update(
-        rollout_log_probs, old_log_probs, response_mask, rollout_token_ids, trainer_token_ids
-    )
-    return _prefixed(stats.compute(), prefix)
+    extras = TokenExtras(histograms=False, worst_tokens_k=0, profile=True)
+    inputs = check_inputs(rollout_log_probs, old_log_probs, response_mask)
+    # On CPUs the native kernel reads the batch once for the statistics and the profile.
+    if with_ids or not update_together(stats, extras, inputs, None, batch_index=0, rank=0):
+        stats.update(
+            rollout_log_probs, old_log_probs, response_mask, rollout_token_ids, trainer_token_ids
+        )
+        extras.update(rollout_log_probs, old_log_probs, response_mask)
+    profile = extras.summary(extras.state).profile
+    return _prefixed(stats.compute(profile), prefix)
+
+
+def mismatch_profile(
+    rollout_log_probs: Tensor, old_log_probs: Tensor, response_mask: Tensor
+) -> dict[str, Any]:
+    """Where the mismatch of one batch lives: quantiles, two profiles and the joint counts.
+
+    Returns a dict of plain Python values (see ``docs/metrics.md``, "Profiles"):
+
+    * ``"quantiles"``: the quantile metrics by un-prefixed name
+      (``rollout_probs_diff_p50`` ... ``rollout_log_probs_diff_p999``);
+    * ``"by_position"``: ``{"start", "stop", "tokens", "probs_diff_mean", "kl_k3"}`` per
+      bucket of columns ``[0, 1), [1, 2), [2, 4), ...`` up to the width;
+    * ``"by_probability"``: ``{"low", "high", "tokens", "probs_diff_mean",
+      "log_probs_diff_mean"}`` per power-of-two bucket of the trainer's probability
+      ``exp(old_log_probs)``, from ``[2**-29, 2**-28)`` to ``[1/2, 1]``;
+    * ``"joint_histogram"``: ``{"edges", "counts"}``, ``counts[i][j]`` the tokens whose
+      trainer log-prob is in bin ``i`` and rollout log-prob in bin ``j``.
+
+    Means are NaN for buckets without tokens.
+
+    Example:
+        >>> import torch
+        >>> rollout = torch.log(torch.tensor([[0.6, 0.25, 0.9, 0.1]]))
+        >>> actor = torch.log(torch.tensor([[0.6, 0.20, 0.9, 0.1]]))
+        >>> profile = mismatch_profile(rollout, actor, torch.ones(1, 4))
+        >>> round(profile["quantiles"]["rollout_probs_diff_p999"], 6)
+        0.05
+        >>> [(b["start"], b["stop"], b["tokens"]) for b in profile["by_position"]]
+        [(0, 1, 1.0), (1, 2, 1.0), (2, 4, 2.0)]
+        >>> top = profile["by_probability"][-1]
+        >>> top["low"], top["high"], top["tokens"]
+        (0.5, 1.0, 2.0)
+    """
+    return _profile(rollout_log_probs, old_log_probs, response_mask).as_dict()
+
+
+def _profile(rollout_log_probs: Tensor, old_log_probs: Tensor, response_mask: Tensor) -> Profile:
+    extras = TokenExtras(histograms=False, worst_tokens_k=0, profile=True)
+    extras.update(rollout_log_probs, old_log_probs, response_mask)
+    profile = extras.summary(extras.state).profile
+    assert profile is not None
+    return profile
 
 
 def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:

@@ -23,12 +23,16 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.alerts import (
+    DEFAULT_DRIFT_BASELINE,
     AlertMonitor,
+    DriftMonitor,
     RolloutAlertError,
     RolloutAlertWarning,
     alert_problems,
+    drift_problems,
     enabled_metric_names,
     resolve_alert_ranges,
+    resolve_drift_factors,
 )
 from lightning_rollout_debug.backends import compile_problems
 from lightning_rollout_debug.batch import (
@@ -57,6 +61,7 @@ from lightning_rollout_debug.extras import (
 )
 from lightning_rollout_debug.layout import merge_states, state_problems
 from lightning_rollout_debug.packages import TENSORBOARD_LOGGERS
+from lightning_rollout_debug.profile import Profile
 from lightning_rollout_debug.ranks import Ranks, global_rank, loop_ranks, rank_in
 from lightning_rollout_debug.stats import (
     MismatchStats,
@@ -64,7 +69,7 @@ from lightning_rollout_debug.stats import (
     validate_is_threshold,
     validate_seq_ratio_bounds,
 )
-from lightning_rollout_debug.tensorboard import dashboard_layout, write_extras
+from lightning_rollout_debug.tensorboard import dashboard_layout, write_extras, write_profile
 
 POSITIVE_LOG_PROB_TOLERANCE = 1e-3
 """Log-probs above this (nats) are reported: no log-probability is above 0."""
@@ -125,11 +130,19 @@ class RolloutDebugMonitor:
             ``token_ids_keys[0]`` or ``responses``.
         dashboard_layout: with a TensorBoard logger, write a custom-scalars layout grouping
             the charts once per log directory.
+        profile_images: with a TensorBoard logger, draw where the window's mismatch lives
+            at each logged step (IMAGES tab): by response position, by trainer probability,
+            and the joint histogram of the two log-probs. :attr:`profile` holds the numbers.
         alert_ranges: allowed ``(low, high)`` per un-prefixed metric name (either bound
             ``None``); ``None`` uses ``DEFAULT_ALERT_RANGES`` and ``{}`` turns alerts off.
         on_alert: what a value outside its range does: ``"warn"`` (a warning once per
             crossing), ``"stop"`` (also sets :attr:`should_stop`, for the loop to read) or
             ``"raise"`` (:class:`~lightning_rollout_debug.RolloutAlertError`).
+        drift_factors: drift alerts: a factor (> 1) per un-prefixed metric name; a logged
+            value above factor x the metric's baseline alerts, with ``on_alert``'s action.
+            ``None`` uses ``DEFAULT_DRIFT_FACTORS`` and ``{}`` turns drift alerts off.
+        drift_baseline: how many first logged (defined) values of a metric its baseline
+            is the median of. The baseline is kept in :meth:`state_dict`.
         compile: fuse the statistics and the extras of large batches into one pass, as
             the callback's ``compile`` does; see ``docs/performance.md``.
         pad_token_id: the pad token's id: pad tokens inside the mask are counted and
@@ -177,8 +190,11 @@ class RolloutDebugMonitor:
         histograms: bool = True,
         worst_tokens_k: int = 10,
         dashboard_layout: bool = True,
+        profile_images: bool = True,
         alert_ranges: Mapping[str, tuple[float | None, float | None]] | None = None,
         on_alert: Literal["warn", "stop", "raise"] = "warn",
+        drift_factors: Mapping[str, float] | None = None,
+        drift_baseline: int = DEFAULT_DRIFT_BASELINE,
         compile: bool | None = None,
         pad_token_id: int | None = None,
     ) -> None:
@@ -197,8 +213,11 @@ class RolloutDebugMonitor:
             dashboard_layout=dashboard_layout,
             alert_ranges=alert_ranges,
             on_alert=on_alert,
+            drift_factors=drift_factors,
+            drift_baseline=drift_baseline,
             compile=compile,
             pad_token_id=pad_token_id,
+            profile_images=profile_images,
         )
         if callable(process_group):
             problems.append(
@@ -221,9 +240,12 @@ class RolloutDebugMonitor:
         self.histograms = histograms
         self.worst_tokens_k = worst_tokens_k
         self.dashboard_layout = dashboard_layout
+        self.profile_images = profile_images
         self.on_alert = on_alert
         self.pad_token_id = pad_token_id
         self.alert_ranges = resolve_alert_ranges(alert_ranges, self.groups)
+        self.drift_factors = resolve_drift_factors(drift_factors, self.groups)
+        self.drift_baseline = int(drift_baseline)
         self.should_stop = False
         self.batches_in_window = 0
         self._stats = MismatchStats(
@@ -232,12 +254,24 @@ class RolloutDebugMonitor:
             groups=self.groups,
             compile=compile,
         )
+        # The profile gives the quantiles and the pictures.
+        profile = profile_images or "quantiles" in self.groups
         self._extras = (
-            TokenExtras(histograms=histograms, worst_tokens_k=worst_tokens_k, compile=compile)
-            if histograms or worst_tokens_k
+            TokenExtras(
+                histograms=histograms,
+                worst_tokens_k=worst_tokens_k,
+                profile=profile,
+                compile=compile,
+            )
+            if histograms or worst_tokens_k or profile
             else None
         )
+        self.profile: Profile | None = None
+        """The :class:`~lightning_rollout_debug.profile.Profile` of the last logged window
+        (quantiles, by position, by probability, joint counts), if it is kept."""
+        self._partial_profile = False  # a restored window whose extras were not
         self._alerts = AlertMonitor(self.alert_ranges)
+        self._drift = DriftMonitor(self.drift_factors, self.drift_baseline)
         self._rank: int | None = None  # shown in the worst-tokens table; None: asked of torch
         self._warned: set[str] = set()
         self.diagnosed: set[str] = set()
@@ -295,7 +329,10 @@ class RolloutDebugMonitor:
         return scalars
 
     def reset(self) -> None:
-        """Start over: an empty window, no open alert episodes, ``should_stop`` cleared."""
+        """Start over: an empty window, no open alert episodes, ``should_stop`` cleared.
+
+        The drift baselines are collected again from the next logged window.
+        """
         self._begin()
 
     # ------------------------------------------------------------------ checkpoints
@@ -447,11 +484,17 @@ class RolloutDebugMonitor:
 
     # ------------------------------------------------------------------ windows
     def _begin(self, *, keep_window: bool = False, device: torch.device | None = None) -> None:
-        """Start a run: no open alert episodes; the window emptied, or kept on ``device``."""
+        """Start a run: no open alert episodes; the window emptied, or kept on ``device``.
+
+        A kept window (restored from a checkpoint) keeps its drift baselines too; otherwise
+        they are collected again.
+        """
         self._alerts.reset()
+        self._drift.reset()
         self.should_stop = False
         if not keep_window:
             self._empty_window()
+            self._drift.restart()
             self.diagnosed.clear()
         elif device is not None:
             self._stats.load_state(self._stats.state.to(device))
@@ -463,6 +506,7 @@ class RolloutDebugMonitor:
         if self._extras is not None:
             self._extras.reset()
         self.batches_in_window = 0
+        self._partial_profile = False
 
     def _merged(self, ranks: Ranks) -> tuple[MismatchStats, Tensor | None]:
         """The window merged over ``ranks``: one collective of one float64 vector.
@@ -505,9 +549,13 @@ class RolloutDebugMonitor:
     ) -> tuple[dict[str, float], dict[str, float]]:
         """Merge and log the window at ``step``, then empty it: (logged scalars, metrics)."""
         stats, extras = self._host_window(ranks)
+        # A window restored without its extras has a profile of only part of its tokens:
+        # no quantiles and no pictures for it.
+        partial = self._partial_profile
         self._empty_window()
         self._check_log_prob_signs(stats, step)
-        metrics = stats.compute()
+        self.profile = None if extras is None or partial else extras.profile
+        metrics = stats.compute(self.profile)
         self._diagnose(stats, metrics, ranks.is_global_zero)
         scalars = {
             f"{self.prefix}{name}": value
@@ -535,6 +583,8 @@ class RolloutDebugMonitor:
                 writer.add_custom_scalars(dashboard_layout(self.prefix, names))
             if extras is not None:
                 write_extras(writer, self.prefix, extras, step, show_rank=show_rank)
+            if self.profile_images and self.profile is not None:
+                write_profile(writer, self.prefix, self.profile, step)
 
     def _check_log_prob_signs(self, stats: MismatchStats, step: int) -> None:
         """Warn once per key when the window holds log-probs above 0 (read off the host copy)."""
@@ -550,25 +600,26 @@ class RolloutDebugMonitor:
                 )
 
     def _alert(self, metrics: Mapping[str, float], step: int, *, warn: bool) -> bool:
-        """Act on the metrics outside their range; whether the loop should stop.
+        """Act on the metrics outside their range or drifted; whether the loop should stop.
 
         The metrics are the same on every rank, so every rank decides the same; only
         ``warn`` ranks (rank 0) warn.
         """
-        result = self._alerts.check(metrics)
-        if not result.outside:
+        fixed, drift = self._alerts.check(metrics), self._drift.check(metrics)
+        outside = [*fixed.outside, *drift.outside]
+        if not outside:
             return False
         if self.on_alert == "raise":
-            found = "; ".join(alert.describe(self.prefix) for alert in result.outside)
+            found = "; ".join(alert.describe(self.prefix) for alert in outside)
             raise RolloutAlertError(f"{self._door.name} at step {step}: {found}.")
         stop = self.on_alert == "stop"
         self.should_stop = self.should_stop or stop
-        then = (
-            "stopping the training (on_alert='stop')"
-            if stop
-            else "warning again only after it is back in range"
-        )
-        for alert in result.new if warn else ():
+        for alert in [*fixed.new, *drift.new] if warn else ():
+            then = (
+                "stopping the training (on_alert='stop')"
+                if stop
+                else f"warning again only after it is {alert.back}"
+            )
             warnings.warn(
                 f"{self._door.name} at step {step}: {alert.describe(self.prefix)}; {then}.",
                 RolloutAlertWarning,
@@ -599,11 +650,13 @@ class RolloutDebugMonitor:
             "batches_in_window": self.batches_in_window,
             "extras_window": None if extras is None else extras.detach().cpu().clone(),
             "config": dict(config),
+            "drift": self._drift.state(),
         }
 
     def _load(self, state_dict: Any, config: Mapping[str, Any]) -> bool:
         """Restore a window of :meth:`_saved` (see :meth:`load_state_dict`); whether it was."""
         self._empty_window()
+        self._drift.restart()
         problems = _checkpoint_problems(state_dict) or state_problems(state_dict["window"])
         if problems:
             self._reject_checkpoint(problems, "the window starts empty")
@@ -621,7 +674,11 @@ class RolloutDebugMonitor:
             if not isinstance(extras, Tensor) or extras.shape == (self._extras.size,):
                 self._reject_checkpoint(problems, "the histograms and worst tokens start empty")
             extras = None  # else saved with other histograms or another k: those start empty
+        self._load_drift(state_dict.get("drift"))
         self.batches_in_window = state_dict.get("batches_in_window", 0)
+        window_tokens = float(state_dict["window"][0])  # the count slot comes first
+        profiled = self._extras is not None and self._extras.profile
+        self._partial_profile = profiled and extras is None and window_tokens > 0
         if rank_in(self.process_group, global_rank()) == 0:
             # The state holds the window of all ranks (of the process group) merged: the
             # first rank (of each group: they hold the same tokens) alone carries it on.
@@ -629,6 +686,21 @@ class RolloutDebugMonitor:
             if self._extras is not None and extras is not None:
                 self._extras.load_state(extras)
         return True
+
+    def _load_drift(self, state: Any) -> None:
+        """Continue the drift baselines of a checkpoint (none saved: they are collected)."""
+        if state is None:
+            return
+        if problems := DriftMonitor.state_problems(state):
+            self._reject_checkpoint(problems, "the drift baselines are collected again")
+            return
+        if again := self._drift.load_state(state):
+            self._warn_on_rank_zero(
+                f"{self._door.name}: the checkpoint's drift baselines are the median of "
+                f"{state['baseline_windows']} logged values, fewer than "
+                f"drift_baseline={self.drift_baseline}; the baselines of {again} are "
+                "collected again."
+            )
 
     def _reject_checkpoint(self, problems: Sequence[str], consequence: str) -> None:
         message = (
@@ -663,10 +735,15 @@ def monitor_problems(
     alert_ranges: Any,
     on_alert: Any,
     compile: Any,
+    drift_factors: Any = None,
+    drift_baseline: Any = DEFAULT_DRIFT_BASELINE,
     pad_token_id: Any = None,
+    profile_images: Any = True,
 ) -> list[str]:
     """What is wrong with the monitor's arguments, one line per problem (empty if nothing)."""
     problems = []
+    if not isinstance(profile_images, bool):
+        problems.append(f"`profile_images` must be True or False, got {profile_images!r}.")
     for name, value in (
         ("rollout_log_probs_key", rollout_log_probs_key),
         ("old_log_probs_key", old_log_probs_key),
@@ -701,7 +778,9 @@ def monitor_problems(
     problems += extras_problems(
         histograms=histograms, worst_tokens_k=worst_tokens_k, dashboard_layout=dashboard_layout
     )
-    problems += alert_problems(alert_ranges, on_alert, enabled_groups(groups, token_ids_keys))
+    enabled = enabled_groups(groups, token_ids_keys)
+    problems += alert_problems(alert_ranges, on_alert, enabled)
+    problems += drift_problems(drift_factors, drift_baseline, enabled)
     problems += compile_problems(compile)
     if pad_token_id is not None and (
         isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral)

@@ -112,6 +112,8 @@ ROWS_OF_GROUP: dict[str, tuple[str, ...]] = {
     # Rollout log-probs of exactly 0, and the log-probs' moments at neighbouring positions.
     "health": HEALTH_SUMS,
     "token_ids": (),
+    # From the profile of the extras (lightning_rollout_debug.profile), not from rows.
+    "quantiles": (),
 }
 """The row quantities (of :data:`ROW_FIELDS`) each metric group needs, besides the token
 counts and the largest log-probs that every update keeps."""
@@ -371,6 +373,17 @@ def prob_diff(prob_actor: Tensor, prob_rollout: Tensor, r: Tensor) -> Tensor:
     """
     close = r.abs() < 0.5
     return torch.where(close, prob_rollout * _expm1_near_zero(r), prob_actor - prob_rollout).abs()
+
+
+def kl_k3_tokens(prob_actor: Tensor, prob_rollout: Tensor, r: Tensor) -> Tensor:
+    """Each token's ``k3 = rho - 1 - r``, from ``pa``, ``pb`` and ``r`` as in :func:`row_sums`.
+
+    Near ``r = 0`` the series of ``e^r - 1 - r``; farther out ``rho = pa / pb`` clamped
+    like ``r``. No cancellation either way.
+    """
+    near_zero = r.abs() < 0.5
+    far = (prob_actor / prob_rollout).clamp(_RATIO_MIN, _RATIO_MAX)
+    return torch.where(near_zero, r * r * _exp_tail(r), (far - 1.0) - r)
 
 
 def pad_slots(mask: Tensor, token_ids: Tensor, pad_token_id: int) -> dict[str, Tensor]:

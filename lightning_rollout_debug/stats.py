@@ -25,6 +25,7 @@ from lightning_rollout_debug.backends import compile_problems, statistics_states
 from lightning_rollout_debug.batch import check_inputs
 from lightning_rollout_debug.catalog import GROUPS, METRIC_NAMES, metrics_from_state
 from lightning_rollout_debug.layout import STATE, STATE_SIZE, identity_state, merge_states
+from lightning_rollout_debug.profile import Profile
 from lightning_rollout_debug.rows import pad_slots
 
 _PENDING = 32
@@ -138,8 +139,9 @@ class MismatchStats(ThreadSafeWindow):
             ``rho < 1/C`` as low. Must be greater than 1.
         seq_ratio_bounds: ``(lo, hi)`` with ``0 < lo <= 1 <= hi``: a sequence whose
             geometric-mean ratio falls outside counts in ``rollout_seq_frac_outside``.
-        groups: the metric groups to compute, a subset of :data:`GROUPS`
-            (default: all). Leaving groups out skips their arithmetic.
+        groups: the metric groups to compute, a subset of :data:`GROUPS` (default: all
+            but ``"quantiles"``, which come from a profile: see :meth:`compute`).
+            Leaving groups out skips their arithmetic.
         compile: fuse an update into one pass: on CPUs with float32 or bfloat16
             log-probs the package's native kernel (built on first use with the system
             C++ compiler), on accelerators ``torch.compile``. ``None`` (the default)
@@ -173,7 +175,7 @@ class MismatchStats(ThreadSafeWindow):
     ) -> None:
         self.is_threshold = validate_is_threshold(is_threshold)
         self.seq_ratio_bounds = validate_seq_ratio_bounds(seq_ratio_bounds)
-        self.groups = validate_groups(groups)
+        self.groups = validate_groups(groups) - ({"quantiles"} if groups is None else set())
         for problem in compile_problems(compile):
             raise ValueError(problem)
         if chunk_tokens is not None and (
@@ -288,17 +290,20 @@ class MismatchStats(ThreadSafeWindow):
         self._add([STATE.pack(pad_slots(mask, token_ids, pad_token_id))], mask.device)
 
     # ---------------------------------------------------------------- compute
-    def compute(self) -> dict[str, float]:
+    def compute(self, profile: Profile | None = None) -> dict[str, float]:
         """Return every metric of the enabled groups as Python floats (NaN if undefined).
 
-        One device-to-host copy of the packed state; the rest is host arithmetic.
+        One device-to-host copy of the packed state; the rest is host arithmetic. The
+        quantiles come from the window's ``profile`` (kept by
+        :class:`~lightning_rollout_debug.extras.TokenExtras`): without one they are left
+        out.
         """
         values = self.state.tolist()
-        metrics = metrics_from_state(values)
+        metrics = metrics_from_state(values, profile)
         return {
             name: metrics[name]
             for group in GROUPS
-            if group in self.groups
+            if group in self.groups and (profile is not None or group != "quantiles")
             for name in METRIC_NAMES[group]
         }
 

@@ -1,20 +1,25 @@
-"""TensorBoard writers: the extras' histograms and worst tokens, and the dashboard layout.
+"""TensorBoard writers: the extras' histograms, worst tokens and profile pictures, the layout.
 
 The scalars reach TensorBoard through the Lightning loggers; what only a
 ``SummaryWriter`` can show is written here, from a window's host summary
 (:class:`~lightning_rollout_debug.extras.ExtrasSummary`): histograms with the fixed bins
-of :mod:`.extras`, a markdown table of the worst tokens, and the custom-scalars layout
-of the catalog's :data:`~lightning_rollout_debug.catalog.DASHBOARD`.
+of :mod:`.extras`, a markdown table of the worst tokens, the pictures of the profile
+(:mod:`.pictures`), and the custom-scalars layout of the catalog's
+:data:`~lightning_rollout_debug.catalog.DASHBOARD`.
 """
 
 from __future__ import annotations
 
+import importlib
 import re
+import sys
 from collections.abc import Collection, Sequence
 from typing import Any
 
 from lightning_rollout_debug.catalog import DASHBOARD
 from lightning_rollout_debug.extras import ExtrasSummary, WorstToken
+from lightning_rollout_debug.pictures import HEIGHT, PICTURES, WIDTH, profile_pictures, profile_pngs
+from lightning_rollout_debug.profile import Profile
 
 WORST_TOKENS_TAG = "rollout_worst_tokens"
 """Un-prefixed TensorBoard tag of the worst-tokens table."""
@@ -25,6 +30,13 @@ WORST_TOKENS_CAPTION = (
     "logged step); *row*, *position*: the token's place in that batch's [B, T] tensors."
 )
 """First paragraph of the worst-tokens text, above the table."""
+
+PROFILE_IMAGE_TAG = "rollout_profile"
+"""Un-prefixed TensorBoard tag group of the profile pictures."""
+
+PROFILE_IMAGE_TAGS: tuple[str, ...] = tuple(f"{PROFILE_IMAGE_TAG}/{name}" for name, _ in PICTURES)
+"""Un-prefixed TensorBoard tags of the profile pictures: ``rollout_profile/by_position``,
+``rollout_profile/by_probability`` and ``rollout_profile/joint``."""
 
 
 def write_extras(
@@ -56,6 +68,88 @@ def write_extras(
     if summary.worst_tokens:
         table = worst_tokens_markdown(summary.worst_tokens, show_rank=show_rank)
         writer.add_text(f"{prefix}{WORST_TOKENS_TAG}", f"{WORST_TOKENS_CAPTION}\n\n{table}", step)
+
+
+# A SummaryWriter's module, and the module of the Summary protobuf its file writer takes:
+# torch's takes TensorBoard's protobufs, tensorboardX its own copy of them (same fields).
+_SUMMARY_PROTOS = (
+    ("torch.utils.tensorboard", "tensorboard.compat.proto.summary_pb2"),
+    ("tensorboardX", "tensorboardX.proto.summary_pb2"),
+)
+
+
+def _summary_class(writer: Any) -> Any:
+    """The ``Summary`` protobuf class ``writer._get_file_writer().add_summary`` takes.
+
+    ``None`` for a writer other than torch's or tensorboardX's ``SummaryWriter`` (or a
+    subclass of theirs that keeps their ``add_image``), or one without ``_get_file_writer``.
+    """
+    if not callable(getattr(writer, "_get_file_writer", None)):
+        return None
+    for writer_module, proto_module in _SUMMARY_PROTOS:
+        module = sys.modules.get(writer_module)
+        if (
+            module is not None
+            and isinstance(writer, module.SummaryWriter)
+            and type(writer).add_image is module.SummaryWriter.add_image
+        ):
+            return importlib.import_module(proto_module).Summary
+    return None
+
+
+def write_profile(writer: Any, prefix: str, profile: Profile | None, step: int) -> None:
+    """Write a window's profile pictures (:mod:`.pictures`) with a ``SummaryWriter``.
+
+    Each picture is an image summary under ``{prefix}rollout_profile/{name}``
+    (:data:`PROFILE_IMAGE_TAGS`), the kind ``add_image`` writes, with the picture's palette
+    PNG (:func:`~lightning_rollout_debug.pictures.profile_pngs`) as its encoded image. With
+    torch's or tensorboardX's ``SummaryWriter`` the PNG goes into the event file as it is;
+    any other writer (a subclass with its own ``add_image`` included) gets
+    ``add_image(tag, rgb_array, step, dataformats="HWC")``, which encodes the picture again.
+    Nothing is written for an empty window (or without a profile).
+
+    Example:
+        >>> import tempfile
+        >>> import torch
+        >>> from torch.utils.tensorboard import SummaryWriter
+        >>> from lightning_rollout_debug.extras import TokenExtras
+        >>> extras = TokenExtras(histograms=False, worst_tokens_k=0, profile=True,
+        ...                      compile=False)
+        >>> old = torch.log(torch.rand(4, 64, generator=torch.Generator().manual_seed(0)))
+        >>> extras.update(old + 0.01, old, torch.ones(4, 64))
+        >>> with tempfile.TemporaryDirectory() as logdir:
+        ...     writer = SummaryWriter(logdir)
+        ...     write_profile(writer, "training/", extras.summary(extras.state).profile, 3)
+        ...     writer.close()
+        >>> PROFILE_IMAGE_TAGS
+        ('rollout_profile/by_position', 'rollout_profile/by_probability', 'rollout_profile/joint')
+    """
+    summary_class = _summary_class(writer)
+    if summary_class is None:
+        # The public API: add_image converts the RGB array and encodes an RGB PNG itself.
+        for name, picture in profile_pictures(profile).items():
+            writer.add_image(
+                f"{prefix}{PROFILE_IMAGE_TAG}/{name}", picture, step, dataformats="HWC"
+            )
+        return
+    pngs = profile_pngs(profile)
+    if not pngs:
+        return
+    # What add_image does after encoding, through the same private API: a Summary value
+    # with the image (no plugin metadata), wrapped in an event by the file writer;
+    # tensorboardX's add_image also hands the PNG to its Comet logger.
+    file_writer = writer._get_file_writer()
+    comet_logger = getattr(writer, "_get_comet_logger", None)
+    for name, png in pngs.items():
+        tag = f"{prefix}{PROFILE_IMAGE_TAG}/{name}"
+        image = summary_class.Image(
+            height=HEIGHT, width=WIDTH, colorspace=3, encoded_image_string=png
+        )
+        file_writer.add_summary(
+            summary_class(value=[summary_class.Value(tag=tag, image=image)]), step
+        )
+        if comet_logger is not None:
+            comet_logger().log_image_encoded(png, tag, step=step)
 
 
 def worst_tokens_markdown(tokens: Sequence[WorstToken], *, show_rank: bool = False) -> str:

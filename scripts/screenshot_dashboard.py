@@ -4,8 +4,8 @@
    bfloat16 rollout engine, and the same with stale weights, ``--weight-sync-every 4``),
    so every chart compares a small mismatch with a large one.
 2. Starts ``tensorboard --logdir ... --host 127.0.0.1`` and waits until it serves the runs.
-3. Takes PNG screenshots of the custom-scalars, histograms and text pages with headless
-   Chromium (``apt-get install chromium``).
+3. Takes PNG screenshots of the custom-scalars, histograms, text and images pages with
+   headless Chromium (``apt-get install chromium``).
 4. Stops TensorBoard.
 
     python scripts/screenshot_dashboard.py [--out docs/images] [--max-steps 30]
@@ -34,7 +34,10 @@ PAGES = {
     "tensorboard_custom_scalars.png": "custom_scalars",
     "tensorboard_histograms.png": "histograms",
     "tensorboard_worst_tokens.png": "text",
+    "tensorboard_profiles.png": "images",
 }
+TALL_PAGES = {"tensorboard_profiles.png": 1420}
+"""Window heights of the pages whose cards do not fit the default window."""
 CHROMIUM_FLAGS = [
     "--headless",
     "--no-sandbox",
@@ -120,7 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         wait_for_tensorboard(url, runs=len(RUNS))
         for name, page in PAGES.items():
-            screenshot(chromium, f"{url}/#{page}", args.out / name, args.window_size, args.wait_ms)
+            size = args.window_size
+            if name in TALL_PAGES:
+                size = f"{size.split(',')[0]},{TALL_PAGES[name]}"
+            screenshot(chromium, f"{url}/#{page}", args.out / name, size, args.wait_ms)
     finally:
         server.terminate()
         try:

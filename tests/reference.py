@@ -75,8 +75,24 @@ NAMES: dict[str, tuple[str, ...]] = {
         "rollout_zero_log_prob_tokens",
     ),
     "token_ids": ("rollout_token_diff_count", "rollout_token_diff_seq_frac"),
+    "quantiles": (
+        "rollout_probs_diff_p50",
+        "rollout_probs_diff_p90",
+        "rollout_probs_diff_p99",
+        "rollout_probs_diff_p999",
+        "rollout_log_probs_diff_p50",
+        "rollout_log_probs_diff_p90",
+        "rollout_log_probs_diff_p99",
+        "rollout_log_probs_diff_p999",
+    ),
 }
 """The catalog, group by group, copied from METRICS.md and docs/metrics.md."""
+
+QUANTILE_RTOL = 0.03
+"""The quantiles' promised relative error, where the value is at least :data:`QUANTILE_FLOOR`."""
+QUANTILE_FLOOR = 1e-8
+QUANTILE_TOPS = {"rollout_probs_diff": 2.0, "rollout_log_probs_diff": 32.0}
+"""Where the quantiles' bins end (docs/metrics.md)."""
 
 SEED_FUNCTION_NAMES: tuple[str, ...] = NAMES["seed"][:5]
 """What the original ``calculate_debug_metrics`` returns: the seed group without
@@ -315,6 +331,15 @@ def reference_metrics(
         # token-id group
         "rollout_token_diff_count": float(id_diff) if ids_seen else nan,
         "rollout_token_diff_seq_frac": id_diff_rows / id_rows if ids_seen and id_rows else nan,
+        # quantiles group
+        **{
+            f"{stem}_p{label}": quantile(values, per_mille)
+            for stem, values in (
+                ("rollout_probs_diff", prob_diff),
+                ("rollout_log_probs_diff", abs_r),
+            )
+            for label, per_mille in (("50", 500), ("90", 900), ("99", 990), ("999", 999))
+        },
     }
     assert tuple(values) == ALL_NAMES
     out = Reference(values)
@@ -324,6 +349,34 @@ def reference_metrics(
     out.lags = lags
     out.lag_sides = lag_sides(a, b, pairs_prev, pairs_next)
     return out
+
+
+def quantile(values: np.ndarray, per_mille: int) -> float:
+    """The inverted-CDF quantile: the smallest ``v`` with at least ``q N`` values ``<= v``.
+
+    ``q = per_mille / 1000``, so ``ceil(q N)`` is computed exactly in integers.
+    """
+    n = values.size
+    if n == 0:
+        return math.nan
+    rank = -(-per_mille * n // 1000)
+    return float(np.sort(values)[rank - 1])
+
+
+def quantile_close(got: float, want: float, name: str = "") -> bool:
+    """Within the promise: 3% where the value is at least 1e-8, exactly 0 for 0.
+
+    Above the top of the bins (2 for ``|pa - pb|``, 32 nats for ``|a - b|``: reached only
+    by positive "log-probs") a quantile is only known to lie above the top.
+    """
+    top = QUANTILE_TOPS.get(name.rpartition("_")[0], math.inf)
+    if want >= top:
+        return got >= top
+    if want == 0.0:
+        return got == 0.0
+    if want < QUANTILE_FLOOR:
+        return 0.0 <= got <= QUANTILE_FLOOR * (1 + QUANTILE_RTOL)
+    return abs(got - want) <= QUANTILE_RTOL * want
 
 
 def lag_correlations(
@@ -434,9 +487,13 @@ def metric_atol(name: str, want: Reference) -> float:
 def assert_metrics_close(got: Mapping[str, float], want: Reference, *, prefix: str = "") -> None:
     """Assert ``got`` has exactly the (prefixed) names of ``want``, each value close to it.
 
-    NaN must match NaN; Pearson and ``1 -`` it use :func:`assert_pearson_close`; everything else
-    ``|got - want| <= metric_atol + RTOL * |want|``.
+    NaN must match NaN; Pearson and ``1 -`` it use :func:`assert_pearson_close`; quantiles
+    :func:`quantile_close`; everything else ``|got - want| <= metric_atol + RTOL * |want|``.
+    The quantiles come from a window's profile: when ``got`` has none of them (a
+    ``MismatchStats`` without a profile), they are not expected.
     """
+    if not any(prefix + name in got for name in NAMES["quantiles"]):
+        want = want.select([name for name in want if name not in NAMES["quantiles"]])
     expected = [prefix + name for name in want]
     assert sorted(got) == sorted(expected), (
         f"names differ: extra {sorted(set(got) - set(expected))}, "
@@ -460,6 +517,10 @@ def assert_metrics_close(got: Mapping[str, float], want: Reference, *, prefix: s
             continue
         if name == "rollout_alignment_lag":
             continue
+        if name in NAMES["quantiles"] and not (math.isnan(value) or math.isnan(actual)):
+            if not quantile_close(actual, value, name):
+                failures.append(f"{key}: got {actual!r}, want {value!r} (rtol {QUANTILE_RTOL})")
+            continue
         if math.isnan(value) or math.isnan(actual):
             if not (math.isnan(value) and math.isnan(actual)):
                 failures.append(f"{key}: got {actual!r}, want {value!r}")
@@ -471,3 +532,131 @@ def assert_metrics_close(got: Mapping[str, float], want: Reference, *, prefix: s
                 f"(diff {abs(actual - value):.3g}, atol {atol:.3g}, rtol {RTOL})"
             )
     assert not failures, "metrics differ from the reference:\n  " + "\n  ".join(failures)
+
+
+# ---------------------------------------------------------------------- profiles
+# The profiles of docs/metrics.md, with their bucket edges recomputed from the formulas.
+LN2 = math.log(2.0)
+# The joint histogram: bins of -log p, four per octave from 2**-10 to 2**5.
+SURPRISAL_EDGES = np.array([2.0 ** (-10 + j // 4) * (1 + (j % 4) / 4) for j in range(61)])
+LOG_PROB_EDGES = -SURPRISAL_EDGES[::-1]
+POSITION_BUCKETS = 24
+PROBABILITY_BUCKETS = 29
+
+
+def tokens_of(batches: Sequence[dict[str, torch.Tensor]]) -> dict[str, np.ndarray]:
+    """Counting tokens of all batches in float64: a, b, their column and the batch width."""
+    a_all, b_all, columns = [], [], []
+    for data in batches:
+        a = np.maximum(to_numpy(data["old_log_probs"]), FLOOR)
+        b = np.maximum(to_numpy(data["rollout_log_probs"]), FLOOR)
+        keep = (to_numpy(data["response_mask"]) != 0) & np.isfinite(a) & np.isfinite(b)
+        a_all.append(a[keep])
+        b_all.append(b[keep])
+        columns.append(np.nonzero(keep)[1])
+    return {
+        "a": np.concatenate(a_all),
+        "b": np.concatenate(b_all),
+        "column": np.concatenate(columns),
+        "width": max(data["response_mask"].shape[1] for data in batches),
+    }
+
+
+def reference_profile(batches: Sequence[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """The profile of the definitions, plus each probability bucket's ambiguous tokens."""
+    t = tokens_of(batches)
+    a, b = t["a"], t["b"]
+    r = a - b
+    pa, pb = np.exp(a), np.exp(b)
+    diff, log_diff = np.abs(pa - pb), np.abs(r)
+    k3 = np.expm1(np.clip(r, -20, 20)) - r
+    position = np.where(t["column"] == 0, 0, np.floor(np.log2(np.maximum(t["column"], 1))) + 1)
+    position = np.minimum(position, POSITION_BUCKETS - 1).astype(int)
+    by_position = []
+    for i in range(POSITION_BUCKETS):
+        start = 0 if i == 0 else 2 ** (i - 1)
+        if start >= t["width"]:
+            break
+        stop = t["width"] if i == POSITION_BUCKETS - 1 else min(2**i, t["width"])
+        here = position == i
+        by_position.append(
+            {
+                "start": start,
+                "stop": stop,
+                "tokens": float(here.sum()),
+                "probs_diff_mean": _mean(diff[here]),
+                "kl_k3": _mean(k3[here]),
+            }
+        )
+    halvings = -a / LN2  # pa in [2**-(k+1), 2**-k) for k = floor of it
+    k = np.clip(np.floor(halvings), 0, PROBABILITY_BUCKETS - 1).astype(int)
+    near_edge = np.abs(halvings - np.round(halvings)) < 1e-5
+    by_probability = []
+    for i in range(PROBABILITY_BUCKETS):
+        here = k == PROBABILITY_BUCKETS - 1 - i
+        by_probability.append(
+            {
+                "low": 2.0 ** (i - PROBABILITY_BUCKETS),
+                "high": 2.0 ** (i + 1 - PROBABILITY_BUCKETS),
+                "tokens": float(here.sum()),
+                "probs_diff_mean": _mean(diff[here]),
+                "log_probs_diff_mean": _mean(log_diff[here]),
+                "ambiguous": int((here & near_edge).sum()),
+            }
+        )
+    side = len(LOG_PROB_EDGES) + 1
+    # Bins of the log-prob closed on the right: (edges[i-1], edges[i]].
+    rows = np.searchsorted(LOG_PROB_EDGES, a, side="left")
+    columns = np.searchsorted(LOG_PROB_EDGES, b, side="left")
+    joint = np.zeros((side, side))
+    np.add.at(joint, (rows, columns), 1.0)
+    quantiles = {
+        f"{stem}_{suffix}": quantile(values, per_mille)
+        for stem, values in (("rollout_probs_diff", diff), ("rollout_log_probs_diff", log_diff))
+        for suffix, per_mille in (("p50", 500), ("p90", 900), ("p99", 990), ("p999", 999))
+    }
+    return {
+        "quantiles": quantiles,
+        "by_position": by_position,
+        "by_probability": by_probability,
+        "joint": joint,
+    }
+
+
+def _profile_close(got: float, want: float, rtol: float = 2e-5, atol: float = 1e-9) -> bool:
+    if math.isnan(want):
+        return math.isnan(got)
+    return abs(got - want) <= atol + rtol * abs(want)
+
+
+def assert_profile(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """``got`` (``mismatch_profile``'s dict) against :func:`reference_profile`."""
+    assert set(got["quantiles"]) == set(NAMES["quantiles"])
+    for name, value in want["quantiles"].items():
+        assert quantile_close(got["quantiles"][name], value), (name, got["quantiles"][name], value)
+    assert len(got["by_position"]) == len(want["by_position"])
+    for mine, theirs in zip(got["by_position"], want["by_position"], strict=True):
+        assert (mine["start"], mine["stop"], mine["tokens"]) == (
+            theirs["start"],
+            theirs["stop"],
+            theirs["tokens"],
+        )
+        assert _profile_close(mine["probs_diff_mean"], theirs["probs_diff_mean"]), (mine, theirs)
+        assert _profile_close(mine["kl_k3"], theirs["kl_k3"], atol=1e-8), (mine, theirs)
+    moved = 0
+    for mine, theirs in zip(got["by_probability"], want["by_probability"], strict=True):
+        assert (mine["low"], mine["high"]) == (theirs["low"], theirs["high"])
+        # A trainer log-prob within rounding of a bucket edge may sit on either side.
+        assert abs(mine["tokens"] - theirs["tokens"]) <= theirs["ambiguous"] + moved, mine
+        moved = int(abs(mine["tokens"] - theirs["tokens"]))
+        if mine["tokens"] == theirs["tokens"] and not theirs["ambiguous"]:
+            assert _profile_close(mine["probs_diff_mean"], theirs["probs_diff_mean"]), (
+                mine,
+                theirs,
+            )
+            assert _profile_close(mine["log_probs_diff_mean"], theirs["log_probs_diff_mean"]), mine
+    assert sum(b["tokens"] for b in got["by_probability"]) == sum(
+        b["tokens"] for b in want["by_probability"]
+    )
+    np.testing.assert_array_equal(got["joint_histogram"]["edges"], LOG_PROB_EDGES)
+    np.testing.assert_array_equal(np.array(got["joint_histogram"]["counts"]), want["joint"])

@@ -741,10 +741,15 @@ def test_docs_state_the_size_of_the_collective() -> None:
     from lightning_rollout_debug.extras import TokenExtras
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
-    extras = TokenExtras(histograms=True, worst_tokens_k=10).size
+    extras = TokenExtras(histograms=True, worst_tokens_k=10, profile=True).size
     assert f"`STATE_SIZE = {STATE_SIZE}` values, **{STATE_SIZE * 8} bytes per rank**" in text
-    assert f"{STATE_SIZE + extras} values or {(STATE_SIZE + extras) * 8:,} bytes per rank" in text
-    # ... for the defaults: histograms on and the 10 worst tokens.
+    assert f"{STATE_SIZE + extras:,} values or {(STATE_SIZE + extras) * 8:,} bytes" in text
+    # ... for the defaults: histograms on, the 10 worst tokens and the profile.
     parameters = inspect.signature(RolloutDebugCallback).parameters
     assert parameters["histograms"].default is True
     assert parameters["worst_tokens_k"].default == 10
+    assert parameters["profile_images"].default is True
+    assert RolloutDebugCallback().monitor._extras.size == extras  # type: ignore[union-attr]
+    # ... and without the profile.
+    extras = TokenExtras(histograms=True, worst_tokens_k=10).size
+    assert f"{STATE_SIZE + extras} values or {(STATE_SIZE + extras) * 8:,} bytes" in text

@@ -129,3 +129,27 @@ def test_the_command_line_answers_before_the_heavy_imports(flags: list[str]) -> 
         assert "--weight-sync-every must be at least 1" in result.stderr
     heavy = sorted(name for name in imported if name.split(".")[0] in HEAVY_MODULES)
     assert not heavy, f"{' '.join(flags)} imported {heavy[:5]}"
+
+
+def test_a_sync_that_stops_drifts_and_draws_the_profile(
+    example: ModuleType, tmp_path: Path
+) -> None:
+    """The faulty-sync run: the mismatch creeps up and the drift alert names it."""
+    from lightning_rollout_debug import RolloutAlertWarning
+
+    flags = ["--sync-stops-at", "12", "--max-steps", "30", "--logdir", str(tmp_path)]
+    with pytest.warns(RolloutAlertWarning) as caught:
+        log_dir = example.main(flags)
+    drifts = [str(w.message) for w in caught if "drifted above" in str(w.message)]
+    assert drifts and all(w.filename.endswith(".py") for w in caught)
+    scalars = read_scalars(log_dir)
+    early = sorted(scalars[PROBS_DIFF].items())[:10]
+    baseline = sorted(value for _, value in early)[4:6]
+    assert max(scalars[PROBS_DIFF].values()) > 2 * min(baseline)
+    assert "training/rollout_probs_diff_p99" in scalars
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"images": 0})
+    accumulator.Reload()
+    tags = accumulator.Tags()["images"]
+    for kind in ("by_position", "by_probability", "joint"):
+        (tag,) = [tag for tag in tags if kind in tag]
+        assert [event.step for event in accumulator.Images(tag)] == list(range(30))

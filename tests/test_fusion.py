@@ -70,7 +70,10 @@ def test_compiled_update_matches_eager_and_reference(dtype: torch.dtype, fused_p
         rollout_ids=[tensors[3], tensors[3][:40, :300]],
         trainer_ids=[tensors[4], tensors[4][:40, :300]],
     )
-    assert set(fused.compute()) == {name for group in GROUPS for name in METRIC_NAMES[group]}
+    # Every metric but the quantiles, which come from a profile (test_profile.py).
+    assert set(fused.compute()) == {
+        name for group in GROUPS if group != "quantiles" for name in METRIC_NAMES[group]
+    }
     assert_metrics_close(fused.compute(), want)
     assert_metrics_close(eager.compute(), want)
 

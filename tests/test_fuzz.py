@@ -52,7 +52,7 @@ ROLLOUT, OLD, MASK = "rollout_log_probs", "old_log_probs", "response_mask"
 ATTENTION, RESPONSES = "attention_mask", "responses"
 ROLES = (ROLLOUT, OLD, MASK)
 PREFIX = "training/"
-DEFAULT_GROUPS = ("seed", "log_space", "kl", "importance_ratio", "sequence", "health")
+DEFAULT_GROUPS = ("seed", "log_space", "kl", "importance_ratio", "sequence", "health", "quantiles")
 
 # The documented dtypes, written out here rather than imported from the package.
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -388,7 +388,8 @@ def test_extraction_and_callback_update_take_any_batch(drawn: list[FuzzBatch]) -
         assert len(skipped) <= int(verdict.fallback)  # only the no-mask notice, once
     want = reference_over(accepted)
     assert_metrics_close(stats.compute(), want)
-    assert_metrics_close(completed(callback._stats.compute()), want.select(DEFAULT_NAMES))
+    profile = callback._extras.summary(callback._extras.state).profile
+    assert_metrics_close(completed(callback._stats.compute(profile)), want.select(DEFAULT_NAMES))
     for state in (stats.state, callback._stats.state, callback._extras.state):
         assert state.grad_fn is None and not state.requires_grad
 

@@ -28,7 +28,14 @@ from lightning_helpers import (
     make_batches,
     read_scalars,
 )
-from reference import NAMES, Reference, assert_metrics_close, reference_metrics
+from reference import (
+    NAMES,
+    Reference,
+    assert_metrics_close,
+    assert_profile,
+    reference_metrics,
+    reference_profile,
+)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_stats import OpRecorder, host_syncs
 
@@ -391,6 +398,7 @@ def _fabric_rank(
         monitor.update(mine[0])
         monitor.update(mine[1])
         first = monitor.log(1, fabric=fabric)
+        profiles = [monitor.profile.as_dict()]  # type: ignore[union-attr]
         monitor.update(mine[2])
         fabric.save(Path(out, "checkpoint.pt"), {"monitor": monitor})  # merges both windows
         restored = RolloutDebugMonitor(worst_tokens_k=4, alert_ranges={})
@@ -398,9 +406,10 @@ def _fabric_rank(
         carried = restored.batches_in_window
         restored.update(mine[3])
         second = restored.log(3)  # over the default process group, to no logger
+        profiles.append(restored.profile.as_dict())  # type: ignore[union-attr]
         logger.finalize("success")
         Path(out, f"rank{rank}.json").write_text(
-            json.dumps({"first": first, "second": second, "carried": carried})
+            json.dumps({"first": first, "second": second, "carried": carried, "profiles": profiles})
         )
     finally:
         torch.distributed.destroy_process_group()  # see ReleaseProcessGroups
@@ -423,10 +432,12 @@ def test_two_fabric_processes_merge_exactly(tmp_path: Path, package: str) -> Non
     results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in (0, 1)]
     # Rank r trains on batches r, r + 2, ...: the first window holds batches 0-3, the
     # second the restored batches 4, 5 (carried by rank 0 alone) and 6, 7.
-    for name, window in (("first", batches[:4]), ("second", batches[4:])):
+    for index, (name, window) in enumerate((("first", batches[:4]), ("second", batches[4:]))):
         want = expected(window_reference(window), default_groups())
         for result in results:
             assert_metrics_close(unprefixed(result[name]), want)
+            # Quantiles, profiles and joint counts over the tokens of both ranks.
+            assert_profile(result["profiles"][index], reference_profile(window))
         assert results[0][name] == results[1][name]
     assert [result["carried"] for result in results] == [1, 1]
     log_dir = tmp_path / "tb" / "version_0"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 
 import numpy as np
@@ -19,7 +20,15 @@ from lightning_rollout_debug import (
     RolloutDebugCallback,
     native,
 )
+from lightning_rollout_debug.batch import check_inputs
 from lightning_rollout_debug.extras import TokenExtras, WorstToken
+from lightning_rollout_debug.layout import Block
+from lightning_rollout_debug.profile import (
+    POSITION_BUCKETS,
+    PROBABILITY_BUCKETS,
+    PROFILE_SIZE,
+    profile_blocks,
+)
 from lightning_rollout_debug.rows import ROW_FIELDS, row_sums, rows_for
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler here")
@@ -273,3 +282,210 @@ def test_the_callback_reads_a_cpu_batch_once(
     )
     names = [name for group in callback.groups for name in METRIC_NAMES[group]]
     assert_metrics_close(logger.catalog()[2], want.select(names))
+
+
+# ---------------------------------------------------------------------- the profile
+def _profile_parts(block: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A profile block cut into its parts, by the stem of their slots' names."""
+    stems = [name.split("[", 1)[0] for part in profile_blocks() for name in part.names]
+    assert len(stems) == len(block) == PROFILE_SIZE
+    parts: dict[str, list[float]] = {}
+    for stem, value in zip(stems, block.tolist(), strict=True):
+        parts.setdefault(stem, []).append(value)
+    return {stem: torch.tensor(values, dtype=torch.float64) for stem, values in parts.items()}
+
+
+def _profile_of(extras: TokenExtras) -> dict[str, torch.Tensor]:
+    return _profile_parts(extras.state[extras.size - PROFILE_SIZE :])
+
+
+def _assert_same_profile(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """The kernel's profile against the torch arithmetic's.
+
+    Counts of the same float32 values are equal; the fine bins of ``|pa - pb|`` may differ
+    where the kernel's e^x and torch's exp2 round a token's d differently in its last bits,
+    which moves it to a neighbouring bin; float64 sums agree to their rounding.
+    """
+    assert got.keys() == want.keys()
+    for stem in ("log_diff_bins", "position_tokens", "probability_tokens", "joint", "width"):
+        assert torch.equal(got[stem], want[stem]), stem
+    bins, expected = got["probs_diff_bins"], want["probs_diff_bins"]
+    assert bins.sum() == expected.sum()
+    moved = (bins - expected).abs()
+    assert moved.sum() <= 8, moved.nonzero().flatten().tolist()
+    # A token that moves leaves a bin next to the one it enters.
+    for index in moved.nonzero().flatten().tolist():
+        assert moved[max(index - 1, 0) : index + 2].sum() >= 2 * moved[index], index
+    for stem in (
+        "position_probs_diff",
+        "position_kl_k3",
+        "probability_probs_diff",
+        "probability_log_diff",
+    ):
+        torch.testing.assert_close(got[stem], want[stem], rtol=1e-6, atol=1e-12, msg=stem)
+    for stem in ("probs_diff_max", "log_diff_max"):
+        assert got[stem].item() == pytest.approx(want[stem].item(), rel=1e-6, abs=0), stem
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32])
+@pytest.mark.parametrize(("histograms", "k"), [(True, 10), (False, 0)])
+def test_native_profile_matches_the_torch_profile(
+    dtype: torch.dtype,
+    mask_dtype: torch.dtype,
+    histograms: bool,
+    k: int,
+    native_calls: list[bool],
+) -> None:
+    """Every part of the profile block from the kernel's one pass, against eager torch, over
+    odd widths, a width across several powers of two, empty rows and non-finite values."""
+    rng = np.random.default_rng(41)
+    shapes_and_masks = [
+        ((70, 1000), "prefix"),
+        ((9, 5000), "counts"),
+        ((5, 33), "zeros"),
+        ((6, 17), "binary"),
+        ((11, 1), "ones"),
+        ((3, 16), "single"),
+    ]
+    batches = [
+        make_batch(
+            rng,
+            shape,
+            dtype=dtype,
+            regime=regime,
+            mask_kind=mask_kind,
+            mask_dtype=mask_dtype,
+            special_rate=0.02,
+        )
+        for (shape, mask_kind), regime in zip(shapes_and_masks, (*REGIMES, "mixed"), strict=True)
+    ]
+    for batch in batches:
+        extras = [
+            TokenExtras(histograms=histograms, worst_tokens_k=k, profile=True, compile=compile)
+            for compile in (None, False)
+        ]
+        without = TokenExtras(histograms=histograms, worst_tokens_k=k)
+        for each in (*extras, without):
+            each.update(batch.rollout, batch.old, batch.mask)
+        _assert_same_profile(*(_profile_of(each) for each in extras))
+        # The rest of the state is the kernel's without the profile (to the rounding of the
+        # sums: the compiler may fuse a multiply-add in one variant and not in the other).
+        torch.testing.assert_close(
+            extras[0].state[: without.size], without.state, rtol=1e-7, atol=0
+        )
+    assert native_calls == [True, True] * len(batches)
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+def test_native_profile_of_a_window_matches_the_torch_profile(regime: str) -> None:
+    """Several batches of different widths merged into one window: the widest counts."""
+    rng = np.random.default_rng(43)
+    batches = [
+        make_batch(rng, shape, regime=regime, mask_kind="prefix", special_rate=0.01)
+        for shape in ((4, 256), (2, 2049), (7, 100))
+    ]
+    extras = [TokenExtras(profile=True, compile=compile) for compile in (None, False)]
+    for index, batch in enumerate(batches):
+        for each in extras:
+            each.update(batch.rollout, batch.old, batch.mask, batch_index=index)
+    got, want = (_profile_of(each) for each in extras)
+    _assert_same_profile(got, want)
+    assert got["width"].item() == 2049.0
+    summaries = [each.summary(each.state).profile for each in extras]
+    assert summaries[0] is not None and summaries[1] is not None
+    assert summaries[0].tokens == summaries[1].tokens
+    assert [b.tokens for b in summaries[0].by_position] == [
+        b.tokens for b in summaries[1].by_position
+    ]
+
+
+def test_native_profile_counts_every_column_in_its_bucket() -> None:
+    """Position buckets 0, 1, [2, 4), ... and the last one open, across vectors and blocks."""
+    for width in (1, 15, 16, 17, 31, 33, 5000):
+        ones = torch.ones(3, width)
+        extras = TokenExtras(histograms=False, worst_tokens_k=0, profile=True)
+        extras.update(torch.full((3, width), -0.5), torch.full((3, width), -0.25), ones)
+        got = _profile_of(extras)
+        columns = torch.arange(width, dtype=torch.float64)
+        buckets = torch.where(columns >= 1, torch.floor(torch.log2(columns.clamp(min=1))) + 1, 0)
+        want = torch.zeros(POSITION_BUCKETS, dtype=torch.float64)
+        want.scatter_add_(0, buckets.long(), torch.full_like(columns, 3.0))
+        assert torch.equal(got["position_tokens"], want), width
+        assert got["width"].item() == width
+        assert got["probability_tokens"][PROBABILITY_BUCKETS - 1] == 3 * width  # pa = e^-0.25
+
+
+def test_native_profile_does_not_depend_on_the_thread_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Threads take blocks of rows and keep their own tables; the float64 sums are added
+    in the order of the blocks, so any number of threads gives the same bits."""
+    monkeypatch.setattr(native, "_TOKENS_PER_THREAD", 1 << 10)
+    rng = np.random.default_rng(44)
+    batch = make_batch(rng, (37, 5000), regime="mixed", mask_kind="counts", special_rate=0.01)
+    request = TokenExtras(profile=True).kernel_request()
+    threads = torch.get_num_threads()
+    blocks = []
+    try:
+        for count in (1, 2, 3, 5):
+            torch.set_num_threads(count)
+            found = native.states(
+                batch.rollout,
+                batch.old,
+                batch.mask,
+                frozenset(),
+                2.0,
+                ROW_FIELDS,
+                extras=request,
+            )
+            assert found is not None and found[1] is not None
+            blocks.append(found[1][-PROFILE_SIZE:])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(blocks[0], block) for block in blocks[1:])
+
+
+@pytest.mark.parametrize("groups", [frozenset({"seed"}), ALL])
+def test_native_profile_with_the_statistics_in_one_pass(
+    groups: frozenset[str], native_calls: list[bool]
+) -> None:
+    """k3 comes from the catalog's arithmetic, or from the same expressions without it."""
+    rng = np.random.default_rng(45)
+    batch = make_batch(rng, (20, 700), regime="unrelated", mask_kind="prefix", special_rate=0.01)
+    inputs = check_inputs(batch.rollout, batch.old, batch.mask)
+    extras = TokenExtras(profile=True)
+    found = extras.kernel_states(inputs, None, 0, 0, MismatchStats(groups=groups, compile=True))
+    alone = extras.kernel_states(inputs, None, 0, 0)
+    assert found is not None and alone is not None and native_calls == [True, True]
+    assert torch.equal(found[1], alone[1])
+    eager = TokenExtras(profile=True, compile=False)
+    eager.update(batch.rollout, batch.old, batch.mask)
+    _assert_same_profile(_profile_parts(found[1][-PROFILE_SIZE:]), _profile_of(eager))
+
+
+@pytest.mark.parametrize(("histograms", "k"), [(True, 10), (False, 0), (False, 3)])
+def test_the_kernel_lays_out_the_profile_as_the_layout_does(histograms: bool, k: int) -> None:
+    extras = TokenExtras(histograms=histograms, worst_tokens_k=k, profile=True)
+    request = extras.kernel_request()
+    assert request is not None and request.profile
+    assert request.state_size() == extras.size
+
+
+def test_a_kernel_built_for_another_profile_is_not_loaded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loader compares the kernel's profile parts and constants with profile.py."""
+    library = ctypes.CDLL(str(native.build()))
+    path = native.SOURCE
+    native._bind(library, path, ROW_FIELDS)  # as built: accepted
+    monkeypatch.setattr(native, "PROBABILITY_BUCKETS", PROBABILITY_BUCKETS + 1)
+    wrong = r"probability_buckets = 29 \(profile.py: 30\)"
+    with pytest.raises(native.KernelUnavailable, match=wrong):
+        native._bind(library, path, ROW_FIELDS)
+    monkeypatch.undo()
+    blocks = profile_blocks()
+    renamed = Block("max", ("probs_diff_max", "log_diff_max", "widest"))
+    monkeypatch.setattr(native, "profile_blocks", lambda: [*blocks[:-1], renamed])
+    with pytest.raises(native.KernelUnavailable, match="names the parts of the profile block"):
+        native._bind(library, path, ROW_FIELDS)

@@ -309,7 +309,8 @@ def test_layout_written_once_and_matches_logged_tags(run: dict[str, Any]) -> Non
     layout.ParseFromString(event.tensor_proto.string_val[0])
     titles = [category.title for category in layout.category]
     assert titles == [
-        f"{PREFIX}{name}" for name in ("agreement", "divergence", "sequences", "health")
+        f"{PREFIX}{name}"
+        for name in ("agreement", "divergence", "sequences", "health", "quantiles")
     ]
     scalars = run["ea"].Tags()["scalars"]
     charted = set()

@@ -19,7 +19,8 @@ The cache is the user's own and is checked before anything is loaded from it:
   after a successful build; anything else is rebuilt, never loaded;
 * one build at a time (a lock in the folder, and one in the process), into a unique
   temporary name that is renamed into place;
-* the loaded library must name its output columns exactly as the Python side does.
+* the loaded library must name its output columns exactly as the Python side does, and
+  lay out the profile block with the sizes and constants of :mod:`..profile`.
 
 ``LIGHTNING_ROLLOUT_DEBUG_NATIVE=0`` turns the kernel off. ``python -m
 lightning_rollout_debug.native`` builds it ahead of time (for a container image) and
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -51,6 +53,15 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.layout import STATE
+from lightning_rollout_debug.profile import (
+    _LOG2_E,
+    JOINT_BINS,
+    POSITION_BUCKETS,
+    PROBABILITY_BUCKETS,
+    PROFILE_SIZE,
+    QUANTILE_BINS,
+    profile_blocks,
+)
 from lightning_rollout_debug.rows import ROW_FIELDS, ROWS_OF_GROUP
 
 SOURCE = Path(__file__).with_name("row_sums.cpp")
@@ -128,29 +139,39 @@ class ExtrasRequest:
     """What the kernel accumulates for the TensorBoard extras in the same pass.
 
     ``ratio_bins`` and ``diff_bins`` are ``(low, octaves)`` of quarter-octave bins: signed
-    for ``r``, unsigned for ``|pa - pb|`` (``bins.QuarterOctaveBins``).
+    for ``r``, unsigned for ``|pa - pb|`` (``bins.QuarterOctaveBins``). ``profile`` adds
+    the profile block of :mod:`..profile` (its bins and buckets are the kernel's own,
+    checked against that module when the kernel is loaded).
     """
 
     ratio_bins: tuple[int, int]
     diff_bins: tuple[int, int]
     histograms: bool
     k: int
+    profile: bool = False
 
     def settings(self) -> list[int]:
         """The integers the kernel reads."""
-        return [*self.ratio_bins, *self.diff_bins, int(self.histograms), self.k]
+        flags = [int(self.histograms), self.k, int(self.profile)]
+        return [*self.ratio_bins, *self.diff_bins, *flags]
 
     def bin_count(self) -> int:
         """The bins of both histograms together."""
         return 2 * (4 * self.ratio_bins[1] + 1) + 1 + 4 * self.diff_bins[1] + 2
 
+    def summed_size(self) -> int:
+        """What the pass sums over the rows: the histograms' bins, then the profile block."""
+        histograms = self.bin_count() if self.histograms else 0
+        return histograms + (PROFILE_SIZE if self.profile else 0)
+
     def state_size(self) -> int:
         """The length of the packed extras.
 
-        Bins and five moments per histogram, then the ``k`` candidates.
+        Bins and five moments per histogram, then the ``k`` candidates, then the profile.
         """
         histograms = self.bin_count() + 2 * HISTOGRAM_MOMENTS if self.histograms else 0
-        return histograms + self.k * len(WORST_FIELDS)
+        profile = PROFILE_SIZE if self.profile else 0
+        return histograms + self.k * len(WORST_FIELDS) + profile
 
 
 class KernelUnavailable(RuntimeError):
@@ -183,7 +204,8 @@ def row_sums(
     candidates: ``"extras_rows"`` (``[B, EXTRAS_MOMENTS + 2 k]``: per row the maxima of
     ``r``, ``-r``, ``d = |pa - pb|`` and ``-d``, the sums of ``r``, ``r^2``, ``d``,
     ``d^2``, then ``k`` pairs ``(|r|, position)``, largest first not guaranteed, ``-inf``
-    and ``-1`` for no token) and ``"extras_bins"`` (the bin counts of both histograms).
+    and ``-1`` for no token) and ``"extras_bins"`` (the bin counts of both histograms,
+    then the profile block when ``extras.profile``).
 
     ``None`` when the kernel does not apply: tensors off the CPU or of a tensor subclass,
     log-probs that are not both float32 or both bfloat16, or a kernel that is turned off
@@ -320,7 +342,7 @@ def _pass(
             return None
         done.settings = torch.tensor(extras.settings(), dtype=torch.int32)
         done.extras_rows = torch.empty(rows, EXTRAS_MOMENTS + 2 * extras.k, dtype=torch.float64)
-        done.bins = torch.zeros(extras.bin_count() if extras.histograms else 0, dtype=torch.float64)
+        done.bins = torch.zeros(extras.summed_size(), dtype=torch.float64)
         pointers = [done.settings.data_ptr(), done.extras_rows.data_ptr(), done.bins.data_ptr()]
     try:
         status = function(
@@ -450,7 +472,8 @@ def _bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[An
     They are the pass, and the two steps that finish its rows into packed states.
 
     The statistics' state slots, the groups and the worst-token fields must be named as
-    on the Python side too.
+    on the Python side too, and the profile block laid out as :mod:`..profile` lays it
+    out (:func:`_profile_parts`, :func:`_profile_constants`).
     """
     try:
         column, function = library.rollout_row_column, library.rollout_row_sums
@@ -477,8 +500,15 @@ def _bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[An
         raise KernelUnavailable(f"{path} lacks the kernel's entry points ({error})") from error
     name.restype, name.argtypes = ctypes.c_char_p, [ctypes.c_int, ctypes.c_int]
     slots = tuple(slot for block in STATE.blocks for slot in block.names)
+    parts, constants = _profile_parts(), _profile_constants()
     for table, (what, expected) in enumerate(
-        (("state slots", slots), ("groups", _GROUP_ORDER), ("worst-token fields", WORST_FIELDS)),
+        (
+            ("state slots", slots),
+            ("groups", _GROUP_ORDER),
+            ("worst-token fields", WORST_FIELDS),
+            ("parts of the profile block", tuple(parts)),
+            ("profile constants", tuple(constants)),
+        ),
         start=1,
     ):
         names = []
@@ -488,6 +518,7 @@ def _bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[An
             raise KernelUnavailable(
                 f"{path} names the {what} {names}, but this package expects {list(expected)}"
             )
+    _check_profile(library, path, parts, constants)
     int64, pointer = ctypes.c_int64, ctypes.c_void_p
     for entry, arguments in (
         (function, [*(pointer,) * 3, *(ctypes.c_int,) * 2, int64, int64, ctypes.c_int,
@@ -499,6 +530,54 @@ def _bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[An
     ):  # fmt: skip
         entry.restype, entry.argtypes = ctypes.c_int, arguments
     return function, (finish_state, finish_extras)
+
+
+def _profile_parts() -> dict[str, int]:
+    """The parts of the profile block in order: the stem of their slots' names, and their size.
+
+    ``profile_blocks()`` names slots ``stem[i]`` (or ``stem`` alone); consecutive slots of
+    one stem make a part.
+    """
+    stems = [name.split("[", 1)[0] for block in profile_blocks() for name in block.names]
+    return {stem: len(list(run)) for stem, run in itertools.groupby(stems)}
+
+
+def _profile_constants() -> dict[str, float]:
+    """The constants of :mod:`..profile` the kernel is built with, by the kernel's names."""
+    constants: dict[str, float] = {}
+    for stem, bins in (*((slot, bins) for _, slot, bins in QUANTILE_BINS), ("joint", JOINT_BINS)):
+        for field in ("low", "octaves", "steps", "signed"):
+            constants[f"{stem}.{field}"] = float(getattr(bins, field))
+    constants["position_buckets"] = float(POSITION_BUCKETS)
+    constants["probability_buckets"] = float(PROBABILITY_BUCKETS)
+    # The probability bucket is floor(-a * log2 e) in float32, as torch computes it.
+    constants["log2_e"] = ctypes.c_float(_LOG2_E).value
+    constants["size"] = float(PROFILE_SIZE)
+    return constants
+
+
+def _check_profile(
+    library: ctypes.CDLL, path: Path, parts: dict[str, int], constants: dict[str, float]
+) -> None:
+    """Raise unless the kernel's profile parts and constants (named as expected) are these."""
+    value = getattr(library, "rollout_profile_value", None)
+    if value is None:
+        raise KernelUnavailable(f"{path} lacks the kernel's entry point rollout_profile_value")
+    value.restype, value.argtypes = ctypes.c_double, [ctypes.c_int, ctypes.c_int]
+    for table, (what, expected) in (
+        (4, ("sizes of the parts of the profile block", parts)),
+        (5, ("profile constants", constants)),
+    ):
+        found = {name: value(table, index) for index, name in enumerate(expected)}
+        wrong = [
+            f"{name} = {found[name]:.9g} (profile.py: {want:.9g})"
+            for name, want in expected.items()
+            if found[name] != want
+        ]
+        if wrong:
+            raise KernelUnavailable(
+                f"{path} was built with other {what} than this package: {', '.join(wrong)}"
+            )
 
 
 # ----------------------------------------------------------------- building

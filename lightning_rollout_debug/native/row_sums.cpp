@@ -140,28 +140,6 @@ struct Count {
 
 inline f32 select(i32 flags, f32 yes, f32 no) { return flags ? yes : no; }
 
-// A value set once.
-struct Total {
-  double value = 0;
-  double total() const { return value; }
-};
-
-// Sums of a, a^2, b, b^2 over the flagged lanes, lane by lane (for rare lanes).
-struct Edges {
-  double a = 0, a2 = 0, b = 0, b2 = 0;
-  void add_lane(double x, double y) {
-    a += x;
-    a2 += x * x;
-    b += y;
-    b2 += y * y;
-  }
-  void add(i32 flags, f32 x, f32 y) {
-    for (int k = 0; k < kLanes; ++k) {
-      if (flags[k]) add_lane(x[k], y[k]);
-    }
-  }
-};
-
 // Each lane's left neighbour: the last lane of `before`, then the lanes of `x` but its last.
 template <typename T>
 inline T shifted(T before, T x) {
@@ -226,19 +204,19 @@ struct RowSums {
   Max max_a, max_b, max_diff, max_r, max_neg_r;
   Sum sum_a, sum_b, pa, pb, diff, pa2, pb2, papb, diff2, abs_r, r2, r, k3, mult, rm1, rsqm1;
   Sum ratio, ratio2, aa, bb, ab, ab_next, ab_prev;
-  // Each side's moments over the neighbouring pairs: the moments of all counting tokens
-  // less those of the tokens that start a run of counting tokens (no predecessor) or end
-  // one (no successor), which are few and summed lane by lane.
-  Edges starts, ends;
-  Total plus_a, plus_a2, plus_b, plus_b2, minus_a, minus_a2, minus_b, minus_b2;
+  // Each side's moments over the neighbouring pairs, summed directly: totals less the
+  // tokens without a neighbour would lose the small log-probs' squares beside -20's.
+  Sum plus_a, plus_a2, plus_b, plus_b2, minus_a, minus_a2, minus_b, minus_b2;
   // The previous vector's a, b and counting lanes, for the pairs of neighbouring tokens.
   f32 prev_a{}, prev_b{};
   i32 prev_counting{};
-  // The last vector's r, |pa - pb| and counting lanes, for the extras (kept in registers).
+  // The last vector's r, |pa - pb| and counting lanes, for the extras (kept in registers),
+  // and with kProfile its a, b and k3 too.
   f32 last_r{}, last_diff{};
   i32 last_counting{};
+  f32 last_a{}, last_b{}, last_k3{};
 
-  template <bool kCatalog, bool kInputSums>
+  template <bool kCatalog, bool kInputSums, bool kProfile>
   void add(f32 a, f32 b, i32 masked, const Options& options) {
     const f32 minus_inf = splat<f32>(-kInf);
     const f32 zero = splat<f32>(0.0f);
@@ -261,6 +239,10 @@ struct RowSums {
     const bool some_far = any(~near);
     const f32 pa_ = some_far ? select(near, pa_near, exp(a)) : pa_near;
     const f32 diff_ = abs(select(near, pb_ * (r_ + curvature), pa_ - pb_));
+    if constexpr (kProfile) {
+      last_a = a;
+      last_b = b;
+    }
     last_r = r_;
     last_diff = diff_;
     last_counting = counting;
@@ -280,13 +262,17 @@ struct RowSums {
       pairs.add(pair);
       ab_next.add_product(a_before, b);  // a_t b_(t+1)
       ab_prev.add_product(a, b_before);  // a_(t+1) b_t
-      const i32 before_counts = shifted(prev_counting, counting);
-      const i32 start = counting & ~before_counts;  // token t starts a run
-      const i32 end = before_counts & ~counting;    // token t - 1 ends one
-      if (any(start | end)) {
-        starts.add(start, a, b);
-        ends.add(end, a_before, b_before);
-      }
+      // The sides of the pairs (t, t + 1): a_t and b_(t+1) at lag +1, a_(t+1) and b_t at -1.
+      const f32 plus_a_ = select(pair, a_before, zero), plus_b_ = select(pair, b, zero);
+      const f32 minus_a_ = select(pair, a, zero), minus_b_ = select(pair, b_before, zero);
+      plus_a.add(plus_a_);
+      plus_a2.add_product(plus_a_, plus_a_);
+      plus_b.add(plus_b_);
+      plus_b2.add_product(plus_b_, plus_b_);
+      minus_a.add(minus_a_);
+      minus_a2.add_product(minus_a_, minus_a_);
+      minus_b.add(minus_b_);
+      minus_b2.add_product(minus_b_, minus_b_);
       prev_a = a;
       prev_b = b;
       prev_counting = counting;
@@ -323,7 +309,9 @@ struct RowSums {
       }
       const f32 ratio_ = select(near, 1.0f + (r_ + curvature), far);
       const f32 ratio_m1 = select(near, r_ + curvature, far - 1.0f);
-      k3.add(select(near, curvature, ratio_m1 - r_));
+      const f32 k3_ = select(near, curvature, ratio_m1 - r_);
+      if constexpr (kProfile) last_k3 = k3_;
+      k3.add(k3_);
       mult.add(mult_);
       rm1.add(ratio_m1);
       rsqm1.add(ratio_m1 * (ratio_m1 + 2.0f));
@@ -331,23 +319,15 @@ struct RowSums {
       ratio2.add(select(counting, ratio_ * ratio_, zero));
       high.add(counting & (ratio_m1 > options.ratio_high_m1));
       low.add(counting & (ratio_m1 < options.ratio_low_m1));
-    }
-  }
-
-  // The pair moments, once the row is done (the last vector's last lane may end a run).
-  template <bool kInputSums>
-  void finish() {
-    if constexpr (kInputSums) {
-      if (prev_counting[kLanes - 1]) ends.add_lane(prev_a[kLanes - 1], prev_b[kLanes - 1]);
-      const double a1 = sum_a.total(), a2 = aa.total(), b1 = sum_b.total(), b2 = bb.total();
-      plus_a.value = a1 - ends.a;  // a_t of the pairs (t, t + 1): every a but the run ends
-      plus_a2.value = a2 - ends.a2;
-      plus_b.value = b1 - starts.b;  // b_(t+1): every b but the run starts
-      plus_b2.value = b2 - starts.b2;
-      minus_a.value = a1 - starts.a;
-      minus_a2.value = a2 - starts.a2;
-      minus_b.value = b1 - ends.b;
-      minus_b2.value = b2 - ends.b2;
+    } else if constexpr (kProfile) {  // k3 as above: rho = pa / pb clamped like r
+      f32 far = splat<f32>(1.0f);
+      if (some_far) {
+        far = pa_ / pb_;
+        far = far < kRatioMin ? splat<f32>(kRatioMin) : far;
+        far = far > kRatioMax ? splat<f32>(kRatioMax) : far;
+      }
+      const f32 ratio_m1 = select(near, r_ + curvature, far - 1.0f);
+      last_k3 = select(near, curvature, ratio_m1 - r_);
     }
   }
 
@@ -361,7 +341,8 @@ struct RowSums {
 
 // ------------------------------------------------------------------ the extras
 // Histograms with fixed quarter-octave bins (`QuarterOctaveBins` in bins.py), read off
-// each float32 value's bits, and the k tokens of each row with the largest |r|.
+// each float32 value's bits, the k tokens of each row with the largest |r|, and the
+// profile (profile.py).
 constexpr int kMaxWorst = 64;        // the largest k served here
 constexpr int kCopies = kLanes;      // a copy of the bins per lane: no increment waits
 constexpr int kMoments = 8;          // per row: max r, max -r, max d, max -d, sums, squares
@@ -371,12 +352,17 @@ struct ExtrasRequest {
   int diff_low, diff_octaves;    // unsigned bins of |pa - pb|: 4 * octaves + 2 of them
   int histograms;                // 0: no histograms
   int k;                         // worst tokens kept per row (0 ... kMaxWorst)
+  int profile;                   // 0: no profile
   double* rows;                  // [rows, kMoments + 2 k]: moments, then (|r|, position) pairs
-  double* bins;                  // [ratio bins + diff bins], summed over the rows
+  double* bins;                  // [ratio bins + diff bins] summed over the rows, then the
+                                 // profile block (kProfileSize)
 };
 
 inline int ratio_bins(const ExtrasRequest& x) { return 2 * (4 * x.ratio_octaves + 1) + 1; }
 inline int diff_bins(const ExtrasRequest& x) { return 4 * x.diff_octaves + 2; }
+inline double* profile_block(const ExtrasRequest& x) {
+  return x.bins + (x.histograms ? ratio_bins(x) + diff_bins(x) : 0);
+}
 
 // The bin of each value, as `QuarterOctaveBins.index` computes it for float32.
 inline i32 signed_bin(f32 x, int low, int octaves) {
@@ -392,29 +378,162 @@ inline i32 signed_bin(f32 x, int low, int octaves) {
   return (negative ? -side : side) + (top + 1);
 }
 
-inline i32 unsigned_bin(f32 x, int low, int octaves) {
-  const int top = 4 * octaves;
-  i32 bin = (reinterpret_cast<i32>(x) >> 21) - ((127 + low) << 2);
+// The bin of each value, as unsigned `LogBins.index` with 2^kBits steps per octave
+// computes it for float32: the exponent and the leading kBits mantissa bits. A negative
+// value (-0.0 too) has the sign bit set: a negative int, clamped to bin 0.
+template <int kBits>
+inline i32 log_bin(f32 x, int low, int octaves) {
+  const int top = octaves << kBits;
+  i32 bin = (reinterpret_cast<i32>(x) >> (23 - kBits)) - ((127 + low) << kBits);
   bin = bin < -1 ? splat<i32>(-1) : bin;
   bin = bin > top ? splat<i32>(top) : bin;
   return bin + 1;
 }
 
+inline i32 unsigned_bin(f32 x, int low, int octaves) { return log_bin<2>(x, low, octaves); }
+
+// ------------------------------------------------------------------ the profile
+// The profile block (`profile_blocks` in profile.py): fine bins of d = |pa - pb| and of
+// |r| (`QUANTILE_BINS`), tokens and sums of d and k3 by position bucket, tokens and sums of
+// d and |r| by probability bucket, joint counts over the bins of (-a, -b) (`JOINT_BINS`),
+// the maxima of d and |r|, and the width. The loader checks the parts and the constants
+// against profile.py by name.
+constexpr int kFineBits = 5;  // 32 bins per octave
+constexpr int kDiffLow = -27, kDiffOctaves = 28;
+constexpr int kLogLow = -27, kLogOctaves = 32;
+constexpr int kJointBits = 2, kJointLow = -10, kJointOctaves = 15;
+constexpr int kPositionBuckets = 24;     // column 0, then [2^(i-1), 2^i), the last open
+constexpr int kProbabilityBuckets = 29;  // slot 28 - floor(-a log2 e)
+constexpr int kDiffBins = (kDiffOctaves << kFineBits) + 2;
+constexpr int kLogBins = (kLogOctaves << kFineBits) + 2;
+constexpr int kJointSide = (kJointOctaves << kJointBits) + 2;
+constexpr int kJointCells = kJointSide * kJointSide;
+// The parts of the block in its order: id, the stem of the slots' names, their number.
+#define ROLLOUT_PROFILE_PARTS(X)                                                            \
+  X(p_diff_bins, "probs_diff_bins", kDiffBins) X(p_log_bins, "log_diff_bins", kLogBins)      \
+  X(p_position_tokens, "position_tokens", kPositionBuckets)                                 \
+  X(p_probability_tokens, "probability_tokens", kProbabilityBuckets)                        \
+  X(p_joint, "joint", kJointCells) X(p_position_diff, "position_probs_diff", kPositionBuckets) \
+  X(p_position_k3, "position_kl_k3", kPositionBuckets)                                      \
+  X(p_probability_diff, "probability_probs_diff", kProbabilityBuckets)                      \
+  X(p_probability_log, "probability_log_diff", kProbabilityBuckets)                         \
+  X(p_diff_max, "probs_diff_max", 1) X(p_log_max, "log_diff_max", 1) X(p_width, "width", 1)
+// The constants the loader compares with profile.py.
+#define ROLLOUT_PROFILE_CONSTANTS(X)                                                         \
+  X("probs_diff.low", kDiffLow) X("probs_diff.octaves", kDiffOctaves)                         \
+  X("probs_diff.steps", 1 << kFineBits) X("probs_diff.signed", 0) X("log_diff.low", kLogLow)  \
+  X("log_diff.octaves", kLogOctaves) X("log_diff.steps", 1 << kFineBits)                     \
+  X("log_diff.signed", 0) X("joint.low", kJointLow) X("joint.octaves", kJointOctaves)        \
+  X("joint.steps", 1 << kJointBits) X("joint.signed", 0)                                     \
+  X("position_buckets", kPositionBuckets) X("probability_buckets", kProbabilityBuckets)       \
+  X("log2_e", kLog2E) X("size", kProfileSize)
+
+#define ROLLOUT_PART_ENUM(id, name, size) id,
+#define ROLLOUT_PART_SIZE(id, name, size) size,
+enum ProfilePart { ROLLOUT_PROFILE_PARTS(ROLLOUT_PART_ENUM) kProfileParts };
+constexpr int kPartSizes[] = {ROLLOUT_PROFILE_PARTS(ROLLOUT_PART_SIZE)};
+#undef ROLLOUT_PART_ENUM
+#undef ROLLOUT_PART_SIZE
+
+constexpr int part_at(int part) {
+  int at = 0;
+  for (int i = 0; i < part; ++i) at += kPartSizes[i];
+  return at;
+}
+constexpr int kProfileSize = part_at(kProfileParts);
+static_assert(part_at(p_log_bins) == kDiffBins, "the two fine histograms are adjacent");
+static_assert(kPositionBuckets > 5, "the first vector of a row spans buckets 0 ... 4");
+static_assert(kLanes == 16, "at most 2^4 copies of the counts, one per lane");
+
+// Whole-number counts a thread keeps in int32, `copies` interleaved copies of each
+// ([slot][copy]) so that neighbouring lanes that hit the same slot do not wait on each
+// other: the fine bins of d, then of |r|, then the joint cells.
+constexpr int kCounted = kDiffBins + kLogBins + kJointCells;
+constexpr int kJointCounted = kDiffBins + kLogBins;
+// Per lane, float64 sums by probability bucket ([bucket][lane][tokens, d, |r|, 0]: one
+// 256-bit add per token), added into the sums of the block of rows at its end.
+constexpr int kLaneSums = kProbabilityBuckets * kLanes * 4;
+typedef double f64x4 __attribute__((vector_size(32)));
+// The float64 sums of a block of rows, added up in the order of the blocks: the result
+// depends on the rows alone, not on which thread took them.
+enum BlockSlot {
+  b_position_tokens = 0,
+  b_position_diff = b_position_tokens + kPositionBuckets,
+  b_position_k3 = b_position_diff + kPositionBuckets,
+  b_probability_tokens = b_position_k3 + kPositionBuckets,
+  b_probability_diff = b_probability_tokens + kProbabilityBuckets,
+  b_probability_log = b_probability_diff + kProbabilityBuckets,
+  kBlockSlots = b_probability_log + kProbabilityBuckets
+};
+constexpr int64_t kMaxProfileBlocks = 256;
+constexpr int64_t kTokensPerProfileBlock = 4096;
+// The position buckets of the lanes of a row's first vector (columns 0 ... 15).
+constexpr int kFirstBuckets[kLanes] = {0, 1, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4};
+
+// Blocks of rows (whose float64 sums are kept apart): fewer for few tokens, where adding
+// them up would cost more than the tokens, one per row at most.
+inline int64_t profile_blocks(int64_t rows, int64_t width) {
+  const int64_t by_tokens = std::max<int64_t>(1, rows * width / kTokensPerProfileBlock);
+  return std::max<int64_t>(1, std::min({rows, by_tokens, kMaxProfileBlocks}));
+}
+
+// log2 of the copies of the counts of a thread that takes `tokens`: one copy (23 KB) below
+// 2^16 tokens, where zeroing and adding up copies would cost more than the waits they
+// spare, twice as many for every 4 times as many tokens, up to 8 copies (180 KB, within
+// the L2 cache) from 2^20 on.
+inline int profile_copy_bits(int64_t tokens) {
+  int bits = 0;
+  while (bits < 3 && tokens >= (int64_t{1} << (16 + 2 * bits))) ++bits;
+  return bits;
+}
+
+// What a thread accumulates of the profile over its rows.
+struct ProfileTables {
+  int32_t* counts;  // [kCounted][copies]
+  int copy_bits;
+  i32 copy_lane;  // the copy of each lane
+  double* lanes;  // [kLaneSums]
+  double* block;  // the current block's [kBlockSlots]
+  float diff_max = -kInf, log_max = -kInf;
+
+  // At the end of a block: its lanes' sums added in (lane by lane), then cleared.
+  void end_block() {
+    for (int slot = 0; slot < kProbabilityBuckets; ++slot) {
+      const double* sums = lanes + slot * kLanes * 4;
+      for (int kind = 0; kind < 3; ++kind) {
+        double total = 0;
+        for (int lane = 0; lane < kLanes; ++lane) total += sums[lane * 4 + kind];
+        block[b_probability_tokens + kind * kProbabilityBuckets + slot] += total;
+      }
+    }
+    std::memset(lanes, 0, kLaneSums * sizeof(double));
+  }
+};
+
 // The extras of one row; `counts` are the bins of the part of the rows a thread takes.
 struct RowExtras {
   const ExtrasRequest& request;
   int32_t* counts;  // kCopies copies of [ratio bins + diff bins]
+  ProfileTables* profile;
   Max r_max, r_neg_max, d_max, d_neg_max;
   Sum r_sum, r_sq, d_sum, d_sq;
+  // The profile: maxima of d and |r|, and the sums of the current position bucket.
+  Max profile_d_max, profile_r_max;
+  Count position_tokens;
+  Sum position_diff, position_k3;
+  int position_bucket = -1;
   float keys[kMaxWorst];
   int64_t positions[kMaxWorst];
   int filled = 0;
   float threshold = -1.0f;  // a token enters with |r| above it (any while not full)
 
-  RowExtras(const ExtrasRequest& request_, int32_t* counts_)
-      : request(request_), counts(counts_) {}
+  RowExtras(const ExtrasRequest& request_, int32_t* counts_, ProfileTables* profile_)
+      : request(request_), counts(counts_), profile(profile_) {}
 
-  __attribute__((always_inline)) void add(f32 r, f32 d, i32 counting, int64_t position) {
+  template <bool kProfile>
+  __attribute__((always_inline)) void add(const RowSums& s, int64_t position) {
+    const f32 r = s.last_r, d = s.last_diff;
+    const i32 counting = s.last_counting;
     const f32 minus_inf = splat<f32>(-kInf);
     const f32 zero = splat<f32>(0.0f);
     if (request.histograms) {
@@ -437,6 +556,7 @@ struct RowExtras {
         copy[d_bin[lane]] += ones[lane];
       }
     }
+    if constexpr (kProfile) add_profile(s, position);
     if (request.k) {
       const f32 key = select(counting, abs(r), splat<f32>(-1.0f));
       if (any(key > threshold)) {
@@ -445,6 +565,103 @@ struct RowExtras {
         }
       }
     }
+  }
+
+  // One vector of the profile. Where a token does not count, a = b = r = d = k3 = 0: its
+  // slots are those of zeros, and it adds 0 to every count and sum (a vector without a
+  // counting token, as in the padding after a response, adds nothing at all).
+  __attribute__((always_inline)) void add_profile(const RowSums& s, int64_t position) {
+    const i32 counting = s.last_counting;
+    if (!any(counting)) return;
+    const f32 a = s.last_a, b = s.last_b, d = s.last_diff, k3 = s.last_k3;
+    const f32 abs_r = abs(s.last_r);
+    const i32 ones = counting & 1;
+    const f32 minus_inf = splat<f32>(-kInf);
+    ProfileTables& t = *profile;
+    profile_d_max.add(select(counting, d, minus_inf));
+    profile_r_max.add(select(counting, abs_r, minus_inf));
+    // Past the first vector all lanes share a bucket: [2^(i-1), 2^i) holds 16 k ... 16 k + 15.
+    if (position >= kLanes) {
+      const int bucket = std::min(64 - __builtin_clzll(position), kPositionBuckets - 1);
+      if (bucket != position_bucket) {
+        end_position();
+        position_bucket = bucket;
+      }
+      position_tokens.add(counting);
+      position_diff.add(d);
+      position_k3.add(k3);
+    } else {
+      for (int lane = 0; lane < kLanes; ++lane) {
+        const int bucket = kFirstBuckets[lane];
+        t.block[b_position_tokens + bucket] += ones[lane];
+        t.block[b_position_diff + bucket] += d[lane];
+        t.block[b_position_k3 + bucket] += k3[lane];
+      }
+    }
+    // floor(-a log2 e) in float32, as torch computes it, clamped to the buckets first
+    // (truncation is the floor there).
+    f32 scaled = -a * kLog2E;
+    scaled = scaled < 0.0f ? splat<f32>(0.0f) : scaled;
+    const f32 top = splat<f32>(kProbabilityBuckets - 1);
+    scaled = scaled > top ? top : scaled;
+    const i32 slot = (kProbabilityBuckets - 1) - __builtin_convertvector(scaled, i32);
+    const i32 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const i32 lane_at = (slot * kLanes + iota) * 4;
+    const int shift = t.copy_bits;
+    const i32 diff_at = (log_bin<kFineBits>(d, kDiffLow, kDiffOctaves) << shift) + t.copy_lane;
+    const i32 log_at =
+        ((log_bin<kFineBits>(abs_r, kLogLow, kLogOctaves) + kDiffBins) << shift) + t.copy_lane;
+    const i32 joint = log_bin<kJointBits>(-a, kJointLow, kJointOctaves) * kJointSide +
+                      log_bin<kJointBits>(-b, kJointLow, kJointOctaves);
+    const i32 joint_at = ((joint + kJointCounted) << shift) + t.copy_lane;
+    // (tokens, d, |r|, 0) of each lane as four doubles: a 4 x 16 transpose.
+    const f32 tokens = __builtin_convertvector(ones, f32);
+    const f32 zero = splat<f32>(0.0f);
+    const f32 tokens_d[2] = {
+        __builtin_shufflevector(tokens, d, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23),
+        __builtin_shufflevector(tokens, d, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                15, 31)};
+    const f32 r_zero[2] = {
+        __builtin_shufflevector(abs_r, zero, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7,
+                                23),
+        __builtin_shufflevector(abs_r, zero, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                15, 31)};
+    alignas(64) double quads[kLanes][4];
+    for (int half = 0; half < 2; ++half) {
+      // Pairs of floats moved as one 64-bit element each.
+      const f64 pairs = reinterpret_cast<f64>(tokens_d[half]);
+      const f64 others = reinterpret_cast<f64>(r_zero[half]);
+      const f32 low =
+          reinterpret_cast<f32>(__builtin_shufflevector(pairs, others, 0, 8, 1, 9, 2, 10, 3, 11));
+      const f32 high = reinterpret_cast<f32>(
+          __builtin_shufflevector(pairs, others, 4, 12, 5, 13, 6, 14, 7, 15));
+      const f64 parts[4] = {lower(low), upper(low), lower(high), upper(high)};
+      std::memcpy(quads[8 * half], parts, sizeof parts);
+    }
+    int32_t* counted = t.counts;
+    double* lanes = t.lanes;
+    for (int lane = 0; lane < kLanes; ++lane) {
+      counted[diff_at[lane]] += ones[lane];
+      counted[log_at[lane]] += ones[lane];
+      counted[joint_at[lane]] += ones[lane];
+      f64x4 sums, quad;
+      std::memcpy(&sums, lanes + lane_at[lane], sizeof sums);
+      std::memcpy(&quad, quads[lane], sizeof quad);
+      sums += quad;
+      std::memcpy(lanes + lane_at[lane], &sums, sizeof sums);
+    }
+  }
+
+  // The sums of the current position bucket into the block's.
+  void end_position() {
+    if (position_bucket < 0) return;
+    double* block = profile->block;
+    block[b_position_tokens + position_bucket] += position_tokens.total();
+    block[b_position_diff + position_bucket] += position_diff.total();
+    block[b_position_k3 + position_bucket] += position_k3.total();
+    position_tokens = Count{};
+    position_diff = Sum{};
+    position_k3 = Sum{};
   }
 
   void insert(float key, int64_t position) {
@@ -462,7 +679,8 @@ struct RowExtras {
     for (int i = 1; i < filled; ++i) threshold = keys[i] < threshold ? keys[i] : threshold;
   }
 
-  void write(double* out) const {
+  // The row's moments and candidates into `out`, its profile into the thread's tables.
+  void write(double* out) {
     const double moments[kMoments] = {r_max.total(), r_neg_max.total(), d_max.total(),
                                       d_neg_max.total(), r_sum.total(), r_sq.total(),
                                       d_sum.total(), d_sq.total()};
@@ -471,25 +689,43 @@ struct RowExtras {
       out[kMoments + 2 * i] = i < filled ? keys[i] : -kInf;
       out[kMoments + 2 * i + 1] = i < filled ? static_cast<double>(positions[i]) : -1.0;
     }
+    if (profile) {
+      end_position();
+      profile->diff_max = std::max<float>(profile->diff_max, profile_d_max.total());
+      profile->log_max = std::max<float>(profile->log_max, profile_r_max.total());
+    }
   }
 };
 
 constexpr int64_t kBlock = 512;  // tokens whose mask is turned into bytes at a time
+// The bytes of a mask value by `mask_kind`: bool or uint8, int32, int64, float32.
+constexpr int64_t kMaskBytes[] = {1, 4, 8, 4};
+
+// Whether each of `count` mask values is non-zero, as bytes.
+template <typename Mask>
+void mask_bytes(const void* mask, int64_t count, uint8_t* bytes) {
+  const Mask* values = static_cast<const Mask*>(mask);
+  for (int64_t j = 0; j < count; ++j) bytes[j] = values[j] != 0;
+}
 
 // One row, a block of tokens at a time. A mask of another dtype than bool is first
 // turned into bytes for the block (in L1), which keeps the arithmetic the same for all.
-template <typename LogProb, typename Mask, bool kCatalog, bool kInputSums>
-void reduce_row(const LogProb* b_row, const LogProb* a_row, const Mask* m_row, int64_t width,
-                const Options& options, double* out, RowExtras* extras) {
+// kProfile: `extras` (not null) keeps the profile too.
+template <typename LogProb, bool kCatalog, bool kInputSums, bool kProfile>
+void reduce_row(const LogProb* b_row, const LogProb* a_row, const char* m_row, int mask_kind,
+                int64_t width, const Options& options, double* out, RowExtras* extras) {
   RowSums sums;
   uint8_t bytes[kBlock];
+  const int64_t mask_size = kMaskBytes[mask_kind];
   for (int64_t start = 0; start < width; start += kBlock) {
     const int64_t count = std::min(kBlock, width - start);
+    const char* mask = m_row + start * mask_size;
     const uint8_t* flags = bytes;
-    if constexpr (std::is_same_v<Mask, uint8_t>) {
-      flags = m_row + start;
-    } else {
-      for (int64_t j = 0; j < count; ++j) bytes[j] = m_row[start + j] != 0;
+    switch (mask_kind) {
+      case 0: flags = reinterpret_cast<const uint8_t*>(mask); break;
+      case 1: mask_bytes<int32_t>(mask, count, bytes); break;
+      case 2: mask_bytes<int64_t>(mask, count, bytes); break;
+      default: mask_bytes<float>(mask, count, bytes); break;
     }
     const LogProb* a = a_row + start;
     const LogProb* b = b_row + start;
@@ -499,13 +735,13 @@ void reduce_row(const LogProb* b_row, const LogProb* a_row, const Mask* m_row, i
       // hardware prefetcher.
       __builtin_prefetch(a + j + 1024);
       __builtin_prefetch(b + j + 1024);
-      const char* mask_ahead = reinterpret_cast<const char*>(m_row + start + j + 1024);
-      for (size_t line = 0; line < sizeof(Mask) * kLanes; line += 64) {
+      const char* mask_ahead = mask + (j + 1024) * mask_size;
+      for (int64_t line = 0; line < mask_size * kLanes; line += 64) {
         __builtin_prefetch(mask_ahead + line);
       }
-      sums.add<kCatalog, kInputSums>(floats_of(a + j), floats_of(b + j), nonzero(flags + j),
-                                     options);
-      if (extras) extras->add(sums.last_r, sums.last_diff, sums.last_counting, start + j);
+      sums.add<kCatalog, kInputSums, kProfile>(floats_of(a + j), floats_of(b + j),
+                                               nonzero(flags + j), options);
+      if (extras) extras->add<kProfile>(sums, start + j);
     }
     if (whole < count) {  // the last tokens of the row, padded with masked-out zeros
       LogProb a_tail[kLanes] = {}, b_tail[kLanes] = {};
@@ -514,66 +750,159 @@ void reduce_row(const LogProb* b_row, const LogProb* a_row, const Mask* m_row, i
       std::memcpy(a_tail, a + whole, rest * sizeof(LogProb));
       std::memcpy(b_tail, b + whole, rest * sizeof(LogProb));
       std::memcpy(m_tail, flags + whole, rest);
-      sums.add<kCatalog, kInputSums>(floats_of(a_tail), floats_of(b_tail), nonzero(m_tail),
-                                     options);
-      if (extras) extras->add(sums.last_r, sums.last_diff, sums.last_counting, start + whole);
+      sums.add<kCatalog, kInputSums, kProfile>(floats_of(a_tail), floats_of(b_tail),
+                                               nonzero(m_tail), options);
+      if (extras) extras->add<kProfile>(sums, start + whole);
     }
   }
-  sums.template finish<kInputSums>();
   sums.write(out);
 }
 
-template <typename LogProb, typename Mask>
-void reduce_rows(const LogProb* rollout, const LogProb* old, const Mask* mask, int64_t width,
-                 int64_t begin, int64_t end, int level, const Options& options, double* out,
-                 const ExtrasRequest* request, int32_t* counts) {
+template <typename LogProb>
+void reduce_rows(const LogProb* rollout, const LogProb* old, const char* mask, int mask_kind,
+                 int64_t width, int64_t begin, int64_t end, int level, const Options& options,
+                 double* out, const ExtrasRequest* request, int32_t* counts,
+                 ProfileTables* profile) {
   for (int64_t row = begin; row < end; ++row) {
     const LogProb* b = rollout + row * width;
     const LogProb* a = old + row * width;
-    const Mask* m = mask + row * width;
+    const char* m = mask + row * width * kMaskBytes[mask_kind];
     double* slots = out + row * kSlots;
     RowExtras* extras = nullptr;
     alignas(64) unsigned char storage[sizeof(RowExtras)];
-    if (request) extras = new (storage) RowExtras(*request, counts);
-    switch (level) {  // bit 0: the catalog beyond the seed group; bit 1: sums of the inputs
-      case 0: reduce_row<LogProb, Mask, false, false>(b, a, m, width, options, slots, extras); break;
-      case 1: reduce_row<LogProb, Mask, true, false>(b, a, m, width, options, slots, extras); break;
-      case 2: reduce_row<LogProb, Mask, false, true>(b, a, m, width, options, slots, extras); break;
-      default: reduce_row<LogProb, Mask, true, true>(b, a, m, width, options, slots, extras); break;
+    if (request) extras = new (storage) RowExtras(*request, counts, profile);
+    // Bit 0: the catalog beyond the seed group; bit 1: sums of the inputs (any other level:
+    // both); bit 2: the profile.
+    const int kind = (level >= 0 && level < 3 ? level : 3) | (profile ? 4 : 0);
+    const auto row_with = [&](auto reduce) {
+      reduce(b, a, m, mask_kind, width, options, slots, extras);
+    };
+    switch (kind) {
+      case 0: row_with(reduce_row<LogProb, false, false, false>); break;
+      case 1: row_with(reduce_row<LogProb, true, false, false>); break;
+      case 2: row_with(reduce_row<LogProb, false, true, false>); break;
+      case 3: row_with(reduce_row<LogProb, true, true, false>); break;
+      case 4: row_with(reduce_row<LogProb, false, false, true>); break;
+      case 5: row_with(reduce_row<LogProb, true, false, true>); break;
+      case 6: row_with(reduce_row<LogProb, false, true, true>); break;
+      default: row_with(reduce_row<LogProb, true, true, true>); break;
     }
     if (extras) extras->write(request->rows + row * (kMoments + 2 * request->k));
   }
 }
 
-template <typename LogProb, typename Mask>
-void run(const void* rollout, const void* old, const void* mask, int64_t rows, int64_t width,
-         int level, Options options, int threads, double* out, const ExtrasRequest* request) {
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, rows));
+// Adds the 2^kBits copies of each count of a part ([slot][copy]) to `totals` (whole
+// numbers: float64 adds them exactly below 2^53).
+template <int kBits>
+void add_copies(const int32_t* counts, double* totals) {
+  for (int slot = 0; slot < kCounted; ++slot) {
+    int64_t total = 0;
+    for (int copy = 0; copy < (1 << kBits); ++copy) total += counts[(slot << kBits) + copy];
+    totals[slot] += static_cast<double>(total);
+  }
+}
+
+// The profile block from the threads' counts and maxima and the blocks' sums.
+void write_profile(const std::vector<int32_t>& counts, int64_t parts, int copy_bits,
+                   const std::vector<double>& block_sums, int64_t blocks,
+                   const std::vector<float>& maxima, int64_t width, double* out) {
+  // The counts in their own order first: the fine bins of d and |r| are the first parts of
+  // the block, in this order; the joint cells go to their place after.
+  static_assert(kCounted <= kProfileSize, "the counts fit in the block");
+  std::fill(out, out + kProfileSize, 0.0);
+  for (int64_t part = 0; part < parts; ++part) {
+    const int32_t* own = counts.data() + (part * kCounted << copy_bits);
+    switch (copy_bits) {
+      case 0: add_copies<0>(own, out); break;
+      case 1: add_copies<1>(own, out); break;
+      case 2: add_copies<2>(own, out); break;
+      case 3: add_copies<3>(own, out); break;
+      default: add_copies<4>(own, out); break;
+    }
+  }
+  double* joint = out + part_at(p_joint);
+  std::memmove(joint, out + kJointCounted, kJointCells * sizeof(double));
+  std::fill(out + kJointCounted, joint, 0.0);
+  double sums[kBlockSlots] = {};
+  for (int64_t block = 0; block < blocks; ++block) {
+    for (int i = 0; i < kBlockSlots; ++i) sums[i] += block_sums[block * kBlockSlots + i];
+  }
+  const struct { ProfilePart part; int from, size; } parts_of_sums[] = {
+      {p_position_tokens, b_position_tokens, kPositionBuckets},
+      {p_position_diff, b_position_diff, kPositionBuckets},
+      {p_position_k3, b_position_k3, kPositionBuckets},
+      {p_probability_tokens, b_probability_tokens, kProbabilityBuckets},
+      {p_probability_diff, b_probability_diff, kProbabilityBuckets},
+      {p_probability_log, b_probability_log, kProbabilityBuckets}};
+  for (const auto& part : parts_of_sums) {
+    std::memcpy(out + part_at(part.part), sums + part.from, part.size * sizeof(double));
+  }
+  float diff_max = -kInf, log_max = -kInf;
+  for (int64_t part = 0; part < parts; ++part) {
+    diff_max = std::max(diff_max, maxima[2 * part]);
+    log_max = std::max(log_max, maxima[2 * part + 1]);
+  }
+  out[part_at(p_diff_max)] = diff_max;
+  out[part_at(p_log_max)] = log_max;
+  out[part_at(p_width)] = static_cast<double>(width);
+}
+
+template <typename LogProb>
+void run(const void* rollout, const void* old, const void* mask, int mask_kind, int64_t rows,
+         int64_t width, int level, Options options, int threads, double* out,
+         const ExtrasRequest* request) {
+  const bool profile = request && request->profile;
+  // Threads take whole blocks of rows: the profile's float64 sums are kept per block
+  // (one block per row without the profile).
+  const int64_t blocks = profile ? profile_blocks(rows, width) : rows;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, blocks));
   // Each part counts into bins of its own (kCopies interleaved copies); summed at the end,
   // in a fixed order, so the result does not depend on the threads.
   const int stride = request ? ratio_bins(*request) + diff_bins(*request) : 0;
   // int32 counts: a copy overflows only past 2^31 tokens of one lane of one call.
   std::vector<int32_t> counts(request && request->histograms ? parts * kCopies * stride : 0);
-  auto part = [&](int64_t begin, int64_t end, int64_t index) {
+  const int copy_bits = profile ? profile_copy_bits(rows * width / parts) : 0;
+  const int64_t copies = int64_t{1} << copy_bits;
+  std::vector<int32_t> profile_counts(profile ? parts * kCounted * copies : 0);
+  std::vector<double> lane_sums(profile ? parts * kLaneSums : 0);
+  std::vector<double> block_sums(profile ? blocks * kBlockSlots : 0);
+  std::vector<float> maxima(profile ? 2 * parts : 0);
+  auto part = [&](int64_t index) {
+    const int64_t first = blocks * index / parts, last = blocks * (index + 1) / parts;
+    const auto* b = static_cast<const LogProb*>(rollout);
+    const auto* a = static_cast<const LogProb*>(old);
+    const auto* m = static_cast<const char*>(mask);
     int32_t* own = counts.empty() ? nullptr : counts.data() + index * kCopies * stride;
-    reduce_rows(static_cast<const LogProb*>(rollout), static_cast<const LogProb*>(old),
-                static_cast<const Mask*>(mask), width, begin, end, level, options, out,
-                request, own);
+    if (!profile) {
+      reduce_rows(b, a, m, mask_kind, width, rows * first / blocks, rows * last / blocks, level,
+                  options, out, request, own, nullptr);
+      return;
+    }
+    const i32 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    ProfileTables tables{profile_counts.data() + index * kCounted * copies, copy_bits,
+                         iota & static_cast<int32_t>(copies - 1),
+                         lane_sums.data() + index * kLaneSums, nullptr};
+    for (int64_t block = first; block < last; ++block) {
+      tables.block = block_sums.data() + block * kBlockSlots;
+      reduce_rows(b, a, m, mask_kind, width, rows * block / blocks, rows * (block + 1) / blocks,
+                  level, options, out, request, own, &tables);
+      tables.end_block();
+    }
+    maxima[2 * index] = tables.diff_max;
+    maxima[2 * index + 1] = tables.log_max;
   };
   if (parts == 1) {
-    part(0, rows, 0);
+    part(0);
   } else {
 #if defined(_OPENMP)
   // torch's own OpenMP pool when torch loaded libgomp (the same soname): its threads
   // are warm, and no second pool competes with them for the cores.
 #pragma omp parallel for num_threads(parts) schedule(static, 1)
-  for (int64_t k = 0; k < parts; ++k) part(rows * k / parts, rows * (k + 1) / parts, k);
+  for (int64_t k = 0; k < parts; ++k) part(k);
 #else
   std::vector<std::thread> workers;
-  for (int64_t k = 1; k < parts; ++k) {
-    workers.emplace_back(part, rows * k / parts, rows * (k + 1) / parts, k);
-  }
-  part(0, rows / parts, 0);
+  for (int64_t k = 1; k < parts; ++k) workers.emplace_back(part, k);
+  part(0);
   for (auto& worker : workers) worker.join();
 #endif
   }
@@ -584,18 +913,9 @@ void run(const void* rollout, const void* old, const void* mask, int64_t rows, i
       request->bins[bin] = static_cast<double>(total);
     }
   }
-}
-
-template <typename LogProb>
-int dispatch_mask(const void* rollout, const void* old, const void* mask, int mask_kind,
-                  int64_t rows, int64_t width, int level, Options options, int threads,
-                  double* out, const ExtrasRequest* x) {
-  switch (mask_kind) {
-    case 0: run<LogProb, uint8_t>(rollout, old, mask, rows, width, level, options, threads, out, x); return 0;
-    case 1: run<LogProb, int32_t>(rollout, old, mask, rows, width, level, options, threads, out, x); return 0;
-    case 2: run<LogProb, int64_t>(rollout, old, mask, rows, width, level, options, threads, out, x); return 0;
-    case 3: run<LogProb, float>(rollout, old, mask, rows, width, level, options, threads, out, x); return 0;
-    default: return 2;
+  if (profile) {
+    write_profile(profile_counts, parts, copy_bits, block_sums, blocks, maxima, width,
+                  profile_block(*request));
   }
 }
 
@@ -782,35 +1102,11 @@ inline double id_at(const void* ids, int kind, int64_t index) {
   }
 }
 
-// The packed extras (`TokenExtras` in extras.py) from the kernel's per-row extras: each
-// histogram's bins and [num, min, max, sum, sum of squares], then the k candidates with
-// the largest |r| among all rows' (ties: the earlier token), read back from the inputs.
-void write_extras(const void* rollout, const void* old, int kind, const void* ids, int id_kind,
-                  int64_t rows, int64_t width, const ExtrasRequest& x, double batch_index,
-                  double rank, double* state) {
+// The k candidates of the packed extras, from `out` on.
+void write_candidates(const void* rollout, const void* old, int kind, const void* ids,
+                      int id_kind, int64_t rows, int64_t width, const ExtrasRequest& x,
+                      double batch_index, double rank, double* out) {
   const int per_row = kMoments + 2 * x.k;
-  double* out = state;
-  if (x.histograms) {
-    double largest[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-    double totals[4] = {0, 0, 0, 0};
-    for (int64_t row = 0; row < rows; ++row) {
-      const double* moments = x.rows + row * per_row;
-      for (int i = 0; i < 4; ++i) largest[i] = std::max(largest[i], moments[i]);
-      for (int i = 0; i < 4; ++i) totals[i] += moments[4 + i];
-    }
-    const int sizes[2] = {ratio_bins(x), diff_bins(x)};
-    const double* bins = x.bins;
-    for (int h = 0; h < 2; ++h) {
-      double num = 0;
-      for (int bin = 0; bin < sizes[h]; ++bin) num += (*out++ = bins[bin]);
-      bins += sizes[h];
-      const double summary[5] = {num, -largest[2 * h + 1], largest[2 * h], totals[2 * h],
-                                 totals[2 * h + 1]};
-      std::memcpy(out, summary, sizeof summary);
-      out += 5;
-    }
-  }
-  if (x.k == 0) return;
   struct Candidate { double key; int64_t row, position; };
   std::vector<Candidate> found;
   for (int64_t row = 0; row < rows; ++row) {
@@ -851,17 +1147,76 @@ void write_extras(const void* rollout, const void* old, int kind, const void* id
   }
 }
 
+// The packed extras (`TokenExtras` in extras.py) from the kernel's per-row extras: each
+// histogram's bins and [num, min, max, sum, sum of squares], then the k candidates with
+// the largest |r| among all rows' (ties: the earlier token), read back from the inputs,
+// then the profile block.
+void write_extras(const void* rollout, const void* old, int kind, const void* ids, int id_kind,
+                  int64_t rows, int64_t width, const ExtrasRequest& x, double batch_index,
+                  double rank, double* state) {
+  const int per_row = kMoments + 2 * x.k;
+  double* out = state;
+  if (x.histograms) {
+    double largest[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    double totals[4] = {0, 0, 0, 0};
+    for (int64_t row = 0; row < rows; ++row) {
+      const double* moments = x.rows + row * per_row;
+      for (int i = 0; i < 4; ++i) largest[i] = std::max(largest[i], moments[i]);
+      for (int i = 0; i < 4; ++i) totals[i] += moments[4 + i];
+    }
+    const int sizes[2] = {ratio_bins(x), diff_bins(x)};
+    const double* bins = x.bins;
+    for (int h = 0; h < 2; ++h) {
+      double num = 0;
+      for (int bin = 0; bin < sizes[h]; ++bin) num += (*out++ = bins[bin]);
+      bins += sizes[h];
+      const double summary[5] = {num, -largest[2 * h + 1], largest[2 * h], totals[2 * h],
+                                 totals[2 * h + 1]};
+      std::memcpy(out, summary, sizeof summary);
+      out += 5;
+    }
+  }
+  if (x.k) {
+    write_candidates(rollout, old, kind, ids, id_kind, rows, width, x, batch_index, rank, out);
+  }
+  if (x.profile) {
+    std::memcpy(out + x.k * kWorstFields, profile_block(x), kProfileSize * sizeof(double));
+  }
+}
+
 }  // namespace
 
 // The name of entry `index` of a table (1: the statistics' state slots, 2: the groups,
-// 3: the worst-token fields), or null past its end.
+// 3: the worst-token fields, 4: the parts of the profile block, 5: the profile's
+// constants), or null past its end.
 extern "C" const char* rollout_name(int table, int index) {
+#define ROLLOUT_PART_NAME(id, name, size) name,
+#define ROLLOUT_CONSTANT_NAME(name, value) name,
+  static const char* const parts[] = {ROLLOUT_PROFILE_PARTS(ROLLOUT_PART_NAME)};
+  static const char* const constants[] = {ROLLOUT_PROFILE_CONSTANTS(ROLLOUT_CONSTANT_NAME)};
+#undef ROLLOUT_PART_NAME
+#undef ROLLOUT_CONSTANT_NAME
+  constexpr int kConstants = sizeof constants / sizeof constants[0];
   switch (table) {
     case 1: return index >= 0 && index < kStateSlots ? kSlotNames[index] : nullptr;
     case 2: return index >= 0 && index < kGroups ? kGroupNames[index] : nullptr;
     case 3: return index >= 0 && index < kWorstFields ? kWorstNames[index] : nullptr;
+    case 4: return index >= 0 && index < kProfileParts ? parts[index] : nullptr;
+    case 5: return index >= 0 && index < kConstants ? constants[index] : nullptr;
     default: return nullptr;
   }
+}
+
+// The value of entry `index` of table 4 (the number of slots of a part of the profile
+// block) or 5 (a constant of the profile) of `rollout_name`; NaN past its end.
+extern "C" double rollout_profile_value(int table, int index) {
+#define ROLLOUT_CONSTANT_VALUE(name, value) static_cast<double>(value),
+  static const double constants[] = {ROLLOUT_PROFILE_CONSTANTS(ROLLOUT_CONSTANT_VALUE)};
+#undef ROLLOUT_CONSTANT_VALUE
+  constexpr int kConstants = sizeof constants / sizeof constants[0];
+  if (table == 4 && index >= 0 && index < kProfileParts) return kPartSizes[index];
+  if (table == 5 && index >= 0 && index < kConstants) return constants[index];
+  return NAN;
 }
 
 // The statistics' packed state from a row table of `rollout_row_sums` (`needed`: bit c
@@ -881,9 +1236,10 @@ extern "C" int rollout_finish_extras(const void* rollout, const void* old, int l
                                      int64_t width, const int* ints, const double* extras_rows,
                                      const double* bins, double batch_index, double rank,
                                      double* state) {
-  const ExtrasRequest x{ints[0], ints[1], ints[2], ints[3], ints[4], ints[5],
+  const ExtrasRequest x{ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6],
                         const_cast<double*>(extras_rows), const_cast<double*>(bins)};
   if (x.k < 0 || x.k > kMaxWorst || (log_prob_kind != 0 && log_prob_kind != 1)) return 3;
+  if ((x.histograms || x.profile) && !bins) return 3;
   write_extras(rollout, old, log_prob_kind, ids, id_kind, rows, width, x, batch_index, rank,
                state);
   return 0;
@@ -896,8 +1252,9 @@ extern "C" const char* rollout_row_column(int index) {
 
 // log_prob_kind: 0 float32, 1 bfloat16. mask_kind: 0 bool/uint8, 1 int32, 2 int64,
 // 3 float32. `extras`: null, or what the extras take: the histograms' bins (`ints`:
-// ratio low, ratio octaves, diff low, diff octaves, histograms on, k) and where they go
-// (`rows`: [rows, 8 + 2 k], `bins`). Returns 0, or non-zero for arguments it does not know.
+// ratio low, ratio octaves, diff low, diff octaves, histograms on, k, profile on) and
+// where they go (`rows`: [rows, 8 + 2 k], `bins`: the histograms' bins, then the profile
+// block). Returns 0, or non-zero for arguments it does not know.
 extern "C" int rollout_row_sums(const void* rollout, const void* old, const void* mask,
                                 int log_prob_kind, int mask_kind, int64_t rows, int64_t width,
                                 int level, float ratio_high_m1, float ratio_low_m1,
@@ -907,22 +1264,22 @@ extern "C" int rollout_row_sums(const void* rollout, const void* old, const void
   ExtrasRequest request{};
   const ExtrasRequest* x = nullptr;
   if (ints) {
-    request = ExtrasRequest{ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], extras_rows, bins};
-    if (request.k < 0 || request.k > kMaxWorst || (request.histograms && !bins) || !extras_rows) {
+    request = ExtrasRequest{ints[0], ints[1], ints[2],     ints[3], ints[4],
+                            ints[5], ints[6], extras_rows, bins};
+    const bool summed = request.histograms || request.profile;
+    if (request.k < 0 || request.k > kMaxWorst || (summed && !bins) || !extras_rows) {
       return 3;
     }
     x = &request;
   }
-  switch (log_prob_kind) {
-    case 0:
-      return dispatch_mask<float>(rollout, old, mask, mask_kind, rows, width, level,
-                                  options, threads, out, x);
-    case 1:
-      return dispatch_mask<uint16_t>(rollout, old, mask, mask_kind, rows, width, level,
-                                     options, threads, out, x);
-    default:
-      return 1;
+  if (log_prob_kind != 0 && log_prob_kind != 1) return 1;
+  if (mask_kind < 0 || mask_kind > 3) return 2;
+  if (log_prob_kind == 0) {
+    run<float>(rollout, old, mask, mask_kind, rows, width, level, options, threads, out, x);
+  } else {
+    run<uint16_t>(rollout, old, mask, mask_kind, rows, width, level, options, threads, out, x);
   }
+  return 0;
 }
 
 // The shape of the extras' rows: `kMoments` moments, then up to `kMaxWorst` pairs.

@@ -1,0 +1,368 @@
+"""Where the mismatch lives: quantiles, profiles by position and by probability, joint counts.
+
+A window's profile is a block of the packed extras state (:mod:`.extras`), accumulated in
+the same pass as everything else and merged exactly (every slot is a sum, but for two
+maxima), so it stays the same size whatever the window holds (:data:`PROFILE_SIZE`
+float64 values). :func:`read_profile` turns a merged block into a :class:`Profile` on the
+host:
+
+* **quantiles** of ``|pa - pb|`` and ``|a - b|`` from fine log-spaced bins (32 per octave,
+  read off a float's bits): the inverted-CDF quantile, the smallest ``v`` with at least
+  ``q * N`` values ``<= v``, estimated by the middle of its bin (at most 1/64 = 1.6 %
+  from the true value, never above the largest value), 0 where it lies below ``2**-27``
+  (exact zeros among them);
+* **by position**: the column of the ``[B, T]`` tensors (the position in the response
+  when they hold the response) in buckets ``[0, 1), [1, 2), [2, 4), [4, 8), ...``;
+* **by probability**: the trainer's probability ``pa = exp(old_log_probs)`` in
+  power-of-two buckets ``[2**-(k+1), 2**-k)`` (the top one holds 1), the bucket being
+  ``k = floor(-a / ln 2)`` computed in the log-probs' precision;
+* **joint**: counts over (trainer log-prob bin, rollout log-prob bin), four bins per
+  octave of ``-log p``, so that the confident tokens, where most of them are, are spread
+  out as well as the rare ones.
+
+Example:
+    >>> import torch
+    >>> rollout = torch.log(torch.tensor([[0.5, 0.25, 0.9, 0.1]]))
+    >>> actor = torch.log(torch.tensor([[0.5, 0.20, 0.9, 0.1]]))
+    >>> state = profile_state(rollout, actor, torch.ones(1, 4))
+    >>> profile = read_profile(state.tolist())
+    >>> round(profile.quantiles["rollout_probs_diff_p999"], 4)
+    0.05
+    >>> [(bucket.start, bucket.stop, bucket.tokens) for bucket in profile.by_position]
+    [(0, 1, 1.0), (1, 2, 1.0), (2, 4, 2.0)]
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_rollout_debug.bins import LogBins
+from lightning_rollout_debug.layout import Block
+from lightning_rollout_debug.rows import counting_tokens, exp, kl_k3_tokens, prob_diff
+
+QUANTILES: tuple[tuple[str, int], ...] = (("p50", 500), ("p90", 900), ("p99", 990), ("p999", 999))
+"""The quantiles: name suffix and ``q`` in thousandths (integers keep ``q * N`` exact)."""
+
+QUANTILE_BINS: tuple[tuple[str, str, LogBins], ...] = (
+    ("rollout_probs_diff", "probs_diff", LogBins(-27, 28, signed=False, steps=32)),
+    ("rollout_log_probs_diff", "log_diff", LogBins(-27, 32, signed=False, steps=32)),
+)
+"""Metric stem, slot stem and fine bins of each quantity with quantiles: ``|pa - pb|``
+from ``2**-27`` (7.5e-9) to 2 (a float32 difference just below 1 may round to 1) and
+``|a - b|`` from ``2**-27`` to 32 nats."""
+
+QUANTILE_NAMES: tuple[str, ...] = tuple(
+    f"{stem}_{suffix}" for stem, _, _ in QUANTILE_BINS for suffix, _ in QUANTILES
+)
+"""The quantile metrics, un-prefixed, in catalog order."""
+
+POSITION_BUCKETS = 24
+"""Buckets of positions: ``[0, 1), [1, 2), [2, 4), ..., [2**21, 2**22)``, then
+``[2**22, inf)``."""
+
+PROBABILITY_BUCKETS = 29
+"""Buckets of the trainer's probability, ``[2**-29, 2**-28), ..., [1/2, 1]``: the floor
+of -20 nats is ``2**-28.9``."""
+
+JOINT_BINS = LogBins(-10, 15, signed=False, steps=4)
+"""Bins of ``-log p`` for the joint histogram: below ``2**-10`` (``p > 0.999``), four
+per octave up to ``2**5`` nats, above (62 bins a side)."""
+
+_LOG2_E = 1.4426950408889634
+
+
+def _names(stem: str, count: int) -> tuple[str, ...]:
+    return tuple(f"{stem}[{i}]" for i in range(count))
+
+
+def profile_blocks() -> list[Block]:
+    """The profile's slots: counts and sums (one fold), then the maxima."""
+    whole: list[str] = []
+    for _, slot, bins in QUANTILE_BINS:
+        whole += _names(f"{slot}_bins", len(bins.edges) + 1)
+    whole += _names("position_tokens", POSITION_BUCKETS)
+    whole += _names("probability_tokens", PROBABILITY_BUCKETS)
+    joint = len(JOINT_BINS.edges) + 1
+    whole += _names("joint", joint * joint)
+    sums = [
+        *_names("position_probs_diff", POSITION_BUCKETS),
+        *_names("position_kl_k3", POSITION_BUCKETS),
+        *_names("probability_probs_diff", PROBABILITY_BUCKETS),
+        *_names("probability_log_diff", PROBABILITY_BUCKETS),
+    ]
+    return [
+        Block("sum", tuple(whole), whole=True),
+        Block("sum", tuple(sums)),
+        Block("max", ("probs_diff_max", "log_diff_max", "width")),
+    ]
+
+
+PROFILE_SIZE = sum(block.size for block in profile_blocks())
+"""Length of the profile's block of the packed extras state."""
+
+
+# ---------------------------------------------------------------------- accumulation
+def column_buckets(width: int, device: torch.device | str | None = None) -> Tensor:
+    """The position bucket of each column: 0 for column 0, ``floor(log2 j) + 1`` after.
+
+    Read off the float32 exponent of ``j`` (exact below ``2**24``; beyond, the last bucket).
+    """
+    columns = torch.arange(width, device=device, dtype=torch.float32)
+    exponent = (columns.view(torch.int32) >> 23) - 126  # floor(log2 j) + 1 for j >= 1
+    return torch.where(columns >= 1, exponent, 0).clamp_(0, POSITION_BUCKETS - 1).long()
+
+
+def probability_buckets(a: Tensor) -> Tensor:
+    """The bucket of each trainer log-prob ``a``: 28 for ``pa`` in ``[1/2, 1]``, down to 0."""
+    k = (-a * _LOG2_E).floor().clamp(0, PROBABILITY_BUCKETS - 1)
+    return (PROBABILITY_BUCKETS - 1) - k.long()
+
+
+def joint_bins(a: Tensor, b: Tensor) -> Tensor:
+    """The joint bin of each (trainer, rollout) pair: ``row * side + column`` over ``-log p``."""
+    side = len(JOINT_BINS.edges) + 1
+    return JOINT_BINS.index(-a) * side + JOINT_BINS.index(-b)
+
+
+def profile_state(rollout_log_probs: Tensor, old_log_probs: Tensor, mask: Tensor) -> Tensor:
+    """The profile block of one ``[B, T]`` batch with torch operations (no host sync).
+
+    The arithmetic of the statistics: log-probs floored, tokens counted where the mask is
+    non-zero and both log-probs are finite, ``abs(pa - pb)`` and k3 as in
+    :mod:`.rows`.
+    """
+    a, b, r, masked, finite = counting_tokens(rollout_log_probs, old_log_probs, mask)
+    prob_actor, prob_rollout = exp(a), exp(b)
+    diff = prob_diff(prob_actor, prob_rollout, r)
+    return profile_from_tokens(
+        a, b, r, masked & finite, diff, kl_k3_tokens(prob_actor, prob_rollout, r)
+    )
+
+
+def profile_from_tokens(
+    a: Tensor, b: Tensor, r: Tensor, counting: Tensor, diff: Tensor, k3: Tensor
+) -> Tensor:
+    """The profile block from the element-wise quantities (zero where a token does not count)."""
+    f64 = torch.float64
+    device = a.device
+    keep = counting.flatten()
+    weight = keep.to(f64)
+    zero = torch.zeros((), dtype=f64, device=device)
+    log_diff = r.abs()
+
+    def counts(index: Tensor, size: int, values: Tensor = weight) -> Tensor:
+        return torch.zeros(size, dtype=f64, device=device).scatter_add_(0, index, values)
+
+    whole = [
+        counts(bins.index(value.flatten().contiguous()), len(bins.edges) + 1)
+        for value, (_, _, bins) in zip((diff, log_diff), QUANTILE_BINS, strict=True)
+    ]
+    position = column_buckets(a.shape[1], device).expand_as(a).flatten()
+    probability = probability_buckets(a).flatten()
+    side = len(JOINT_BINS.edges) + 1
+    whole += [
+        counts(position, POSITION_BUCKETS),
+        counts(probability, PROBABILITY_BUCKETS),
+        counts(joint_bins(a, b).flatten(), side * side),
+    ]
+    wide_diff = torch.where(keep, diff.flatten().to(f64), zero)
+    wide_log_diff = torch.where(keep, log_diff.flatten().to(f64), zero)
+    sums = [
+        counts(position, POSITION_BUCKETS, wide_diff),
+        counts(position, POSITION_BUCKETS, torch.where(keep, k3.flatten().to(f64), zero)),
+        counts(probability, PROBABILITY_BUCKETS, wide_diff),
+        counts(probability, PROBABILITY_BUCKETS, wide_log_diff),
+    ]
+    maxima = torch.stack(
+        [
+            torch.where(keep, diff.flatten(), -math.inf).amax().to(f64),
+            torch.where(keep, log_diff.flatten(), -math.inf).amax().to(f64),
+            torch.full((), float(a.shape[1]), dtype=f64, device=device),
+        ]
+    )
+    return torch.cat([*whole, *sums, maxima])
+
+
+# ---------------------------------------------------------------------- reading
+@dataclass(frozen=True)
+class PositionBucket:
+    """The counting tokens at columns ``[start, stop)`` and their mean ``|pa - pb|`` and k3."""
+
+    start: int
+    stop: int
+    tokens: float
+    probs_diff_mean: float
+    kl_k3: float
+
+
+@dataclass(frozen=True)
+class ProbabilityBucket:
+    """The counting tokens whose trainer probability is in ``[low, high)``, and their means.
+
+    The top bucket, ``high = 1``, is ``[1/2, 1]``; the means are of ``|pa - pb|`` and
+    ``|a - b|``.
+    """
+
+    low: float
+    high: float
+    tokens: float
+    probs_diff_mean: float
+    log_probs_diff_mean: float
+
+
+@dataclass(frozen=True)
+class JointHistogram:
+    """Counts over (trainer log-prob bin, rollout log-prob bin).
+
+    ``edges`` ascend; bin 0 is ``(-inf, edges[0]]``, bin ``i`` is ``(edges[i-1],
+    edges[i]]`` and the last ``(edges[-1], inf)``. ``counts[i][j]`` counts the tokens whose
+    trainer log-prob is in bin ``i`` and rollout log-prob in bin ``j``: on the diagonal
+    the two agree to the bin.
+    """
+
+    edges: tuple[float, ...]
+    counts: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Where a window's mismatch lives: quantiles, two profiles and the joint histogram."""
+
+    tokens: float
+    quantiles: dict[str, float]
+    by_position: list[PositionBucket]
+    by_probability: list[ProbabilityBucket]
+    joint_histogram: JointHistogram = field(repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dicts and lists, as ``functional.mismatch_profile`` returns them."""
+        return {
+            "quantiles": dict(self.quantiles),
+            "by_position": [vars(bucket).copy() for bucket in self.by_position],
+            "by_probability": [vars(bucket).copy() for bucket in self.by_probability],
+            "joint_histogram": {
+                "edges": list(self.joint_histogram.edges),
+                "counts": [list(row) for row in self.joint_histogram.counts],
+            },
+        }
+
+
+def read_profile(values: Sequence[float]) -> Profile:
+    """A :class:`Profile` from a (merged) profile block read on the host."""
+    if len(values) != PROFILE_SIZE:
+        raise ValueError(f"A profile block has {PROFILE_SIZE} values; got {len(values)}.")
+    taken = 0
+
+    def take(count: int) -> list[float]:
+        nonlocal taken
+        part = list(values[taken : taken + count])
+        taken += count
+        return part
+
+    bins = [take(len(spec.edges) + 1) for _, _, spec in QUANTILE_BINS]
+    position_tokens = take(POSITION_BUCKETS)
+    probability_tokens = take(PROBABILITY_BUCKETS)
+    side = len(JOINT_BINS.edges) + 1
+    joint = take(side * side)
+    position_diff, position_k3 = take(POSITION_BUCKETS), take(POSITION_BUCKETS)
+    probability_diff, probability_log = take(PROBABILITY_BUCKETS), take(PROBABILITY_BUCKETS)
+    maxima = take(2)
+    widest = take(1)[0]
+    width = int(widest) if widest > 0 else 0
+    quantiles = {}
+    for (stem, _, spec), counts, largest in zip(QUANTILE_BINS, bins, maxima, strict=True):
+        found = bin_quantiles(counts, spec.edges, largest, [q for _, q in QUANTILES])
+        quantiles.update(
+            (f"{stem}_{suffix}", value) for (suffix, _), value in zip(QUANTILES, found, strict=True)
+        )
+    return Profile(
+        tokens=sum(position_tokens),
+        quantiles=quantiles,
+        by_position=_position_buckets(position_tokens, position_diff, position_k3, width),
+        by_probability=[
+            ProbabilityBucket(
+                low=2.0 ** (i - PROBABILITY_BUCKETS),
+                high=2.0 ** (i + 1 - PROBABILITY_BUCKETS),
+                tokens=count,
+                probs_diff_mean=_mean(diff, count),
+                log_probs_diff_mean=_mean(log_diff, count),
+            )
+            for i, (count, diff, log_diff) in enumerate(
+                zip(probability_tokens, probability_diff, probability_log, strict=True)
+            )
+        ],
+        joint_histogram=_joint(joint, side),
+    )
+
+
+def bin_quantile(
+    counts: Sequence[float], edges: Sequence[float], largest: float, per_mille: int
+) -> float:
+    """The ``per_mille / 1000`` inverted-CDF quantile from fixed unsigned bins.
+
+    The bin holding the ``ceil(q N)``-th smallest value is found exactly; the estimate is
+    its middle, at most ``largest`` (the largest value), 0 for the bin below ``edges[0]``
+    and ``largest`` for the one above ``edges[-1]``. NaN without values.
+
+    Example:
+        >>> bin_quantile([1, 2, 1], (1.0, 2.0), 2.5, 500)  # bins (-inf, 1), [1, 2), [2, inf)
+        1.5
+    """
+    return bin_quantiles(counts, edges, largest, (per_mille,))[0]
+
+
+def bin_quantiles(
+    counts: Sequence[float], edges: Sequence[float], largest: float, per_milles: Sequence[int]
+) -> list[float]:
+    """:func:`bin_quantile` for several quantiles, with one cumulative sum."""
+    cumulative = list(itertools.accumulate(counts))
+    total = round(cumulative[-1]) if cumulative else 0
+    if total < 1:
+        return [math.nan] * len(per_milles)
+    found = []
+    for per_mille in per_milles:
+        i = bisect.bisect_left(cumulative, (per_mille * total + 999) // 1000)  # ceil(q N)
+        if i == 0:
+            found.append(0.0)
+        elif i >= len(edges):
+            found.append(largest)
+        else:
+            found.append(min(0.5 * (edges[i - 1] + edges[i]), largest))
+    return found
+
+
+def _mean(total: float, count: float) -> float:
+    return total / count if count >= 1 else math.nan
+
+
+def _position_buckets(
+    tokens: list[float], diff: list[float], k3: list[float], width: int
+) -> list[PositionBucket]:
+    """The buckets that start below ``width`` (the widest batch), the last cut at it."""
+    buckets = []
+    for i in range(POSITION_BUCKETS):
+        start = 0 if i == 0 else 2 ** (i - 1)
+        if start >= width:
+            break
+        stop = width if i == POSITION_BUCKETS - 1 else min(2**i, width)
+        buckets.append(
+            PositionBucket(
+                start, stop, tokens[i], _mean(diff[i], tokens[i]), _mean(k3[i], tokens[i])
+            )
+        )
+    return buckets
+
+
+def _joint(counts: list[float], side: int) -> JointHistogram:
+    """The joint counts with both axes in ascending log-prob (the bins are of ``-log p``)."""
+    edges = tuple(-edge for edge in reversed(JOINT_BINS.edges))
+    rows = [counts[i * side : (i + 1) * side][::-1] for i in range(side)][::-1]
+    return JointHistogram(edges, tuple(tuple(row) for row in rows))
