@@ -2,6 +2,7 @@
 
 from lightning_rollout_debug.alerts import (
     DEFAULT_ALERT_RANGES,
+    DEFAULT_DRIFT_FACTORS,
     RolloutAlertError,
     RolloutAlertWarning,
 )
@@ -15,6 +16,7 @@ from lightning_rollout_debug.stats import MismatchStats
 
 __all__ = [
     "DEFAULT_ALERT_RANGES",
+    "DEFAULT_DRIFT_FACTORS",
     "GROUPS",
     "METRIC_NAMES",
     "BatchError",

@@ -48,12 +48,14 @@ from lightning_rollout_debug.bins import (
     HISTOGRAMS,
     LOG_RATIO_BINS,
     PROBS_DIFF_BINS,
+    LogBins,
     QuarterOctaveBins,
 )
 from lightning_rollout_debug.layout import Block, Layout
 from lightning_rollout_debug.native import WORST_FIELDS
 from lightning_rollout_debug.profile import (
     PROFILE_SIZE,
+    QUANTILE_BINS,
     Profile,
     profile_blocks,
     profile_from_tokens,
@@ -374,19 +376,28 @@ class TokenExtras(ThreadSafeWindow):
             # token does not count.
             prob_actor, prob_rollout = exp(a), exp(b)
             diff = prob_diff(prob_actor, prob_rollout, r)
+        profile = None
+        if self.profile:
+            k3 = kl_k3_tokens(prob_actor, prob_rollout, r)
+            profile = profile_from_tokens(a, b, r, counting, diff, k3)
         if self._histograms:
             keep = counting.flatten()
             weight = keep.to(f64)
             values = {"rollout_log_ratio_hist": r, "rollout_probs_diff_hist": diff}
+            finer = {}
+            if profile is not None:  # the profile's fine bins of abs(pa - pb) lead its block
+                fine = QUANTILE_BINS[0][2]
+                finer["rollout_probs_diff_hist"] = (fine, profile[: len(fine.edges) + 1])
             for name, spec in self._histograms:
-                parts.append(_histogram_state(values[name].flatten(), keep, weight, spec))
+                parts.append(
+                    _histogram_state(values[name].flatten(), keep, weight, spec, finer.get(name))
+                )
         if self.worst_tokens_k:
             parts.append(
                 self._candidates(a, b, r, counting, token_ids, first_row, batch_index, rank)
             )
-        if self.profile:
-            k3 = kl_k3_tokens(prob_actor, prob_rollout, r)
-            parts.append(profile_from_tokens(a, b, r, counting, diff, k3))
+        if profile is not None:
+            parts.append(profile)
         return torch.cat(parts)
 
     def _candidates(
@@ -490,15 +501,37 @@ class TokenExtras(ThreadSafeWindow):
 
 
 def _histogram_state(
-    values: Tensor, keep: Tensor, weight: Tensor, bins: QuarterOctaveBins
+    values: Tensor,
+    keep: Tensor,
+    weight: Tensor,
+    bins: QuarterOctaveBins,
+    finer: tuple[LogBins, Tensor] | None = None,
 ) -> Tensor:
     """``[bin counts..., num, min, max, sum, sum_squares]`` of ``values`` where ``keep``.
 
     ``values`` (float32 or float64) must be zero where ``keep`` is false, so plain sums
-    skip those tokens; ``weight`` is ``keep`` as float64.
+    skip those tokens; ``weight`` is ``keep`` as float64. ``finer`` is ``(fine, counts)``:
+    the counts of the same values in finer bins. Where each bin is a union of fine bins
+    (both unsigned, the fine bins spanning these bins' range), the counts are added up
+    from them: the same whole numbers as counting the values.
     """
     counts = torch.zeros(len(bins.edges) + 1, dtype=torch.float64, device=values.device)
-    counts.scatter_add_(0, bins.index(values), weight)
+    fine = None if finer is None else finer[0]
+    if (
+        fine is not None
+        and not (fine.signed or bins.signed)
+        and fine.bits >= bins.bits
+        and fine.low <= bins.low
+        and bins.low + bins.octaves <= fine.low + fine.octaves
+    ):
+        # Fine bin i holds the values whose fine steps above 2**fine.low are i - 1 (-1:
+        # below, clamped); their steps here are those shifted right, less the steps
+        # between the two lowest edges, clamped alike.
+        steps = torch.arange(-1, len(fine.edges), device=values.device)
+        steps = (steps >> (fine.bits - bins.bits)) - bins.steps * (bins.low - fine.low)
+        counts.index_add_(0, steps.clamp_(-1, bins.top).add_(1), finer[1])
+    else:
+        counts.scatter_add_(0, bins.index(values), weight)
     exact = values.to(torch.float64)
     moments = [
         weight.sum(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import math
 import warnings
 
 import numpy as np
@@ -21,12 +22,14 @@ from lightning_rollout_debug import (
     native,
 )
 from lightning_rollout_debug.batch import check_inputs
+from lightning_rollout_debug.bins import LOG_RATIO_BINS, PROBS_DIFF_BINS
 from lightning_rollout_debug.extras import TokenExtras, WorstToken
 from lightning_rollout_debug.layout import Block
 from lightning_rollout_debug.profile import (
     POSITION_BUCKETS,
     PROBABILITY_BUCKETS,
     PROFILE_SIZE,
+    QUANTILE_BINS,
     profile_blocks,
 )
 from lightning_rollout_debug.rows import ROW_FIELDS, row_sums, rows_for
@@ -420,7 +423,8 @@ def test_native_profile_does_not_depend_on_the_thread_count(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Threads take blocks of rows and keep their own tables; the float64 sums are added
-    in the order of the blocks, so any number of threads gives the same bits."""
+    in the order of the blocks, so any number of threads gives the same bits (of the
+    histograms added up from the fine bins too)."""
     monkeypatch.setattr(native, "_TOKENS_PER_THREAD", 1 << 10)
     rng = np.random.default_rng(44)
     batch = make_batch(rng, (37, 5000), regime="mixed", mask_kind="counts", special_rate=0.01)
@@ -440,7 +444,7 @@ def test_native_profile_does_not_depend_on_the_thread_count(
                 extras=request,
             )
             assert found is not None and found[1] is not None
-            blocks.append(found[1][-PROFILE_SIZE:])
+            blocks.append(found[1])  # the histograms from the fine bins, then the profile
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(blocks[0], block) for block in blocks[1:])
@@ -489,3 +493,94 @@ def test_a_kernel_built_for_another_profile_is_not_loaded(
     monkeypatch.setattr(native, "profile_blocks", lambda: [*blocks[:-1], renamed])
     with pytest.raises(native.KernelUnavailable, match="names the parts of the profile block"):
         native._bind(library, path, ROW_FIELDS)
+
+
+def _edge_batch(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log ratios on and beside the edges of the fine and the coarse bins, of both signs.
+
+    r = a - b with b = 0 (or a = 0) is exact: magnitudes 2^e (1 + j / 32) and their float32
+    neighbours, +0 and -0 (a = -0.0), |r| = 32 (a = 12, b = -20), tokens masked out and
+    non-finite ones.
+    """
+    magnitudes = []
+    for e in (-29, -28, -27, -26, -21, -20, -19, -8, -1, 0, 1, 2, 3, 4):
+        for j in (0, 1, 7, 8, 9, 15, 16, 24, 31):
+            m = torch.tensor(2.0**e * (1 + j / 32), dtype=torch.float32)
+            magnitudes += [m, torch.nextafter(m, m.new_tensor(0.0)), torch.nextafter(m, 2 * m)]
+    m = torch.stack(magnitudes)
+    m = m[m <= 20.0]
+    zero = torch.zeros_like(m)
+    old = torch.cat([-m, zero, torch.tensor([-0.0, 0.0, 12.0, -20.0, 12.5, -20.0, 0.0, -1.0])])
+    rollout = torch.cat([zero, -m, torch.tensor([0.0, 0.0, -20.0, 12.0, -20.0, 12.5, 0.0, -1.0])])
+    mask = torch.ones_like(old, dtype=torch.bool)
+    mask[-1] = False  # masked out
+    rollout[-2] = math.nan  # does not count
+    width = 37  # two vectors and a tail of five tokens a row
+    pad = -len(old) % width
+    old, rollout = (torch.cat([t, torch.full((pad,), -0.5)]) for t in (old, rollout))
+    mask = torch.cat([mask, torch.zeros(pad, dtype=torch.bool)])
+    return rollout.to(dtype).view(-1, width), old.to(dtype).view(-1, width), mask.view(-1, width)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compile", [None, False], ids=["kernel", "torch"])
+@pytest.mark.parametrize("batch_kind", ["random", "edges"])
+def test_histograms_added_up_from_the_profile_are_those_counted(
+    dtype: torch.dtype, compile: bool | None, batch_kind: str, native_calls: list[bool]
+) -> None:
+    """With the profile, the histograms' bins are added up from its fine bins: each bin of
+    |pa - pb| is 8 fine bins (the lowest one the fine bin below 2^-27, the highest all
+    fine bins from 1 up), and the bins of both histograms are those counted without the
+    profile, bit for bit, by the kernel and by the torch arithmetic."""
+    if batch_kind == "edges":
+        args = _edge_batch(dtype)
+    else:
+        rng = np.random.default_rng(47)
+        batch = make_batch(
+            rng, (23, 700), dtype=dtype, regime="mixed", mask_kind="prefix", special_rate=0.02
+        )
+        args = (batch.rollout, batch.old, batch.mask)
+    extras = [TokenExtras(profile=profile, compile=compile) for profile in (True, False)]
+    for each in extras:
+        each.update(*args)
+    assert native_calls == ([True, True] if compile is None else [])
+    with_profile, without = (each.summary(each.state) for each in extras)
+    # The kernel's sums to their rounding: the compiler may fuse a multiply-add in the pass
+    # with the profile and not in the other, which moves pa and d by an ulp.
+    rel = 1e-7 if compile is None else 0.0
+    for tag, histogram in without.histograms.items():
+        got = with_profile.histograms[tag]
+        assert got.counts == histogram.counts, tag
+        assert (got.num, got.min, got.max) == (histogram.num, histogram.min, histogram.max), tag
+        assert got.sum == pytest.approx(histogram.sum, rel=rel, abs=0), tag
+        assert got.sum_squares == pytest.approx(histogram.sum_squares, rel=rel, abs=0), tag
+    # Every value of a fine bin lies in the coarse bin of the fine bin's lower edge.
+    fine_bins = QUANTILE_BINS[0][2]
+    fine = _profile_of(extras[0])["probs_diff_bins"]
+    lower_edges = torch.tensor((0.0, *fine_bins.edges), dtype=torch.float64)
+    coarse = torch.zeros(len(PROBS_DIFF_BINS.edges) + 1, dtype=torch.float64)
+    coarse.index_add_(0, PROBS_DIFF_BINS.index(lower_edges), fine)
+    assert with_profile.histograms["rollout_probs_diff_hist"].counts == tuple(coarse.tolist())
+    if batch_kind == "edges":  # both signs of r, to |r| = 32 and beyond
+        counts = with_profile.histograms["rollout_log_ratio_hist"].counts
+        assert sum(counts[: len(counts) // 2]) > 100 and sum(counts[len(counts) // 2 + 1 :]) > 100
+        extremes = LOG_RATIO_BINS.index(torch.tensor([-32.5, -32.0, 32.0, 32.5])).tolist()
+        assert all(counts[bin] > 0 for bin in extremes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_fine_bins_of_edges_match_the_torch_profile(dtype: torch.dtype) -> None:
+    """The kernel counts r by sign and adds the bins of |r| up from those: on and beside
+    the edges of the bins, of both signs, they are those of the torch arithmetic."""
+    args = _edge_batch(dtype)
+    extras = [
+        TokenExtras(histograms=histograms, profile=True, compile=compile)
+        for histograms in (True, False)
+        for compile in (None, False)
+    ]
+    for each in extras:
+        each.update(*args)
+    profiles = [_profile_of(each) for each in extras]
+    for got in profiles[1:]:
+        for stem in ("probs_diff_bins", "log_diff_bins", "joint", "probability_tokens"):
+            assert torch.equal(got[stem], profiles[0][stem]), stem

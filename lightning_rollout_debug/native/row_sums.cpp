@@ -445,15 +445,41 @@ static_assert(part_at(p_log_bins) == kDiffBins, "the two fine histograms are adj
 static_assert(kPositionBuckets > 5, "the first vector of a row spans buckets 0 ... 4");
 static_assert(kLanes == 16, "at most 2^4 copies of the counts, one per lane");
 
+// The fine bins of r by sign, from which the fine bins of |r| and the histogram's bins of
+// r are both added up (`write_fine_log_bins`, `write_coarse_bins`). For r >= +0, the fine
+// bins of |r|. For r <= -0, the bins of the magnitude less one ulp (the histogram's bins
+// of a negative r close on the other side), from one step lower, each twice: off and on
+// an edge of the fine bins of |r| (on one, the bin of |r| is one higher).
+constexpr int kNegativeBins = kLogBins + 1;
+constexpr int kSignedBins = kLogBins + 2 * kNegativeBins;
 // Whole-number counts a thread keeps in int32, `copies` interleaved copies of each
 // ([slot][copy]) so that neighbouring lanes that hit the same slot do not wait on each
-// other: the fine bins of d, then of |r|, then the joint cells.
-constexpr int kCounted = kDiffBins + kLogBins + kJointCells;
-constexpr int kJointCounted = kDiffBins + kLogBins;
+// other: the fine bins of d, then the signed fine bins of r, then the joint cells.
+constexpr int kCounted = kDiffBins + kSignedBins + kJointCells;
+constexpr int kJointCounted = kDiffBins + kSignedBins;
+
+// The signed fine bin of each r (see kSignedBins).
+inline i32 signed_fine_bin(f32 r) {
+  constexpr int kShift = 23 - kFineBits, kTop = kLogOctaves << kFineBits;
+  const i32 bits = reinterpret_cast<i32>(r);
+  const i32 negative = bits < 0;
+  const i32 magnitude = bits & 0x7fffffff;
+  // For r < 0 the magnitude one ulp less: -1 for -0.0, shifted to -1 too.
+  const i32 below = negative ? magnitude - 1 : bits;
+  const i32 steps = (below >> kShift) - ((127 + kLogLow) << kFineBits);
+  i32 up = steps < -1 ? splat<i32>(-1) : steps;
+  up = up > kTop ? splat<i32>(kTop) : up;
+  i32 down = steps < -2 ? splat<i32>(-2) : steps;
+  down = down > kTop ? splat<i32>(kTop) : down;
+  const i32 on_edge = (magnitude & ((1 << kShift) - 1)) == 0;  // -1 on an edge
+  return negative ? kLogBins + 2 * (down + 2) - on_edge : up + 1;
+}
 // Per lane, float64 sums by probability bucket ([bucket][lane][tokens, d, |r|, 0]: one
 // 256-bit add per token), added into the sums of the block of rows at its end.
 constexpr int kLaneSums = kProbabilityBuckets * kLanes * 4;
 typedef double f64x4 __attribute__((vector_size(32)));
+// A lane's slots (with up to 4 copies) and its lane sums, as 16-bit fields of one word.
+static_assert((kCounted << 2) <= (1 << 16) && kLaneSums <= (1 << 16), "slots fit 16 bits");
 // The float64 sums of a block of rows, added up in the order of the blocks: the result
 // depends on the rows alone, not on which thread took them.
 enum BlockSlot {
@@ -470,6 +496,85 @@ constexpr int64_t kTokensPerProfileBlock = 4096;
 // The position buckets of the lanes of a row's first vector (columns 0 ... 15).
 constexpr int kFirstBuckets[kLanes] = {0, 1, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4};
 
+// Whether the histograms' bins are unions of the profile's fine bins (2^(kFineBits - 2)
+// fine bins each, those below and above the range included), as they are when they lie
+// within the fine bins' range: the pass then counts the fine bins alone, and the
+// histograms' are added up from them (`write_coarse_bins`).
+inline bool coarse_from_fine(const ExtrasRequest& x) {
+  return x.histograms && x.profile && x.ratio_octaves >= 0 && x.ratio_low >= kLogLow &&
+         x.ratio_low + x.ratio_octaves <= kLogLow + kLogOctaves && x.diff_octaves >= 0 &&
+         x.diff_low >= kDiffLow && x.diff_low + x.diff_octaves <= kDiffLow + kDiffOctaves;
+}
+
+// The total of elements [begin, end) of `values`, clipped to [0, count).
+inline int64_t range_total(const int64_t* values, int count, int begin, int end) {
+  int64_t total = 0;
+  for (int i = std::max(begin, 0); i < std::min(end, count); ++i) total += values[i];
+  return total;
+}
+
+// Adds fine counts into the sides of coarse bins (0 below 2^low, then 1 ... 4 octaves + 1):
+// element i of `fine` counts the values whose fine steps above 2^fine_low are first + i
+// (-1 and below: below it), whose coarse steps are those shifted right, less the coarse
+// steps between the two lowest edges; below and above the coarse range, clamped. Each
+// side adds up a run of elements: no slot is added to twice in a row.
+void add_sides(const int64_t* fine, int count, int first, int low, int octaves, int fine_low,
+               int64_t* sides) {
+  constexpr int kShift = kFineBits - 2;
+  const int below = (4 * (low - fine_low)) << kShift;  // fine steps below 2^low
+  const int top = 4 * octaves;
+  sides[0] += range_total(fine, count, 0, below - first);
+  for (int side = 1; side <= top; ++side) {
+    const int begin = below + ((side - 1) << kShift) - first;
+    sides[side] += range_total(fine, count, begin, begin + (1 << kShift));
+  }
+  sides[top + 1] += range_total(fine, count, below + (top << kShift) - first, count);
+}
+
+// The histograms' bins (`bins`: those of r, then those of d) from the totals of the fine
+// counts ([kCounted]: the fine bins of d, then the signed ones of r).
+void write_coarse_bins(const ExtrasRequest& x, const int64_t* totals, double* bins) {
+  constexpr int kSides = 4 * kLogOctaves + 2;
+  int64_t positive[kSides] = {}, negative[kSides] = {};
+  const int64_t* signed_bins = totals + kDiffBins;
+  // r >= +0: fine bin b holds steps b - 1; r <= -0: both bins of magnitude steps n - 2,
+  // one ulp less, at 2 n and 2 n + 1.
+  add_sides(signed_bins, kLogBins, -1, x.ratio_low, x.ratio_octaves, kLogLow, positive);
+  int64_t pairs[kNegativeBins];
+  for (int n = 0; n < kNegativeBins; ++n) {
+    pairs[n] = signed_bins[kLogBins + 2 * n] + signed_bins[kLogBins + 2 * n + 1];
+  }
+  add_sides(pairs, kNegativeBins, -2, x.ratio_low, x.ratio_octaves, kLogLow, negative);
+  const int center = 4 * x.ratio_octaves + 1;  // the bin of r in [-2^low, 2^low)
+  for (int bin = 0; bin < ratio_bins(x); ++bin) {
+    const int64_t count = bin < center ? negative[center - bin]
+                          : bin > center ? positive[bin - center]
+                                         : positive[0] + negative[0];
+    bins[bin] = static_cast<double>(count);
+  }
+  int64_t diff[4 * kDiffOctaves + 2] = {};
+  add_sides(totals, kDiffBins, -1, x.diff_low, x.diff_octaves, kDiffLow, diff);
+  for (int bin = 0; bin < diff_bins(x); ++bin) {
+    bins[ratio_bins(x) + bin] = static_cast<double>(diff[bin]);
+  }
+}
+
+// The fine bins of |r| from the signed ones. For r <= -0 at magnitude steps n - 2 (one ulp
+// less), fine bin n - 1 off an edge and n on one, clamped: bin k in 1 ... top holds
+// (k + 1, off) and (k, on); bin 0 holds (0, both) and (1, off); bin top + 1 holds
+// (top + 2, both) and (top + 1, on).
+void write_fine_log_bins(const int64_t* signed_bins, double* out) {
+  constexpr int kTop = kLogBins - 2;
+  const int64_t* positive = signed_bins;
+  const auto negative = [&](int n, int edge) { return signed_bins[kLogBins + 2 * n + edge]; };
+  for (int bin = 1; bin <= kTop; ++bin) {
+    out[bin] = static_cast<double>(positive[bin] + negative(bin + 1, 0) + negative(bin, 1));
+  }
+  out[0] = static_cast<double>(positive[0] + negative(0, 0) + negative(0, 1) + negative(1, 0));
+  out[kTop + 1] = static_cast<double>(positive[kTop + 1] + negative(kTop + 2, 0) +
+                                      negative(kTop + 2, 1) + negative(kTop + 1, 1));
+}
+
 // Blocks of rows (whose float64 sums are kept apart): fewer for few tokens, where adding
 // them up would cost more than the tokens, one per row at most.
 inline int64_t profile_blocks(int64_t rows, int64_t width) {
@@ -477,13 +582,13 @@ inline int64_t profile_blocks(int64_t rows, int64_t width) {
   return std::max<int64_t>(1, std::min({rows, by_tokens, kMaxProfileBlocks}));
 }
 
-// log2 of the copies of the counts of a thread that takes `tokens`: one copy (23 KB) below
+// log2 of the copies of the counts of a thread that takes `tokens`: one copy (31 KB) below
 // 2^16 tokens, where zeroing and adding up copies would cost more than the waits they
-// spare, twice as many for every 4 times as many tokens, up to 8 copies (180 KB, within
-// the L2 cache) from 2^20 on.
+// spare, two from 2^16 on, four (125 KB, within the L2 cache) from 2^18 on; more copies
+// cost more cache than they spare waits.
 inline int profile_copy_bits(int64_t tokens) {
   int bits = 0;
-  while (bits < 3 && tokens >= (int64_t{1} << (16 + 2 * bits))) ++bits;
+  while (bits < 2 && tokens >= (int64_t{1} << (16 + 2 * bits))) ++bits;
   return bits;
 }
 
@@ -495,6 +600,7 @@ struct ProfileTables {
   double* lanes;  // [kLaneSums]
   double* block;  // the current block's [kBlockSlots]
   float diff_max = -kInf, log_max = -kInf;
+  int64_t idle = 0;  // tokens that do not count, counted in the slots of zeros
 
   // At the end of a block: its lanes' sums added in (lane by lane), then cleared.
   void end_block() {
@@ -519,7 +625,7 @@ struct RowExtras {
   Sum r_sum, r_sq, d_sum, d_sq;
   // The profile: maxima of d and |r|, and the sums of the current position bucket.
   Max profile_d_max, profile_r_max;
-  Count position_tokens;
+  Count position_tokens, idle;
   Sum position_diff, position_k3;
   int position_bucket = -1;
   float keys[kMaxWorst];
@@ -527,8 +633,11 @@ struct RowExtras {
   int filled = 0;
   float threshold = -1.0f;  // a token enters with |r| above it (any while not full)
 
+  bool fine_only;  // the histograms' bins come from the profile's fine bins
+
   RowExtras(const ExtrasRequest& request_, int32_t* counts_, ProfileTables* profile_)
-      : request(request_), counts(counts_), profile(profile_) {}
+      : request(request_), counts(counts_), profile(profile_),
+        fine_only(profile_ && coarse_from_fine(request_)) {}
 
   template <bool kProfile>
   __attribute__((always_inline)) void add(const RowSums& s, int64_t position) {
@@ -546,14 +655,18 @@ struct RowExtras {
       const f32 wide_d = select(counting, d, zero);
       d_sum.add(wide_d);
       d_sq.add_product(wide_d, wide_d);
-      const i32 r_bin = signed_bin(r, request.ratio_low, request.ratio_octaves);
-      const i32 d_bin = unsigned_bin(d, request.diff_low, request.diff_octaves) + ratio_bins(request);
-      const int stride = ratio_bins(request) + diff_bins(request);
-      const i32 ones = counting & 1;  // 1 where counting: no branch to mispredict
-      for (int lane = 0; lane < kLanes; ++lane) {
-        int32_t* copy = counts + lane * stride;
-        copy[r_bin[lane]] += ones[lane];
-        copy[d_bin[lane]] += ones[lane];
+      // With the profile, the bins are added up from its fine bins at the end.
+      if (!(kProfile && fine_only)) {
+        const i32 r_bin = signed_bin(r, request.ratio_low, request.ratio_octaves);
+        const i32 d_bin =
+            unsigned_bin(d, request.diff_low, request.diff_octaves) + ratio_bins(request);
+        const int stride = ratio_bins(request) + diff_bins(request);
+        const i32 ones = counting & 1;  // 1 where counting: no branch to mispredict
+        for (int lane = 0; lane < kLanes; ++lane) {
+          int32_t* copy = counts + lane * stride;
+          copy[r_bin[lane]] += ones[lane];
+          copy[d_bin[lane]] += ones[lane];
+        }
       }
     }
     if constexpr (kProfile) add_profile(s, position);
@@ -567,12 +680,14 @@ struct RowExtras {
     }
   }
 
-  // One vector of the profile. Where a token does not count, a = b = r = d = k3 = 0: its
-  // slots are those of zeros, and it adds 0 to every count and sum (a vector without a
-  // counting token, as in the padding after a response, adds nothing at all).
+  // One vector of the profile. Where a token does not count, a = b = r = d = k3 = 0: it
+  // adds 0 to every sum, and 1 to the counts of the slots of zeros, which `idle` counts to
+  // take off at the end (a vector without a counting token, as in the padding after a
+  // response, adds nothing at all).
   __attribute__((always_inline)) void add_profile(const RowSums& s, int64_t position) {
     const i32 counting = s.last_counting;
     if (!any(counting)) return;
+    idle.add(~counting);
     const f32 a = s.last_a, b = s.last_b, d = s.last_diff, k3 = s.last_k3;
     const f32 abs_r = abs(s.last_r);
     const i32 ones = counting & 1;
@@ -609,8 +724,7 @@ struct RowExtras {
     const i32 lane_at = (slot * kLanes + iota) * 4;
     const int shift = t.copy_bits;
     const i32 diff_at = (log_bin<kFineBits>(d, kDiffLow, kDiffOctaves) << shift) + t.copy_lane;
-    const i32 log_at =
-        ((log_bin<kFineBits>(abs_r, kLogLow, kLogOctaves) + kDiffBins) << shift) + t.copy_lane;
+    const i32 log_at = ((signed_fine_bin(s.last_r) + kDiffBins) << shift) + t.copy_lane;
     const i32 joint = log_bin<kJointBits>(-a, kJointLow, kJointOctaves) * kJointSide +
                       log_bin<kJointBits>(-b, kJointLow, kJointOctaves);
     const i32 joint_at = ((joint + kJointCounted) << shift) + t.copy_lane;
@@ -626,7 +740,8 @@ struct RowExtras {
                                 23),
         __builtin_shufflevector(abs_r, zero, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
                                 15, 31)};
-    alignas(64) double quads[kLanes][4];
+    // quads[k]: the four doubles of lanes 2 k and 2 k + 1, kept in registers.
+    f64 quads[kLanes / 2];
     for (int half = 0; half < 2; ++half) {
       // Pairs of floats moved as one 64-bit element each.
       const f64 pairs = reinterpret_cast<f64>(tokens_d[half]);
@@ -635,20 +750,35 @@ struct RowExtras {
           reinterpret_cast<f32>(__builtin_shufflevector(pairs, others, 0, 8, 1, 9, 2, 10, 3, 11));
       const f32 high = reinterpret_cast<f32>(
           __builtin_shufflevector(pairs, others, 4, 12, 5, 13, 6, 14, 7, 15));
-      const f64 parts[4] = {lower(low), upper(low), lower(high), upper(high)};
-      std::memcpy(quads[8 * half], parts, sizeof parts);
+      quads[4 * half] = lower(low);
+      quads[4 * half + 1] = upper(low);
+      quads[4 * half + 2] = lower(high);
+      quads[4 * half + 3] = upper(high);
     }
+    // The four slots of each lane as 16-bit fields of one 64-bit word: one load a lane.
+    const i32 counted_at = diff_at | (log_at << 16), summed_at = joint_at | (lane_at << 16);
+    alignas(64) uint64_t slots[kLanes];
+    const i32 words[2] = {
+        __builtin_shufflevector(counted_at, summed_at, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
+                                6, 22, 7, 23),
+        __builtin_shufflevector(counted_at, summed_at, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13,
+                                29, 14, 30, 15, 31)};
+    std::memcpy(slots, words, sizeof slots);
     int32_t* counted = t.counts;
     double* lanes = t.lanes;
+#pragma GCC unroll 16
     for (int lane = 0; lane < kLanes; ++lane) {
-      counted[diff_at[lane]] += ones[lane];
-      counted[log_at[lane]] += ones[lane];
-      counted[joint_at[lane]] += ones[lane];
-      f64x4 sums, quad;
-      std::memcpy(&sums, lanes + lane_at[lane], sizeof sums);
-      std::memcpy(&quad, quads[lane], sizeof quad);
-      sums += quad;
-      std::memcpy(lanes + lane_at[lane], &sums, sizeof sums);
+      const uint64_t word = slots[lane];
+      ++counted[word & 0xffff];
+      ++counted[(word >> 16) & 0xffff];
+      ++counted[(word >> 32) & 0xffff];
+      double* sums_at = lanes + (word >> 48);
+      const f64 pair = quads[lane / 2];
+      f64x4 sums;
+      std::memcpy(&sums, sums_at, sizeof sums);
+      sums += lane % 2 ? __builtin_shufflevector(pair, pair, 4, 5, 6, 7)
+                       : __builtin_shufflevector(pair, pair, 0, 1, 2, 3);
+      std::memcpy(sums_at, &sums, sizeof sums);
     }
   }
 
@@ -691,6 +821,7 @@ struct RowExtras {
     }
     if (profile) {
       end_position();
+      profile->idle += static_cast<int64_t>(idle.total());
       profile->diff_max = std::max<float>(profile->diff_max, profile_d_max.total());
       profile->log_max = std::max<float>(profile->log_max, profile_r_max.total());
     }
@@ -791,38 +922,45 @@ void reduce_rows(const LogProb* rollout, const LogProb* old, const char* mask, i
   }
 }
 
-// Adds the 2^kBits copies of each count of a part ([slot][copy]) to `totals` (whole
-// numbers: float64 adds them exactly below 2^53).
+// Adds the 2^kBits copies of each count of a part ([slot][copy]) to `totals`.
 template <int kBits>
-void add_copies(const int32_t* counts, double* totals) {
+void add_copies(const int32_t* counts, int64_t* totals) {
   for (int slot = 0; slot < kCounted; ++slot) {
     int64_t total = 0;
     for (int copy = 0; copy < (1 << kBits); ++copy) total += counts[(slot << kBits) + copy];
-    totals[slot] += static_cast<double>(total);
+    totals[slot] += total;
   }
 }
 
-// The profile block from the threads' counts and maxima and the blocks' sums.
+// The profile block from the threads' counts and maxima and the blocks' sums; `idle`
+// tokens that do not count are taken off the counts of the slots of zeros. With `coarse`,
+// the histograms' bins are added up from the fine counts there too.
 void write_profile(const std::vector<int32_t>& counts, int64_t parts, int copy_bits,
                    const std::vector<double>& block_sums, int64_t blocks,
-                   const std::vector<float>& maxima, int64_t width, double* out) {
-  // The counts in their own order first: the fine bins of d and |r| are the first parts of
-  // the block, in this order; the joint cells go to their place after.
-  static_assert(kCounted <= kProfileSize, "the counts fit in the block");
-  std::fill(out, out + kProfileSize, 0.0);
+                   const std::vector<float>& maxima, int64_t width, int64_t idle,
+                   const ExtrasRequest& request, double* coarse, double* out) {
+  std::vector<int64_t> totals(kCounted, 0);
   for (int64_t part = 0; part < parts; ++part) {
     const int32_t* own = counts.data() + (part * kCounted << copy_bits);
     switch (copy_bits) {
-      case 0: add_copies<0>(own, out); break;
-      case 1: add_copies<1>(own, out); break;
-      case 2: add_copies<2>(own, out); break;
-      case 3: add_copies<3>(own, out); break;
-      default: add_copies<4>(own, out); break;
+      case 0: add_copies<0>(own, totals.data()); break;
+      case 1: add_copies<1>(own, totals.data()); break;
+      default: add_copies<2>(own, totals.data()); break;
     }
   }
-  double* joint = out + part_at(p_joint);
-  std::memmove(joint, out + kJointCounted, kJointCells * sizeof(double));
-  std::fill(out + kJointCounted, joint, 0.0);
+  // The tokens that do not count were counted at d = r = +0 and a = b = +0 (-a = -0.0).
+  const f32 zero = splat<f32>(0.0f);
+  const int joint_zero = log_bin<kJointBits>(-zero, kJointLow, kJointOctaves)[0];
+  const int zeros[3] = {log_bin<kFineBits>(zero, kDiffLow, kDiffOctaves)[0],
+                        kDiffBins + signed_fine_bin(zero)[0],
+                        kJointCounted + joint_zero * kJointSide + joint_zero};
+  for (const int slot : zeros) totals[slot] -= idle;
+  // Whole numbers: float64 holds them exactly below 2^53.
+  std::fill(out, out + kProfileSize, 0.0);
+  std::copy(totals.begin(), totals.begin() + kDiffBins, out + part_at(p_diff_bins));
+  write_fine_log_bins(totals.data() + kDiffBins, out + part_at(p_log_bins));
+  std::copy(totals.begin() + kJointCounted, totals.end(), out + part_at(p_joint));
+  if (coarse) write_coarse_bins(request, totals.data(), coarse);
   double sums[kBlockSlots] = {};
   for (int64_t block = 0; block < blocks; ++block) {
     for (int i = 0; i < kBlockSlots; ++i) sums[i] += block_sums[block * kBlockSlots + i];
@@ -859,14 +997,18 @@ void run(const void* rollout, const void* old, const void* mask, int mask_kind, 
   // Each part counts into bins of its own (kCopies interleaved copies); summed at the end,
   // in a fixed order, so the result does not depend on the threads.
   const int stride = request ? ratio_bins(*request) + diff_bins(*request) : 0;
-  // int32 counts: a copy overflows only past 2^31 tokens of one lane of one call.
-  std::vector<int32_t> counts(request && request->histograms ? parts * kCopies * stride : 0);
+  // int32 counts: a copy overflows only past 2^31 tokens of one lane of one call. None
+  // where the histograms' bins come from the profile's.
+  const bool fine_only = profile && coarse_from_fine(*request);
+  const bool counted = request && request->histograms && !fine_only;
+  std::vector<int32_t> counts(counted ? parts * kCopies * stride : 0);
   const int copy_bits = profile ? profile_copy_bits(rows * width / parts) : 0;
   const int64_t copies = int64_t{1} << copy_bits;
   std::vector<int32_t> profile_counts(profile ? parts * kCounted * copies : 0);
   std::vector<double> lane_sums(profile ? parts * kLaneSums : 0);
   std::vector<double> block_sums(profile ? blocks * kBlockSlots : 0);
   std::vector<float> maxima(profile ? 2 * parts : 0);
+  std::vector<int64_t> idle(profile ? parts : 0);
   auto part = [&](int64_t index) {
     const int64_t first = blocks * index / parts, last = blocks * (index + 1) / parts;
     const auto* b = static_cast<const LogProb*>(rollout);
@@ -890,6 +1032,7 @@ void run(const void* rollout, const void* old, const void* mask, int mask_kind, 
     }
     maxima[2 * index] = tables.diff_max;
     maxima[2 * index + 1] = tables.log_max;
+    idle[index] = tables.idle;
   };
   if (parts == 1) {
     part(0);
@@ -914,7 +1057,10 @@ void run(const void* rollout, const void* old, const void* mask, int mask_kind, 
     }
   }
   if (profile) {
+    int64_t idle_tokens = 0;
+    for (const int64_t tokens : idle) idle_tokens += tokens;
     write_profile(profile_counts, parts, copy_bits, block_sums, blocks, maxima, width,
+                  idle_tokens, *request, fine_only ? request->bins : nullptr,
                   profile_block(*request));
   }
 }
