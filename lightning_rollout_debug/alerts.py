@@ -108,25 +108,36 @@ def alert_problems(alert_ranges: Any, on_alert: Any, groups: Collection[str]) ->
             f"{{metric_name: (low, high)}}, got {alert_ranges!r}."
         )
         return problems
-    valid = enabled_metric_names(groups)
-    group_of = {name: group for group, names in METRIC_NAMES.items() for name in names}
-    unknown = []
+    problems += name_problems("alert_ranges", "a range", alert_ranges, groups)
     for name, bounds in alert_ranges.items():
-        if name not in group_of:
-            unknown.append(name)
-        elif name not in valid:
-            problems.append(
-                f"`alert_ranges` has a range for `{name}`, but its group `{group_of[name]}` is "
-                f"not logged (enabled groups: {[g for g in GROUPS if g in groups]})."
-            )
         if _parse_range(bounds) is None:
             problems.append(
                 f"`alert_ranges[{name!r}]` must be (low, high) with each a number or None, at "
                 f"least one a number, and low <= high; got {bounds!r}."
             )
+    return problems
+
+
+def name_problems(
+    argument: str, what: str, chosen: Collection[str], groups: Collection[str]
+) -> list[str]:
+    """What is wrong with the metric names of ``argument``: unknown, or of a group not logged.
+
+    A setting on a metric that is not logged would never act, so it is refused too.
+    """
+    problems = []
+    valid = enabled_metric_names(groups)
+    group_of = {name: group for group, names in METRIC_NAMES.items() for name in names}
+    unknown = [name for name in chosen if name not in group_of]
+    for name in chosen:
+        if name in group_of and name not in valid:
+            problems.append(
+                f"`{argument}` has {what} for `{name}`, but its group `{group_of[name]}` is "
+                f"not logged (enabled groups: {[g for g in GROUPS if g in groups]})."
+            )
     if unknown:
         problems.append(
-            f"`alert_ranges` names unknown metrics {unknown}; use un-prefixed names, valid "
+            f"`{argument}` names unknown metrics {unknown}; use un-prefixed names, valid "
             f"names are {valid}."
         )
     return problems
@@ -213,15 +224,27 @@ class AlertMonitor:
             value = metrics.get(name, math.nan)
             if math.isnan(value):
                 continue
-            if (low is not None and value < low) or (high is not None and value > high):
-                alert = Alert(name, value, low, high)
-                outside.append(alert)
-                if name not in self._active:
-                    self._active.add(name)
-                    new.append(alert)
-            else:
-                self._active.discard(name)
+            crossed = (low is not None and value < low) or (high is not None and value > high)
+            alert = Alert(name, value, low, high) if crossed else None
+            _track_episode(self._active, name, alert, outside, new)
         return AlertMonitor.Result(outside, new)
+
+
+def _track_episode(
+    active: set[str], name: str, alert: Any, outside: list[Any], new: list[Any]
+) -> None:
+    """Record a metric's check in the crossing episodes of ``active``.
+
+    ``alert`` (``None`` when the metric is fine) joins ``outside``, and ``new`` too when
+    the metric was not already in an episode.
+    """
+    if alert is None:
+        active.discard(name)
+        return
+    outside.append(alert)
+    if name not in active:
+        active.add(name)
+        new.append(alert)
 
 
 # ---------------------------------------------------------------------- drift
@@ -276,18 +299,8 @@ def drift_problems(drift_factors: Any, drift_baseline: Any, groups: Collection[s
             f"{{metric_name: factor}}, got {drift_factors!r}."
         )
     elif drift_factors is not None:
-        valid = enabled_metric_names(groups)
-        group_of = {name: group for group, names in METRIC_NAMES.items() for name in names}
-        unknown = []
+        problems += name_problems("drift_factors", "a factor", drift_factors, groups)
         for name, factor in drift_factors.items():
-            if name not in group_of:
-                unknown.append(name)
-            elif name not in valid:
-                problems.append(
-                    f"`drift_factors` has a factor for `{name}`, but its group "
-                    f"`{group_of[name]}` is not logged (enabled groups: "
-                    f"{[g for g in GROUPS if g in groups]})."
-                )
             if (
                 isinstance(factor, bool)
                 or not isinstance(factor, numbers.Real)
@@ -298,11 +311,6 @@ def drift_problems(drift_factors: Any, drift_baseline: Any, groups: Collection[s
                     f"`drift_factors[{name!r}]` must be a number > 1 (a value above factor x "
                     f"its baseline alerts), got {factor!r}."
                 )
-        if unknown:
-            problems.append(
-                f"`drift_factors` names unknown metrics {unknown}; use un-prefixed names, valid "
-                f"names are {valid}."
-            )
     if (
         isinstance(drift_baseline, bool)
         or not isinstance(drift_baseline, numbers.Integral)
@@ -413,14 +421,9 @@ class DriftMonitor:
                 first.append(value)
                 continue
             baseline = statistics.median(first)
-            if baseline > 0 and value > factor * baseline:
-                alert = DriftAlert(name, value, factor, baseline, self.baseline_windows)
-                outside.append(alert)
-                if name not in self._active:
-                    self._active.add(name)
-                    new.append(alert)
-            else:
-                self._active.discard(name)
+            drifted = baseline > 0 and value > factor * baseline
+            alert = DriftAlert(name, value, factor, baseline, self.baseline_windows)
+            _track_episode(self._active, name, alert if drifted else None, outside, new)
         return DriftMonitor.Result(outside, new)
 
     # ------------------------------------------------------------------ checkpoints
