@@ -18,13 +18,8 @@ from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_rollout_debug.alerts import DEFAULT_DRIFT_BASELINE
-from lightning_rollout_debug.monitor import (
-    FrontDoor,
-    RolloutDebugMonitor,
-    RolloutDebugWarning,
-    metric_names,
-    monitor_problems,
-)
+from lightning_rollout_debug.arguments import metric_names, monitor_problems
+from lightning_rollout_debug.monitor import FrontDoor, RolloutDebugMonitor, RolloutDebugWarning
 from lightning_rollout_debug.packages import Callback
 from lightning_rollout_debug.ranks import Ranks, rank_in
 

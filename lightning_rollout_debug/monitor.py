@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import copy
 import math
-import numbers
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,13 +27,17 @@ from lightning_rollout_debug.alerts import (
     DriftMonitor,
     RolloutAlertError,
     RolloutAlertWarning,
-    alert_problems,
-    drift_problems,
     enabled_metric_names,
     resolve_alert_ranges,
     resolve_drift_factors,
 )
-from lightning_rollout_debug.backends import compile_problems
+from lightning_rollout_debug.arguments import (
+    checked_loggers,
+    checked_step,
+    checkpoint_problems,
+    enabled_groups,
+    monitor_problems,
+)
 from lightning_rollout_debug.batch import (
     RESPONSES_KEY,
     BatchError,
@@ -44,7 +47,7 @@ from lightning_rollout_debug.batch import (
     lookup,
     tensor_sources,
 )
-from lightning_rollout_debug.catalog import GROUPS, METRIC_NAMES, Window
+from lightning_rollout_debug.catalog import GROUPS, Window
 from lightning_rollout_debug.diagnosis import (
     Diagnosis,
     RolloutDiagnosisError,
@@ -55,7 +58,6 @@ from lightning_rollout_debug.diagnosis import (
 from lightning_rollout_debug.extras import (
     ExtrasSummary,
     TokenExtras,
-    extras_problems,
     token_ids_for,
     update_together,
 )
@@ -65,9 +67,6 @@ from lightning_rollout_debug.profile import Profile
 from lightning_rollout_debug.ranks import Ranks, global_rank, loop_ranks, rank_in
 from lightning_rollout_debug.stats import (
     MismatchStats,
-    validate_groups,
-    validate_is_threshold,
-    validate_seq_ratio_bounds,
 )
 from lightning_rollout_debug.tensorboard import dashboard_layout, write_extras, write_profile
 
@@ -320,11 +319,11 @@ class RolloutDebugMonitor:
             The logged scalars by prefixed name; undefined values (no tokens, a single
             token for a standard deviation) are left out.
         """
-        step = _checked_step(step)
+        step = checked_step(step)
         if loggers is None:
             loggers = [] if fabric is None else list(fabric.loggers)
         ranks = loop_ranks(fabric, self.process_group)
-        scalars, metrics = self._write(step, _checked_loggers(loggers), ranks)
+        scalars, metrics = self._write(step, checked_loggers(loggers), ranks)
         self._alert(metrics, step, warn=ranks.is_global_zero)
         return scalars
 
@@ -657,7 +656,7 @@ class RolloutDebugMonitor:
         """Restore a window of :meth:`_saved` (see :meth:`load_state_dict`); whether it was."""
         self._empty_window()
         self._drift.restart()
-        problems = _checkpoint_problems(state_dict) or state_problems(state_dict["window"])
+        problems = checkpoint_problems(state_dict) or state_problems(state_dict["window"])
         if problems:
             self._reject_checkpoint(problems, "the window starts empty")
             return False
@@ -715,126 +714,6 @@ class RolloutDebugMonitor:
     def _warn_on_rank_zero(message: str) -> None:
         if global_rank() == 0:
             warnings.warn(message, RolloutDebugWarning, stacklevel=4)
-
-
-# ---------------------------------------------------------------------- validation
-def monitor_problems(
-    *,
-    rollout_log_probs_key: Any,
-    old_log_probs_key: Any,
-    response_mask_key: Any,
-    prefix: Any,
-    strict: Any,
-    is_threshold: Any,
-    seq_ratio_bounds: Any,
-    token_ids_keys: Any,
-    groups: Any,
-    histograms: Any,
-    worst_tokens_k: Any,
-    dashboard_layout: Any,
-    alert_ranges: Any,
-    on_alert: Any,
-    compile: Any,
-    drift_factors: Any = None,
-    drift_baseline: Any = DEFAULT_DRIFT_BASELINE,
-    pad_token_id: Any = None,
-    profile_images: Any = True,
-) -> list[str]:
-    """What is wrong with the monitor's arguments, one line per problem (empty if nothing)."""
-    problems = []
-    if not isinstance(profile_images, bool):
-        problems.append(f"`profile_images` must be True or False, got {profile_images!r}.")
-    for name, value in (
-        ("rollout_log_probs_key", rollout_log_probs_key),
-        ("old_log_probs_key", old_log_probs_key),
-        ("response_mask_key", response_mask_key),
-    ):
-        if not isinstance(value, str) or not value:
-            problems.append(f"`{name}` must be a non-empty string, got {value!r}.")
-    if not isinstance(prefix, str):
-        problems.append(f"`prefix` must be a string such as 'training/', got {prefix!r}.")
-    if not isinstance(strict, bool):
-        problems.append(f"`strict` must be True or False, got {strict!r}.")
-    if token_ids_keys is not None and (
-        isinstance(token_ids_keys, str)
-        or len(token_ids_keys) != 2
-        or not all(isinstance(key, str) and key for key in token_ids_keys)
-    ):
-        problems.append(
-            "`token_ids_keys` must be None or a pair of batch keys "
-            f"(rollout_ids_key, trainer_ids_key), got {token_ids_keys!r}."
-        )
-    for validate, value in (
-        (validate_is_threshold, is_threshold),
-        (validate_seq_ratio_bounds, seq_ratio_bounds),
-        (validate_groups, groups),
-    ):
-        try:
-            validate(value)
-        except ValueError as error:
-            problems.append(str(error))
-    if groups is not None and "token_ids" in groups and token_ids_keys is None:
-        problems.append("The `token_ids` group needs `token_ids_keys=(rollout_key, trainer_key)`.")
-    problems += extras_problems(
-        histograms=histograms, worst_tokens_k=worst_tokens_k, dashboard_layout=dashboard_layout
-    )
-    enabled = enabled_groups(groups, token_ids_keys)
-    problems += alert_problems(alert_ranges, on_alert, enabled)
-    problems += drift_problems(drift_factors, drift_baseline, enabled)
-    problems += compile_problems(compile)
-    if pad_token_id is not None and (
-        isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral)
-    ):
-        problems.append(f"`pad_token_id` must be None or an int token id, got {pad_token_id!r}.")
-    return problems
-
-
-def enabled_groups(groups: Any, token_ids_keys: Any) -> frozenset[str]:
-    """The groups that will be logged (all of them if ``groups`` is invalid)."""
-    try:
-        chosen = validate_groups(groups)
-    except (TypeError, ValueError):
-        chosen = frozenset(GROUPS)
-    return chosen if token_ids_keys is not None else chosen - {"token_ids"}
-
-
-def metric_names(prefix: str, groups: Iterable[str]) -> set[str]:
-    """The prefixed names of every metric of ``groups``."""
-    return {f"{prefix}{name}" for group in groups for name in METRIC_NAMES[group]}
-
-
-def _checked_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-        raise ValueError(f"`step` must be an int >= 0, got {step!r}.")
-    return int(step)
-
-
-def _checked_loggers(loggers: Any) -> list[Any]:
-    """``loggers`` as a list, every one with ``log_metrics``; checked before any collective."""
-    listed = [loggers] if hasattr(loggers, "log_metrics") else list(loggers)
-    wrong = [repr(logger) for logger in listed if not callable(getattr(logger, "log_metrics", 0))]
-    if wrong:
-        raise TypeError(
-            "`loggers` must be a logger or a list of loggers with `log_metrics(metrics, step)` "
-            "(those of lightning.pytorch.loggers, pytorch_lightning.loggers or "
-            f"lightning.fabric.loggers); got {', '.join(wrong)}."
-        )
-    return listed
-
-
-def _checkpoint_problems(state_dict: Any) -> list[str]:
-    """What is wrong with the keys and plain values of a checkpoint state."""
-    if not isinstance(state_dict, Mapping):
-        return [f"its state is a {type(state_dict).__name__}, not a dict"]
-    problems = []
-    if "window" not in state_dict:
-        problems.append(f"it has no `window` (keys: {sorted(map(str, state_dict))})")
-    batches = state_dict.get("batches_in_window", 0)
-    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 0:
-        problems.append(f"`batches_in_window` is {batches!r}; expected an int >= 0")
-    if not isinstance(state_dict.get("config", {}), Mapping):
-        problems.append(f"`config` is a {type(state_dict['config']).__name__}, not a dict")
-    return problems
 
 
 def _token_ids(sources: Sequence[Any], inputs: MismatchInputs) -> Tensor | None:

@@ -1,0 +1,156 @@
+"""The arguments of the monitor and the callback, checked at once, and of their calls.
+
+Every problem is reported in one message: :func:`monitor_problems` lists what is wrong
+with a constructor's arguments, :func:`checked_step` and :func:`checked_loggers` check a
+``log`` call before anything is merged, :func:`checkpoint_problems` a checkpoint state.
+
+Example:
+    >>> monitor_problems(
+    ...     rollout_log_probs_key="rollout_log_probs", old_log_probs_key="old_log_probs",
+    ...     response_mask_key="", prefix="training/", strict=False, is_threshold=2.0,
+    ...     seq_ratio_bounds=(0.99, 1.01), token_ids_keys=None, groups=None, histograms=True,
+    ...     worst_tokens_k=10, dashboard_layout=True, alert_ranges=None, on_alert="warn",
+    ...     compile=None,
+    ... )
+    ["`response_mask_key` must be a non-empty string, got ''."]
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from lightning_rollout_debug.alerts import (
+    DEFAULT_DRIFT_BASELINE,
+    alert_problems,
+    drift_problems,
+)
+from lightning_rollout_debug.backends import compile_problems
+from lightning_rollout_debug.catalog import GROUPS, METRIC_NAMES
+from lightning_rollout_debug.extras import extras_problems
+from lightning_rollout_debug.stats import (
+    validate_groups,
+    validate_is_threshold,
+    validate_seq_ratio_bounds,
+)
+
+
+def monitor_problems(
+    *,
+    rollout_log_probs_key: Any,
+    old_log_probs_key: Any,
+    response_mask_key: Any,
+    prefix: Any,
+    strict: Any,
+    is_threshold: Any,
+    seq_ratio_bounds: Any,
+    token_ids_keys: Any,
+    groups: Any,
+    histograms: Any,
+    worst_tokens_k: Any,
+    dashboard_layout: Any,
+    alert_ranges: Any,
+    on_alert: Any,
+    compile: Any,
+    drift_factors: Any = None,
+    drift_baseline: Any = DEFAULT_DRIFT_BASELINE,
+    pad_token_id: Any = None,
+    profile_images: Any = True,
+) -> list[str]:
+    """What is wrong with the monitor's arguments, one line per problem (empty if nothing)."""
+    problems = []
+    for name, value in (
+        ("rollout_log_probs_key", rollout_log_probs_key),
+        ("old_log_probs_key", old_log_probs_key),
+        ("response_mask_key", response_mask_key),
+    ):
+        if not isinstance(value, str) or not value:
+            problems.append(f"`{name}` must be a non-empty string, got {value!r}.")
+    if not isinstance(prefix, str):
+        problems.append(f"`prefix` must be a string such as 'training/', got {prefix!r}.")
+    if not isinstance(strict, bool):
+        problems.append(f"`strict` must be True or False, got {strict!r}.")
+    if token_ids_keys is not None and (
+        isinstance(token_ids_keys, str)
+        or len(token_ids_keys) != 2
+        or not all(isinstance(key, str) and key for key in token_ids_keys)
+    ):
+        problems.append(
+            "`token_ids_keys` must be None or a pair of batch keys "
+            f"(rollout_ids_key, trainer_ids_key), got {token_ids_keys!r}."
+        )
+    for validate, value in (
+        (validate_is_threshold, is_threshold),
+        (validate_seq_ratio_bounds, seq_ratio_bounds),
+        (validate_groups, groups),
+    ):
+        try:
+            validate(value)
+        except ValueError as error:
+            problems.append(str(error))
+    if groups is not None and "token_ids" in groups and token_ids_keys is None:
+        problems.append("The `token_ids` group needs `token_ids_keys=(rollout_key, trainer_key)`.")
+    problems += extras_problems(
+        histograms=histograms, worst_tokens_k=worst_tokens_k, dashboard_layout=dashboard_layout
+    )
+    if not isinstance(profile_images, bool):
+        problems.append(f"`profile_images` must be True or False, got {profile_images!r}.")
+    enabled = enabled_groups(groups, token_ids_keys)
+    problems += alert_problems(alert_ranges, on_alert, enabled)
+    problems += drift_problems(drift_factors, drift_baseline, enabled)
+    problems += compile_problems(compile)
+    if pad_token_id is not None and (
+        isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral)
+    ):
+        problems.append(f"`pad_token_id` must be None or an int token id, got {pad_token_id!r}.")
+    return problems
+
+
+def enabled_groups(groups: Any, token_ids_keys: Any) -> frozenset[str]:
+    """The groups that will be logged (all of them if ``groups`` is invalid)."""
+    try:
+        chosen = validate_groups(groups)
+    except (TypeError, ValueError):
+        chosen = frozenset(GROUPS)
+    return chosen if token_ids_keys is not None else chosen - {"token_ids"}
+
+
+def metric_names(prefix: str, groups: Iterable[str]) -> set[str]:
+    """The prefixed names of every metric of ``groups``."""
+    return {f"{prefix}{name}" for group in groups for name in METRIC_NAMES[group]}
+
+
+def checked_step(step: Any) -> int:
+    """``step`` as an int, or a ``ValueError`` if it is not an int >= 0."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise ValueError(f"`step` must be an int >= 0, got {step!r}.")
+    return int(step)
+
+
+def checked_loggers(loggers: Any) -> list[Any]:
+    """``loggers`` as a list, every one with ``log_metrics``; checked before any collective."""
+    listed = [loggers] if hasattr(loggers, "log_metrics") else list(loggers)
+    wrong = [repr(logger) for logger in listed if not callable(getattr(logger, "log_metrics", 0))]
+    if wrong:
+        raise TypeError(
+            "`loggers` must be a logger or a list of loggers with `log_metrics(metrics, step)` "
+            "(those of lightning.pytorch.loggers, pytorch_lightning.loggers or "
+            f"lightning.fabric.loggers); got {', '.join(wrong)}."
+        )
+    return listed
+
+
+def checkpoint_problems(state_dict: Any) -> list[str]:
+    """What is wrong with the keys and plain values of a checkpoint state."""
+    if not isinstance(state_dict, Mapping):
+        return [f"its state is a {type(state_dict).__name__}, not a dict"]
+    problems = []
+    if "window" not in state_dict:
+        problems.append(f"it has no `window` (keys: {sorted(map(str, state_dict))})")
+    batches = state_dict.get("batches_in_window", 0)
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 0:
+        problems.append(f"`batches_in_window` is {batches!r}; expected an int >= 0")
+    if not isinstance(state_dict.get("config", {}), Mapping):
+        problems.append(f"`config` is a {type(state_dict['config']).__name__}, not a dict")
+    return problems
