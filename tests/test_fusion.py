@@ -101,10 +101,16 @@ def test_compiled_extras_match_eager_ones(dtype: torch.dtype) -> None:
     rollout, old, mask, ids, _ = _batch(dtype)
     summaries = []
     for compile in (True, False):
-        extras = TokenExtras(worst_tokens_k=8, compile=compile)
+        extras = TokenExtras(worst_tokens_k=8, profile=True, compile=compile)
         extras.update(rollout, old, mask, ids, batch_index=2)
         summaries.append(extras.summary(extras.state))
     fused, eager = summaries
+    assert fused.profile is not None and eager.profile is not None
+    assert fused.profile.quantiles == pytest.approx(eager.profile.quantiles, rel=0.04)
+    assert fused.profile.joint_histogram == eager.profile.joint_histogram
+    for mine, theirs in zip(fused.profile.by_position, eager.profile.by_position, strict=True):
+        assert (mine.start, mine.stop, mine.tokens) == (theirs.start, theirs.stop, theirs.tokens)
+        assert mine.kl_k3 == pytest.approx(theirs.kl_k3, rel=1e-5, abs=1e-12, nan_ok=True)
     for tag, histogram in eager.histograms.items():
         other = fused.histograms[tag]
         counted = (mask != 0) & (rollout.float() < math.inf) & (old.float() < math.inf)
@@ -130,7 +136,7 @@ def test_compiled_updates_do_not_recompile_for_new_batches(inductor_only: None) 
         old = (rollout + 0.01 * torch.randn(rows, width, generator=generator)).clamp(max=0.0)
         return rollout, old, torch.ones(rows, width, dtype=torch.bool)
 
-    stats, extras = MismatchStats(compile=True), TokenExtras(compile=True)
+    stats, extras = MismatchStats(compile=True), TokenExtras(compile=True, profile=True)
     for index, shape in enumerate([(8, 64), (9, 70)]):  # warm-up: compile, then go dynamic
         stats.update(*batch(*shape))
         extras.update(*batch(*shape), batch_index=index)
