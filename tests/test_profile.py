@@ -28,6 +28,8 @@ from lightning_rollout_debug.extras import TokenExtras
 from lightning_rollout_debug.functional import mismatch_metrics, mismatch_profile
 from lightning_rollout_debug.layout import STATE_SIZE
 
+KEYS = ("rollout_log_probs", "old_log_probs", "response_mask")
+
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),
     pytest.mark.filterwarnings("ignore:RolloutDebugCallback at step .* is outside"),
@@ -211,3 +213,31 @@ def test_monitor_profile_and_quantile_scalars() -> None:
     assert_profile(monitor.profile.as_dict(), reference_profile(batches))
     for name, value in monitor.profile.quantiles.items():
         assert logged[f"training/{name}"] == value
+
+
+def test_a_window_restored_without_its_profile_logs_no_quantiles_until_the_next() -> None:
+    """A checkpoint of a window without the profile (an older version, or the pictures and
+    the quantiles off): the restored window would have a profile of part of its tokens."""
+    batches = [skewed_batch(seed, rows=3, width=40) for seed in range(3)]
+    saver = RolloutDebugMonitor(groups=["seed", "kl"], profile_images=False)
+    saver.update(batches[0])
+    state = saver.state_dict()
+    assert state["extras_window"].numel() < RolloutDebugMonitor()._extras.size  # type: ignore[union-attr]
+    monitor = RolloutDebugMonitor()
+    with pytest.warns(UserWarning, match="written with"):  # another configuration
+        monitor.load_state_dict(state)
+    monitor.update(batches[1])
+    first = monitor.log(step=1)
+    assert (
+        first["training/rollout_tokens"]
+        == reference_metrics(*([batch[key] for batch in batches[:2]] for key in KEYS))[
+            "rollout_tokens"
+        ]
+    )
+    assert not any(name.endswith(("_p50", "_p999")) for name in first)
+    assert monitor.profile is None
+    monitor.update(batches[2])
+    second = monitor.log(step=2)
+    want = reference_profile(batches[2:])["quantiles"]
+    for name, value in want.items():
+        assert quantile_close(second[f"training/{name}"], value), name
