@@ -367,6 +367,12 @@ def test_one_fabric_process_logs_to_the_fabric_loggers(tmp_path: Path, lit: Ligh
     series = read_scalars(logger.log_dir)
     assert series[f"{PREFIX}rollout_tokens"] == {1: logged[f"{PREFIX}rollout_tokens"]}
     assert [e.step for e in tensorboard(logger.log_dir).Histograms(HISTOGRAM)] == [1]
+    # The profile pictures, through Fabric's TensorBoard logger, and the numbers behind them.
+    pictures = EventAccumulator(logger.log_dir, size_guidance={"images": 0})
+    pictures.Reload()
+    kinds = ("by_position", "by_probability", "joint")
+    assert sorted(pictures.Tags()["images"]) == [f"{PREFIX}rollout_profile/{k}" for k in kinds]
+    assert_profile(monitor.profile.as_dict(), reference_profile(batches))  # type: ignore[union-attr]
 
 
 def _free_port() -> int:
