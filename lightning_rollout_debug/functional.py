@@ -22,7 +22,6 @@ from lightning_rollout_debug.batch import (
 )
 from lightning_rollout_debug.catalog import METRIC_NAMES, SEED_FUNCTION_NAMES, pearson_from_moments
 from lightning_rollout_debug.extras import TokenExtras, update_together
-from lightning_rollout_debug.profile import Profile
 from lightning_rollout_debug.rows import paired_moments
 from lightning_rollout_debug.stats import MismatchStats
 
@@ -190,15 +189,11 @@ def mismatch_profile(
         >>> top["low"], top["high"], top["tokens"]
         (0.5, 1.0, 2.0)
     """
-    return _profile(rollout_log_probs, old_log_probs, response_mask).as_dict()
-
-
-def _profile(rollout_log_probs: Tensor, old_log_probs: Tensor, response_mask: Tensor) -> Profile:
     extras = TokenExtras(histograms=False, worst_tokens_k=0, profile=True)
     extras.update(rollout_log_probs, old_log_probs, response_mask)
     profile = extras.summary(extras.state).profile
     assert profile is not None
-    return profile
+    return profile.as_dict()
 
 
 def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:

@@ -24,8 +24,10 @@ Example:
     >>> import torch
     >>> rollout = torch.log(torch.tensor([[0.5, 0.25, 0.9, 0.1]]))
     >>> actor = torch.log(torch.tensor([[0.5, 0.20, 0.9, 0.1]]))
-    >>> state = profile_state(rollout, actor, torch.ones(1, 4))
-    >>> profile = read_profile(state.tolist())
+    >>> from lightning_rollout_debug.extras import TokenExtras
+    >>> extras = TokenExtras(histograms=False, worst_tokens_k=0, profile=True)
+    >>> extras.update(rollout, actor, torch.ones(1, 4))
+    >>> profile = read_profile(extras.state[-PROFILE_SIZE:].tolist())
     >>> round(profile.quantiles["rollout_probs_diff_p999"], 4)
     0.05
     >>> [(bucket.start, bucket.stop, bucket.tokens) for bucket in profile.by_position]
@@ -46,7 +48,6 @@ from torch import Tensor
 
 from lightning_rollout_debug.bins import LogBins
 from lightning_rollout_debug.layout import Block
-from lightning_rollout_debug.rows import counting_tokens, exp, kl_k3_tokens, prob_diff
 
 QUANTILES: tuple[tuple[str, int], ...] = (("p50", 500), ("p90", 900), ("p99", 990), ("p999", 999))
 """The quantiles: name suffix and ``q`` in thousandths (integers keep ``q * N`` exact)."""
@@ -58,11 +59,6 @@ QUANTILE_BINS: tuple[tuple[str, str, LogBins], ...] = (
 """Metric stem, slot stem and fine bins of each quantity with quantiles: ``|pa - pb|``
 from ``2**-27`` (7.5e-9) to 2 (a float32 difference just below 1 may round to 1) and
 ``|a - b|`` from ``2**-27`` to 32 nats."""
-
-QUANTILE_NAMES: tuple[str, ...] = tuple(
-    f"{stem}_{suffix}" for stem, _, _ in QUANTILE_BINS for suffix, _ in QUANTILES
-)
-"""The quantile metrics, un-prefixed, in catalog order."""
 
 POSITION_BUCKETS = 24
 """Buckets of positions: ``[0, 1), [1, 2), [2, 4), ..., [2**21, 2**22)``, then
@@ -130,21 +126,6 @@ def joint_bins(a: Tensor, b: Tensor) -> Tensor:
     """The joint bin of each (trainer, rollout) pair: ``row * side + column`` over ``-log p``."""
     side = len(JOINT_BINS.edges) + 1
     return JOINT_BINS.index(-a) * side + JOINT_BINS.index(-b)
-
-
-def profile_state(rollout_log_probs: Tensor, old_log_probs: Tensor, mask: Tensor) -> Tensor:
-    """The profile block of one ``[B, T]`` batch with torch operations (no host sync).
-
-    The arithmetic of the statistics: log-probs floored, tokens counted where the mask is
-    non-zero and both log-probs are finite, ``abs(pa - pb)`` and k3 as in
-    :mod:`.rows`.
-    """
-    a, b, r, masked, finite = counting_tokens(rollout_log_probs, old_log_probs, mask)
-    prob_actor, prob_rollout = exp(a), exp(b)
-    diff = prob_diff(prob_actor, prob_rollout, r)
-    return profile_from_tokens(
-        a, b, r, masked & finite, diff, kl_k3_tokens(prob_actor, prob_rollout, r)
-    )
 
 
 def profile_from_tokens(
@@ -303,26 +284,20 @@ def read_profile(values: Sequence[float]) -> Profile:
     )
 
 
-def bin_quantile(
-    counts: Sequence[float], edges: Sequence[float], largest: float, per_mille: int
-) -> float:
-    """The ``per_mille / 1000`` inverted-CDF quantile from fixed unsigned bins.
-
-    The bin holding the ``ceil(q N)``-th smallest value is found exactly; the estimate is
-    its middle, at most ``largest`` (the largest value), 0 for the bin below ``edges[0]``
-    and ``largest`` for the one above ``edges[-1]``. NaN without values.
-
-    Example:
-        >>> bin_quantile([1, 2, 1], (1.0, 2.0), 2.5, 500)  # bins (-inf, 1), [1, 2), [2, inf)
-        1.5
-    """
-    return bin_quantiles(counts, edges, largest, (per_mille,))[0]
-
-
 def bin_quantiles(
     counts: Sequence[float], edges: Sequence[float], largest: float, per_milles: Sequence[int]
 ) -> list[float]:
-    """:func:`bin_quantile` for several quantiles, with one cumulative sum."""
+    """The ``per_mille / 1000`` inverted-CDF quantiles from fixed unsigned bins.
+
+    The bin holding the ``ceil(q N)``-th smallest value is found exactly (one cumulative
+    sum serves every quantile); the estimate is its middle, at most ``largest`` (the
+    largest value), 0 for the bin below ``edges[0]`` and ``largest`` for the one above
+    ``edges[-1]``. NaN without values.
+
+    Example:
+        >>> bin_quantiles([1, 2, 1], (1.0, 2.0), 2.5, [500, 999])  # (-inf, 1), [1, 2), [2, inf)
+        [1.5, 2.5]
+    """
     cumulative = list(itertools.accumulate(counts))
     total = round(cumulative[-1]) if cumulative else 0
     if total < 1:
