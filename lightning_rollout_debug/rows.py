@@ -233,7 +233,7 @@ def row_sums(
         ratio = torch.where(near_zero, 1.0 + (r + curvature), far)
         ratio_m1 = torch.where(near_zero, r + curvature, far - 1.0)
     if "kl_k3" in needed:
-        rows["kl_k3"] = row_sum(torch.where(near_zero, curvature, ratio_m1 - r))
+        rows["kl_k3"] = row_sum(kl_k3_tokens(prob_actor, prob_rollout, r))
         # e^|r| - 1 = |pa - pb| / min(pa, pb): no cancellation, and no clamp (|r| > 20 only
         # comes from positive "log-probs").
         rows["mult_error_m1"] = row_sum(diff / torch.minimum(prob_actor, prob_rollout))
