@@ -268,7 +268,7 @@ class RolloutDebugMonitor:
         self.profile: Profile | None = None
         """The :class:`~lightning_rollout_debug.profile.Profile` of the last logged window
         (quantiles, by position, by probability, joint counts), if it is kept."""
-        self._partial_profile = False  # a restored window whose extras were not
+        self._partial_profile = False  # a restored window without its extras: no profile
         self._alerts = AlertMonitor(self.alert_ranges)
         self._drift = DriftMonitor(self.drift_factors, self.drift_baseline)
         self._rank: int | None = None  # shown in the worst-tokens table; None: asked of torch
