@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -218,6 +219,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("out_dir", type=Path)
     args = parser.parse_args(argv)
     fit(args.mode, args.data, args.out_dir)
+    # A rank ends here without the interpreter's shutdown. FSDP2's parameter groups keep
+    # their gloo group alive after ``destroy_process_group``, so without this the group
+    # would be freed during shutdown; a gloo worker thread that drops a tensor's last
+    # reference then needs the GIL, Python ends that thread with a forced unwind, and
+    # ``std::terminate`` aborts the rank (rarely: it is a race). Everything the test reads
+    # is on disk by now: the records are replaced atomically, the logger is closed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
