@@ -34,6 +34,7 @@ from lightning_rollout_debug.stats import (
     validate_is_threshold,
     validate_seq_ratio_bounds,
 )
+from lightning_rollout_debug.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS
 
 
 def monitor_problems(
@@ -57,6 +58,7 @@ def monitor_problems(
     drift_baseline: Any = DEFAULT_DRIFT_BASELINE,
     pad_token_id: Any = None,
     profile_images: Any = True,
+    profile_images_every_n_steps: Any = PROFILE_IMAGES_EVERY_N_STEPS,
 ) -> list[str]:
     """What is wrong with the monitor's arguments, one line per problem (empty if nothing)."""
     problems = []
@@ -96,6 +98,15 @@ def monitor_problems(
     )
     if not isinstance(profile_images, bool):
         problems.append(f"`profile_images` must be True or False, got {profile_images!r}.")
+    if (
+        isinstance(profile_images_every_n_steps, bool)
+        or not isinstance(profile_images_every_n_steps, numbers.Integral)
+        or profile_images_every_n_steps < 1
+    ):
+        problems.append(
+            "`profile_images_every_n_steps` must be an int >= 1 (1: at every logged step), "
+            f"got {profile_images_every_n_steps!r}."
+        )
     enabled = enabled_groups(groups, token_ids_keys)
     problems += alert_problems(alert_ranges, on_alert, enabled)
     problems += drift_problems(drift_factors, drift_baseline, enabled)

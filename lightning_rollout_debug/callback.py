@@ -22,6 +22,7 @@ from lightning_rollout_debug.arguments import metric_names, monitor_problems
 from lightning_rollout_debug.monitor import FrontDoor, RolloutDebugMonitor, RolloutDebugWarning
 from lightning_rollout_debug.packages import Callback
 from lightning_rollout_debug.ranks import Ranks, rank_in
+from lightning_rollout_debug.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS
 
 CALLBACK_DOOR = FrontDoor("RolloutDebugCallback", "the output of `training_step`")
 
@@ -90,10 +91,13 @@ class RolloutDebugCallback(Callback):
             grouping the charts (agreement, divergence, sequences, health, quantiles) once
             per run.
         profile_images: with a ``TensorBoardLogger``, draw where each window's mismatch
-            lives in the IMAGES tab at each logged step: by response position, by trainer
-            probability, and the joint histogram of the two log-probs
-            (``{prefix}rollout_profile/by_position``, ``.../by_probability``,
-            ``.../joint``).
+            lives in the IMAGES tab: by response position, by trainer probability, and the
+            joint histogram of the two log-probs (``{prefix}rollout_profile/by_position``,
+            ``.../by_probability``, ``.../joint``).
+        profile_images_every_n_steps: draw the pictures at the first logged step of each
+            span of this many steps (``[0, n)``, ``[n, 2n)``, ...): at every logged step
+            with the Trainer's default of logging every 50 steps; 1 draws at every logged
+            step.
         alert_ranges: allowed ``(low, high)`` per un-prefixed metric name (either bound
             ``None``); ``None`` uses ``DEFAULT_ALERT_RANGES`` and ``{}`` turns alerts off.
         on_alert: what a value outside its range does: ``"warn"`` (a warning once per
@@ -156,6 +160,7 @@ class RolloutDebugCallback(Callback):
         worst_tokens_k: int = 10,
         dashboard_layout: bool = True,
         profile_images: bool = True,
+        profile_images_every_n_steps: int = PROFILE_IMAGES_EVERY_N_STEPS,
         alert_ranges: Mapping[str, tuple[float | None, float | None]] | None = None,
         on_alert: Literal["warn", "stop", "raise"] = "warn",
         drift_factors: Mapping[str, float] | None = None,
@@ -178,6 +183,7 @@ class RolloutDebugCallback(Callback):
             "worst_tokens_k": worst_tokens_k,
             "dashboard_layout": dashboard_layout,
             "profile_images": profile_images,
+            "profile_images_every_n_steps": profile_images_every_n_steps,
             "alert_ranges": alert_ranges,
             "on_alert": on_alert,
             "drift_factors": drift_factors,
@@ -220,6 +226,7 @@ class RolloutDebugCallback(Callback):
     worst_tokens_k = _OfTheMonitor()
     dashboard_layout = _OfTheMonitor()
     profile_images = _OfTheMonitor()
+    profile_images_every_n_steps = _OfTheMonitor()
     alert_ranges = _OfTheMonitor()
     on_alert = _OfTheMonitor()
     drift_factors = _OfTheMonitor()

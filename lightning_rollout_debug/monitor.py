@@ -68,7 +68,12 @@ from lightning_rollout_debug.ranks import Ranks, global_rank, loop_ranks, rank_i
 from lightning_rollout_debug.stats import (
     MismatchStats,
 )
-from lightning_rollout_debug.tensorboard import dashboard_layout, write_extras, write_profile
+from lightning_rollout_debug.tensorboard import (
+    PROFILE_IMAGES_EVERY_N_STEPS,
+    dashboard_layout,
+    write_extras,
+    write_profile,
+)
 
 POSITIVE_LOG_PROB_TOLERANCE = 1e-3
 """Log-probs above this (nats) are reported: no log-probability is above 0."""
@@ -130,8 +135,12 @@ class RolloutDebugMonitor:
         dashboard_layout: with a TensorBoard logger, write a custom-scalars layout grouping
             the charts once per log directory.
         profile_images: with a TensorBoard logger, draw where the window's mismatch lives
-            at each logged step (IMAGES tab): by response position, by trainer probability,
-            and the joint histogram of the two log-probs. :attr:`profile` holds the numbers.
+            (IMAGES tab): by response position, by trainer probability, and the joint
+            histogram of the two log-probs. :attr:`profile` holds the numbers of every
+            logged window.
+        profile_images_every_n_steps: draw the pictures at the first logged step of each
+            span of this many steps (``[0, n)``, ``[n, 2n)``, ...): at every logged step
+            when logging every ``n`` steps or less often; 1 draws at every logged step.
         alert_ranges: allowed ``(low, high)`` per un-prefixed metric name (either bound
             ``None``); ``None`` uses ``DEFAULT_ALERT_RANGES`` and ``{}`` turns alerts off.
         on_alert: what a value outside its range does: ``"warn"`` (a warning once per
@@ -190,6 +199,7 @@ class RolloutDebugMonitor:
         worst_tokens_k: int = 10,
         dashboard_layout: bool = True,
         profile_images: bool = True,
+        profile_images_every_n_steps: int = PROFILE_IMAGES_EVERY_N_STEPS,
         alert_ranges: Mapping[str, tuple[float | None, float | None]] | None = None,
         on_alert: Literal["warn", "stop", "raise"] = "warn",
         drift_factors: Mapping[str, float] | None = None,
@@ -217,6 +227,7 @@ class RolloutDebugMonitor:
             compile=compile,
             pad_token_id=pad_token_id,
             profile_images=profile_images,
+            profile_images_every_n_steps=profile_images_every_n_steps,
         )
         if callable(process_group):
             problems.append(
@@ -240,6 +251,7 @@ class RolloutDebugMonitor:
         self.worst_tokens_k = worst_tokens_k
         self.dashboard_layout = dashboard_layout
         self.profile_images = profile_images
+        self.profile_images_every_n_steps = int(profile_images_every_n_steps)
         self.on_alert = on_alert
         self.pad_token_id = pad_token_id
         self.alert_ranges = resolve_alert_ranges(alert_ranges, self.groups)
@@ -269,6 +281,7 @@ class RolloutDebugMonitor:
         """The :class:`~lightning_rollout_debug.profile.Profile` of the last logged window
         (quantiles, by position, by probability, joint counts), if it is kept."""
         self._partial_profile = False  # a restored window without its extras: no profile
+        self._pictures_span: int | None = None  # the span of steps last drawn in
         self._alerts = AlertMonitor(self.alert_ranges)
         self._drift = DriftMonitor(self.drift_factors, self.drift_baseline)
         self._rank: int | None = None  # shown in the worst-tokens table; None: asked of torch
@@ -571,7 +584,9 @@ class RolloutDebugMonitor:
     def _write_tensorboard(
         self, loggers: Sequence[Any], extras: ExtrasSummary | None, step: int, *, show_rank: bool
     ) -> None:
-        """Histograms, worst tokens and (once per log directory) the layout."""
+        """Histograms, worst tokens, pictures and (once per log directory) the layout."""
+        # An empty window draws nothing and leaves its span to the next logged step.
+        pictures = self.profile is not None and self.profile.tokens > 0 and self._pictures_due(step)
         for logger in loggers:
             if not isinstance(logger, TENSORBOARD_LOGGERS):
                 continue
@@ -582,8 +597,18 @@ class RolloutDebugMonitor:
                 writer.add_custom_scalars(dashboard_layout(self.prefix, names))
             if extras is not None:
                 write_extras(writer, self.prefix, extras, step, show_rank=show_rank)
-            if self.profile_images and self.profile is not None:
+            if pictures:
                 write_profile(writer, self.prefix, self.profile, step)
+
+    def _pictures_due(self, step: int) -> bool:
+        """Whether ``step`` is the first logged step of its span of steps to draw in."""
+        if not self.profile_images:
+            return False
+        span = step // self.profile_images_every_n_steps
+        if span == self._pictures_span:
+            return False
+        self._pictures_span = span
+        return True
 
     def _check_log_prob_signs(self, stats: MismatchStats, step: int) -> None:
         """Warn once per key when the window holds log-probs above 0 (read off the host copy)."""

@@ -152,4 +152,4 @@ def test_a_sync_that_stops_drifts_and_draws_the_profile(
     tags = accumulator.Tags()["images"]
     for kind in ("by_position", "by_probability", "joint"):
         (tag,) = [tag for tag in tags if kind in tag]
-        assert [event.step for event in accumulator.Images(tag)] == list(range(30))
+        assert [event.step for event in accumulator.Images(tag)] == [0, 10, 20]

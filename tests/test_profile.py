@@ -179,10 +179,40 @@ def test_trainer_logs_quantiles_and_pictures(tmp_path: Path) -> None:
         for name, value in want.items():
             events = {event.step: event.value for event in ea.Scalars(f"training/{name}")}
             assert quantile_close(events[step], value), (name, step, events[step], value)
+    # Steps 1 and 3 are in the default span [0, 50): pictures at its first logged step.
+    assert _picture_steps(ea) == [1]
+    assert _picture_steps(_fit(tmp_path / "each", batches, profile_images_every_n_steps=1)) == [
+        1,
+        3,
+    ]
+
+
+def _picture_steps(ea: EventAccumulator) -> list[int]:
+    """The steps of the pictures, the same for the three tags."""
     tags = ea.Tags()["images"]
+    steps = []
     for kind in ("by_position", "by_probability", "joint"):
         (tag,) = [tag for tag in tags if kind in tag]
-        assert [event.step for event in ea.Images(tag)] == [1, 3]
+        steps.append([event.step for event in ea.Images(tag)])
+    assert steps[0] == steps[1] == steps[2]
+    return steps[0]
+
+
+def test_pictures_at_the_first_logged_step_of_each_span(tmp_path: Path) -> None:
+    lit = PYTORCH_LIGHTNING
+    logger = lit.loggers.TensorBoardLogger(tmp_path, name="tb", version=0)
+    monitor = RolloutDebugMonitor(profile_images_every_n_steps=4, alert_ranges={})
+    empty = skewed_batch(0, rows=2, width=30)
+    empty["response_mask"] = torch.zeros_like(empty["response_mask"])
+    logged = [0, 2, 3, 4, 5, 7, 9, 13, 14]
+    for step in logged:
+        monitor.update(empty if step == 4 else skewed_batch(step, rows=2, width=30))
+        monitor.log(step, logger)
+    logger.finalize("success")
+    ea = EventAccumulator(logger.log_dir, size_guidance={"images": 0})
+    ea.Reload()
+    # Spans [0, 4), [4, 8), [8, 12), [12, 16); step 4's window is empty, so 5 draws.
+    assert _picture_steps(ea) == [0, 5, 9, 13]
 
 
 def test_pictures_can_be_turned_off_and_quantiles_stay(tmp_path: Path) -> None:
