@@ -5,8 +5,9 @@ each batch (:mod:`.batch`), adds them to a window of statistics and extras on th
 device (:mod:`.stats`, :mod:`.extras`), and at a logged step merges the window of every
 rank with one collective, copies it to the host once, logs the scalars and writes the
 TensorBoard extras (:mod:`.tensorboard`), checks the alerts (:mod:`.alerts`) and starts
-a new window. :class:`~lightning_rollout_debug.RolloutDebugCallback` is this engine with
-a Lightning Trainer deciding when to log and how ranks gather.
+a new window; :mod:`.checkpoint` writes the window's checkpoint state and reads it back.
+:class:`~lightning_rollout_debug.RolloutDebugCallback` is this engine with a Lightning
+Trainer deciding when to log and how ranks gather.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from lightning_rollout_debug.alerts import (
 from lightning_rollout_debug.arguments import (
     checked_loggers,
     checked_step,
-    checkpoint_problems,
     enabled_groups,
     monitor_problems,
 )
@@ -48,6 +48,7 @@ from lightning_rollout_debug.batch import (
     tensor_sources,
 )
 from lightning_rollout_debug.catalog import GROUPS, Window
+from lightning_rollout_debug.checkpoint import StateReader, saved_state
 from lightning_rollout_debug.diagnosis import (
     Diagnosis,
     RolloutDiagnosisError,
@@ -61,10 +62,10 @@ from lightning_rollout_debug.extras import (
     token_ids_for,
     update_together,
 )
-from lightning_rollout_debug.layout import merge_states, state_problems
+from lightning_rollout_debug.layout import merge_states
 from lightning_rollout_debug.packages import TENSORBOARD_LOGGERS
 from lightning_rollout_debug.profile import Profile
-from lightning_rollout_debug.ranks import Ranks, global_rank, loop_ranks, rank_in
+from lightning_rollout_debug.ranks import Ranks, global_rank, loop_ranks
 from lightning_rollout_debug.stats import (
     MismatchStats,
 )
@@ -669,76 +670,31 @@ class RolloutDebugMonitor:
         self, stats: MismatchStats, extras: Tensor | None, config: Mapping[str, Any]
     ) -> dict[str, Any]:
         """A checkpoint state of the window ``stats`` and ``extras``."""
-        return {
-            "window": stats.state.detach().cpu().clone(),
-            "batches_in_window": self.batches_in_window,
-            "extras_window": None if extras is None else extras.detach().cpu().clone(),
-            "config": dict(config),
-            "drift": self._drift.state(),
-        }
+        return saved_state(stats, extras, self.batches_in_window, config, self._drift)
 
     def _load(self, state_dict: Any, config: Mapping[str, Any]) -> bool:
         """Restore a window of :meth:`_saved` (see :meth:`load_state_dict`); whether it was."""
         self._empty_window()
         self._drift.restart()
-        problems = checkpoint_problems(state_dict) or state_problems(state_dict["window"])
-        if problems:
-            self._reject_checkpoint(problems, "the window starts empty")
+        restored = self._state_reader().read(state_dict, config)
+        if restored is None:
             return False
-        saved = state_dict.get("config", {})
-        if saved and {key: saved.get(key) for key in config} != dict(config):
-            self._warn_on_rank_zero(
-                f"{self._door.name}: the checkpoint was written with {dict(saved)}; "
-                f"continuing with the constructor's {dict(config)}."
-            )
-        extras = state_dict.get("extras_window")
-        if self._extras is None or extras is None:
-            extras = None
-        elif problems := self._extras.state_problems(extras):
-            if not isinstance(extras, Tensor) or extras.shape == (self._extras.size,):
-                self._reject_checkpoint(problems, "the histograms and worst tokens start empty")
-            extras = None  # else saved with other histograms or another k: those start empty
-        self._load_drift(state_dict.get("drift"))
-        self.batches_in_window = state_dict.get("batches_in_window", 0)
-        window_tokens = float(state_dict["window"][0])  # the count slot comes first
-        profiled = self._extras is not None and self._extras.profile
-        self._partial_profile = profiled and extras is None and window_tokens > 0
-        if rank_in(self.process_group, global_rank()) == 0:
-            # The state holds the window of all ranks (of the process group) merged: the
-            # first rank (of each group: they hold the same tokens) alone carries it on.
-            self._stats.load_state(state_dict["window"])
-            if self._extras is not None and extras is not None:
-                self._extras.load_state(extras)
+        self.batches_in_window, self._partial_profile = restored
         return True
 
-    def _load_drift(self, state: Any) -> None:
-        """Continue the drift baselines of a checkpoint (none saved: they are collected)."""
-        if state is None:
-            return
-        if problems := DriftMonitor.state_problems(state):
-            self._reject_checkpoint(problems, "the drift baselines are collected again")
-            return
-        if again := self._drift.load_state(state):
-            self._warn_on_rank_zero(
-                f"{self._door.name}: the checkpoint's drift baselines are the median of "
-                f"{state['baseline_windows']} logged values, fewer than "
-                f"drift_baseline={self.drift_baseline}; the baselines of {again} are "
-                "collected again."
-            )
-
-    def _reject_checkpoint(self, problems: Sequence[str], consequence: str) -> None:
-        message = (
-            f"{self._door.name}(prefix={self.prefix!r}): the checkpoint's state cannot be "
-            f"restored: {'; '.join(problems)}."
+    def _state_reader(self) -> StateReader:
+        """What restores a checkpoint state into this monitor's window, as it is now set up."""
+        return StateReader(
+            name=self._door.name,
+            prefix=self.prefix,
+            strict=self.strict,
+            drift_baseline=self.drift_baseline,
+            stats=self._stats,
+            extras=self._extras,
+            drift=self._drift,
+            process_group=self.process_group,
+            category=RolloutDebugWarning,
         )
-        if self.strict:
-            raise ValueError(message)
-        self._warn_on_rank_zero(f"{message} Training goes on; {consequence}.")
-
-    @staticmethod
-    def _warn_on_rank_zero(message: str) -> None:
-        if global_rank() == 0:
-            warnings.warn(message, RolloutDebugWarning, stacklevel=4)
 
 
 def _token_ids(sources: Sequence[Any], inputs: MismatchInputs) -> Tensor | None:

@@ -1,0 +1,157 @@
+"""The checkpoint state of a monitor's window: the saved dict, its checks, and its restore.
+
+A state holds the window merged over the ranks (the packed statistics and extras, on the
+CPU), its batch count, the configuration it was written with and the drift baselines
+(:func:`saved_state`). :class:`StateReader` reads one back into a
+:class:`~lightning_rollout_debug.RolloutDebugMonitor`'s window: every part is checked
+first, a damaged part starts empty with a warning (an error with ``strict=True``),
+another configuration warns, and the first rank of the process group alone carries the
+merged window on.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from torch import Tensor
+
+from lightning_rollout_debug.alerts import DriftMonitor
+from lightning_rollout_debug.arguments import checkpoint_problems
+from lightning_rollout_debug.extras import TokenExtras
+from lightning_rollout_debug.layout import state_problems
+from lightning_rollout_debug.ranks import global_rank, rank_in
+from lightning_rollout_debug.stats import MismatchStats
+
+
+def saved_state(
+    stats: MismatchStats,
+    extras: Tensor | None,
+    batches_in_window: int,
+    config: Mapping[str, Any],
+    drift: DriftMonitor,
+) -> dict[str, Any]:
+    """A checkpoint state of the window ``stats`` and ``extras``, on the CPU.
+
+    Args:
+        stats: the window's statistics (merged over the ranks when there are several).
+        extras: the window's packed extras state, or ``None`` without extras.
+        batches_in_window: the updates since the window began.
+        config: the configuration the state is written with.
+        drift: the drift baselines, kept with the window.
+    """
+    return {
+        "window": stats.state.detach().cpu().clone(),
+        "batches_in_window": batches_in_window,
+        "extras_window": None if extras is None else extras.detach().cpu().clone(),
+        "config": dict(config),
+        "drift": drift.state(),
+    }
+
+
+class Restored(NamedTuple):
+    """What a restored state gives the window beyond its statistics and extras.
+
+    Attributes:
+        batches_in_window: the updates of the restored window.
+        partial_profile: whether the window was restored without its extras, so that its
+            profile would hold only part of its tokens.
+    """
+
+    batches_in_window: int
+    partial_profile: bool
+
+
+@dataclass(frozen=True)
+class StateReader:
+    """Reads a checkpoint state of :func:`saved_state` back into a monitor's window.
+
+    Attributes:
+        name: the front door the messages name.
+        prefix: the monitor's prefix, which a rejected state's message shows.
+        strict: raise on a state that cannot be restored instead of warning.
+        drift_baseline: the monitor's ``drift_baseline``, which a shorter saved baseline is
+            named against.
+        stats: the window's statistics, loaded on the first rank of the process group.
+        extras: the window's extras, if it keeps them.
+        drift: the drift baselines, continued from the state.
+        process_group: the process group whose first rank carries the saved window on.
+        category: the category of the warnings.
+    """
+
+    name: str
+    prefix: str
+    strict: bool
+    drift_baseline: int
+    stats: MismatchStats
+    extras: TokenExtras | None
+    drift: DriftMonitor
+    process_group: Any | None
+    category: type[Warning]
+
+    def read(self, state_dict: Any, config: Mapping[str, Any]) -> Restored | None:
+        """Restore ``state_dict`` into an empty window; ``None`` if it was rejected.
+
+        Args:
+            state_dict: a state of :func:`saved_state`, as a checkpoint gave it back.
+            config: the configuration the window continues with; another saved one warns.
+        """
+        problems = checkpoint_problems(state_dict) or state_problems(state_dict["window"])
+        if problems:
+            self._reject(problems, "the window starts empty")
+            return None
+        saved = state_dict.get("config", {})
+        if saved and {key: saved.get(key) for key in config} != dict(config):
+            self._warn_on_rank_zero(
+                f"{self.name}: the checkpoint was written with {dict(saved)}; "
+                f"continuing with the constructor's {dict(config)}."
+            )
+        extras = state_dict.get("extras_window")
+        if self.extras is None or extras is None:
+            extras = None
+        elif problems := self.extras.state_problems(extras):
+            if not isinstance(extras, Tensor) or extras.shape == (self.extras.size,):
+                self._reject(problems, "the histograms and worst tokens start empty")
+            extras = None  # else saved with other histograms or another k: those start empty
+        self._load_drift(state_dict.get("drift"))
+        batches_in_window = state_dict.get("batches_in_window", 0)
+        window_tokens = float(state_dict["window"][0])  # the count slot comes first
+        profiled = self.extras is not None and self.extras.profile
+        partial_profile = profiled and extras is None and window_tokens > 0
+        if rank_in(self.process_group, global_rank()) == 0:
+            # The state holds the window of all ranks (of the process group) merged: the
+            # first rank (of each group: they hold the same tokens) alone carries it on.
+            self.stats.load_state(state_dict["window"])
+            if self.extras is not None and extras is not None:
+                self.extras.load_state(extras)
+        return Restored(batches_in_window, partial_profile)
+
+    def _load_drift(self, state: Any) -> None:
+        """Continue the drift baselines of a checkpoint (none saved: they are collected)."""
+        if state is None:
+            return
+        if problems := DriftMonitor.state_problems(state):
+            self._reject(problems, "the drift baselines are collected again")
+            return
+        if again := self.drift.load_state(state):
+            self._warn_on_rank_zero(
+                f"{self.name}: the checkpoint's drift baselines are the median of "
+                f"{state['baseline_windows']} logged values, fewer than "
+                f"drift_baseline={self.drift_baseline}; the baselines of {again} are "
+                "collected again."
+            )
+
+    def _reject(self, problems: Sequence[str], consequence: str) -> None:
+        message = (
+            f"{self.name}(prefix={self.prefix!r}): the checkpoint's state cannot be "
+            f"restored: {'; '.join(problems)}."
+        )
+        if self.strict:
+            raise ValueError(message)
+        self._warn_on_rank_zero(f"{message} Training goes on; {consequence}.")
+
+    def _warn_on_rank_zero(self, message: str) -> None:
+        if global_rank() == 0:
+            warnings.warn(message, self.category, stacklevel=5)
