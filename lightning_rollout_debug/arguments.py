@@ -98,11 +98,7 @@ def monitor_problems(
     )
     if not isinstance(profile_images, bool):
         problems.append(f"`profile_images` must be True or False, got {profile_images!r}.")
-    if (
-        isinstance(profile_images_every_n_steps, bool)
-        or not isinstance(profile_images_every_n_steps, numbers.Integral)
-        or profile_images_every_n_steps < 1
-    ):
+    if not is_int_at_least(profile_images_every_n_steps, 1):
         problems.append(
             "`profile_images_every_n_steps` must be an int >= 1 (1: at every logged step), "
             f"got {profile_images_every_n_steps!r}."
@@ -116,6 +112,16 @@ def monitor_problems(
     ):
         problems.append(f"`pad_token_id` must be None or an int token id, got {pad_token_id!r}.")
     return problems
+
+
+def is_int_at_least(value: Any, low: int) -> bool:
+    """Whether ``value`` is an int (not a bool) of at least ``low``.
+
+    Example:
+        >>> is_int_at_least(3, 1), is_int_at_least(True, 1), is_int_at_least(2.0, 1)
+        (True, False, False)
+    """
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low
 
 
 def enabled_groups(groups: Any, token_ids_keys: Any) -> frozenset[str]:
@@ -134,7 +140,7 @@ def metric_names(prefix: str, groups: Iterable[str]) -> set[str]:
 
 def checked_step(step: Any) -> int:
     """``step`` as an int, or a ``ValueError`` if it is not an int >= 0."""
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+    if not is_int_at_least(step, 0):
         raise ValueError(f"`step` must be an int >= 0, got {step!r}.")
     return int(step)
 
@@ -160,7 +166,7 @@ def checkpoint_problems(state_dict: Any) -> list[str]:
     if "window" not in state_dict:
         problems.append(f"it has no `window` (keys: {sorted(map(str, state_dict))})")
     batches = state_dict.get("batches_in_window", 0)
-    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 0:
+    if not is_int_at_least(batches, 0):
         problems.append(f"`batches_in_window` is {batches!r}; expected an int >= 0")
     if not isinstance(state_dict.get("config", {}), Mapping):
         problems.append(f"`config` is a {type(state_dict['config']).__name__}, not a dict")

@@ -18,7 +18,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_rollout_debug.alerts import DEFAULT_DRIFT_BASELINE
-from lightning_rollout_debug.arguments import metric_names, monitor_problems
+from lightning_rollout_debug.arguments import is_int_at_least, metric_names, monitor_problems
 from lightning_rollout_debug.monitor import FrontDoor, RolloutDebugMonitor, RolloutDebugWarning
 from lightning_rollout_debug.packages import Callback
 from lightning_rollout_debug.ranks import Ranks, rank_in
@@ -192,11 +192,7 @@ class RolloutDebugCallback(Callback):
             "pad_token_id": pad_token_id,
         }
         problems = monitor_problems(**monitor_args)
-        if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool)
-            or not isinstance(log_every_n_steps, int)
-            or log_every_n_steps < 1
-        ):
+        if log_every_n_steps is not None and not is_int_at_least(log_every_n_steps, 1):
             problems.append(
                 f"`log_every_n_steps` must be None (follow the Trainer) or an int >= 1, "
                 f"got {log_every_n_steps!r}."
