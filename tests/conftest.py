@@ -29,6 +29,7 @@ SLOW_MODULES: dict[str, str] = {
     "test_fuzz.py": "fuzzes thousands of batches, through Trainer runs too",
     "test_memory.py": "thousands of updates and Trainer steps",
     "test_native_cache.py": "builds the native kernel in fresh caches, in several processes",
+    "test_native_widths.py": "builds the native kernel at every vector width",
     "test_scale_out.py": "FSDP2 and two simulated nodes, in processes of their own",
 }
 """Modules whose every test is slow, and why."""

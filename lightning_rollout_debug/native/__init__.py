@@ -89,6 +89,8 @@ _FLAG_SETS = (
 )
 _PROBE_SOURCE = 'extern "C" int rollout_probe() { return 0; }\n'
 _PROBE_BYTES = 1 << 20  # more than a built kernel takes (about 200 KB)
+VECTOR_LANES = (4, 8, 16)
+"""The vector widths the kernel is built with, in float32 lanes (``ROLLOUT_LANES``)."""
 _OFF = frozenset({"0", "false", "off", "no"})
 _ON = frozenset({"", "1", "true", "on", "yes"})
 _LOG_PROB_KINDS = {torch.float32: 0, torch.bfloat16: 1}
@@ -105,7 +107,13 @@ if not logging.getLogger().hasHandlers():  # as Lightning does: say it unless to
     _LOG.addHandler(logging.StreamHandler())
     _LOG.propagate = False
 
-_kernel: dict[str, Any] = {"function": None, "problem": None, "columns": (), "finish": None}
+_kernel: dict[str, Any] = {
+    "function": None,
+    "problem": None,
+    "columns": (),
+    "finish": None,
+    "lanes": None,
+}
 _process_lock = threading.Lock()
 
 
@@ -176,6 +184,18 @@ class ExtrasRequest:
 
 class KernelUnavailable(RuntimeError):
     """The kernel cannot be built or loaded here; the message says why and what to do."""
+
+
+def vector_lanes() -> int | None:
+    """The float32 values one step of the kernel's loop takes, or ``None`` without a kernel.
+
+    It follows the CPU the kernel is built on: 16 with AVX-512, 8 with AVX2, 4 otherwise.
+
+    Example:
+        >>> vector_lanes() in (*VECTOR_LANES, None)
+        True
+    """
+    return _kernel["lanes"] if _function(None) is not None else None
 
 
 def available(fields: Sequence[str] | None = None) -> bool:
@@ -426,7 +446,8 @@ def _function(fields: Sequence[str] | None) -> Any:
             if _kernel["function"] is None and _kernel["problem"] is None:
                 try:
                     _kernel["columns"] = _expected(fields)
-                    _, (_kernel["function"], _kernel["finish"]) = _load_checked(_kernel["columns"])
+                    _, entries = _load_checked(_kernel["columns"])
+                    _kernel["function"], _kernel["finish"], _kernel["lanes"] = entries
                 except _Off as off:
                     _kernel["problem"] = str(off)  # the user's choice: no warning
                 except Exception as error:  # anything at all: the torch path takes over
@@ -471,10 +492,11 @@ def _load_checked(fields: tuple[str, ...]) -> tuple[Path, Any]:
     return path, _bind(library, path, fields)
 
 
-def _bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[Any, Any]:
+def _bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[Any, Any, int]:
     """The entry points of a loaded kernel whose columns are exactly ``fields``.
 
-    They are the pass, and the two steps that finish its rows into packed states.
+    They are the pass, and the two steps that finish its rows into packed states; then
+    the kernel's vector width in float32 lanes.
 
     The statistics' state slots, the groups and the worst-token fields must be named as
     on the Python side too, and the profile block laid out as :mod:`..profile` lays it
@@ -495,6 +517,9 @@ def _bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[An
     shape = getattr(library, "rollout_extras_shape", None)
     if shape is None or (shape(0), shape(1)) != (EXTRAS_MOMENTS, MAX_WORST_TOKENS):
         raise KernelUnavailable(f"{path} lays out the extras otherwise than this package")
+    lanes = getattr(library, "rollout_vector_lanes", None)
+    if lanes is None or lanes() not in VECTOR_LANES:
+        raise KernelUnavailable(f"{path} names no vector width of {list(VECTOR_LANES)} lanes")
     try:
         name, finish_state, finish_extras = (
             library.rollout_name,
@@ -534,7 +559,7 @@ def _bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[An
                          *(pointer,) * 3, ctypes.c_double, ctypes.c_double, pointer]),
     ):  # fmt: skip
         entry.restype, entry.argtypes = ctypes.c_int, arguments
-    return function, (finish_state, finish_extras)
+    return function, (finish_state, finish_extras), lanes()
 
 
 def _profile_parts() -> dict[str, int]:

@@ -13,9 +13,23 @@
 #include <algorithm>
 #include <new>
 #include <thread>
+#include <utility>
 #include <vector>
 
+// Tokens per step: one float32 vector as wide as the CPU's (512, 256 or 128 bits). GCC
+// does the comparisons and selects of a vector wider than the hardware's one lane at a
+// time, which costs 10x. ROLLOUT_LANES (4, 8 or 16) chooses another width, for tests.
+#if !defined(ROLLOUT_LANES)
 #if defined(__AVX512F__)
+#define ROLLOUT_LANES 16
+#elif defined(__AVX2__)
+#define ROLLOUT_LANES 8
+#else
+#define ROLLOUT_LANES 4
+#endif
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 
@@ -45,7 +59,8 @@ namespace {
 constexpr const char* kColumns[] = {ROLLOUT_ROW_COLUMNS(ROLLOUT_ROW_NAME)};
 #undef ROLLOUT_ROW_NAME
 constexpr int kSlots = sizeof kColumns / sizeof kColumns[0];
-constexpr int kLanes = 16;  // tokens per step: one 512-bit float32 vector
+constexpr int kLanes = ROLLOUT_LANES;
+static_assert(kLanes == 4 || kLanes == 8 || kLanes == 16, "4, 8 or 16 lanes");
 typedef float f32 __attribute__((vector_size(4 * kLanes)));
 typedef int32_t i32 __attribute__((vector_size(4 * kLanes)));
 typedef uint32_t u32 __attribute__((vector_size(4 * kLanes)));
@@ -65,6 +80,59 @@ inline T splat(typename std::remove_reference<decltype(T{}[0])>::type value) {
   return T{} + value;
 }
 
+// Shuffles by a map of lane numbers: `Map::at(i)` for the i-th lane of the result, where
+// lanes 0 ... n - 1 are those of `x` and n ... 2 n - 1 those of `y`.
+template <typename Map, int... I, typename T>
+inline auto shuffle(T x, T y, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(x, y, Map::at(I)...);
+}
+
+template <typename T>
+constexpr int lanes_of = sizeof(T) / sizeof(T{}[0]);
+
+// Lanes h n/2 ... (h + 1) n/2 - 1 of a vector of n lanes: its lower (h = 0) or upper half.
+template <int kHalf, int kCount>
+struct HalfMap {
+  static constexpr int at(int i) { return kHalf * kCount / 2 + i; }
+};
+
+template <int kHalf, typename T>
+inline auto half(T x) {
+  constexpr int n = lanes_of<T>;
+  return shuffle<HalfMap<kHalf, n>>(x, x, std::make_integer_sequence<int, n / 2>{});
+}
+
+// Lanes of x and y in turns: x_0 y_0 x_1 y_1 ... from the lower (h = 0) or upper half.
+template <int kHalf, int kCount>
+struct InterleaveMap {
+  static constexpr int at(int i) { return kHalf * kCount / 2 + i / 2 + (i % 2) * kCount; }
+};
+
+template <int kHalf, typename T>
+inline T interleave(T x, T y) {
+  constexpr int n = lanes_of<T>;
+  return shuffle<InterleaveMap<kHalf, n>>(x, y, std::make_integer_sequence<int, n>{});
+}
+
+// Calls f(std::integral_constant<int, lane>) for every lane, in order.
+template <typename F, int... I>
+inline void for_each_lane(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+
+template <typename F>
+inline void for_each_lane(F&& f) {
+  for_each_lane(f, std::make_integer_sequence<int, kLanes>{});
+}
+
+template <int... I>
+inline i32 lane_numbers(std::integer_sequence<int, I...>) {
+  return i32{I...};
+}
+
+// 0, 1, ..., kLanes - 1.
+inline i32 lane_numbers() { return lane_numbers(std::make_integer_sequence<int, kLanes>{}); }
+
 inline f32 floats_of(const float* values) {
   f32 out;
   std::memcpy(&out, values, sizeof out);
@@ -79,13 +147,22 @@ inline f32 floats_of(const uint16_t* bfloat16) {
 }
 
 inline i32 nonzero(const uint8_t* values) {  // -1 where non-zero, 0 elsewhere
+#if defined(__AVX2__) && ROLLOUT_LANES == 8  // GCC widens 8 bytes one at a time
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(values));
+  return reinterpret_cast<i32>(_mm256_cvtepu8_epi32(raw)) != 0;
+#elif defined(__SSE4_1__) && ROLLOUT_LANES == 4
+  int32_t word;
+  std::memcpy(&word, values, sizeof word);
+  return reinterpret_cast<i32>(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(word))) != 0;
+#else
   typedef uint8_t u8 __attribute__((vector_size(kLanes)));
   u8 raw;
   std::memcpy(&raw, values, sizeof raw);
   return __builtin_convertvector(raw != 0, i32);
+#endif
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && ROLLOUT_LANES == 16
 // GCC widens 8 floats to 8 doubles in 128-bit pieces; one instruction does it.
 inline f64 lower(f32 x) {
   return reinterpret_cast<f64>(_mm512_cvtps_pd(_mm512_castps512_ps256(reinterpret_cast<__m512>(x))));
@@ -95,15 +172,17 @@ inline f64 upper(f32 x) {
   const __m512d halves = _mm512_castps_pd(reinterpret_cast<__m512>(x));
   return reinterpret_cast<f64>(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(halves, 1))));
 }
-#else
-inline f64 lower(f32 x) {
-  return __builtin_convertvector(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7), f64);
-}
+#elif defined(__SSE2__) && ROLLOUT_LANES == 4  // GCC widens 2 floats one at a time
+inline f64 lower(f32 x) { return reinterpret_cast<f64>(_mm_cvtps_pd(reinterpret_cast<__m128>(x))); }
 
 inline f64 upper(f32 x) {
-  return __builtin_convertvector(
-      __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15), f64);
+  const __m128 floats = reinterpret_cast<__m128>(x);
+  return reinterpret_cast<f64>(_mm_cvtps_pd(_mm_movehl_ps(floats, floats)));
 }
+#else
+inline f64 lower(f32 x) { return __builtin_convertvector(half<0>(x), f64); }
+
+inline f64 upper(f32 x) { return __builtin_convertvector(half<1>(x), f64); }
 #endif
 
 // Two float64 halves of a float64 sum over the lanes.
@@ -141,10 +220,13 @@ struct Count {
 inline f32 select(i32 flags, f32 yes, f32 no) { return flags ? yes : no; }
 
 // Each lane's left neighbour: the last lane of `before`, then the lanes of `x` but its last.
+struct ShiftedMap {
+  static constexpr int at(int i) { return kLanes - 1 + i; }
+};
+
 template <typename T>
 inline T shifted(T before, T x) {
-  return __builtin_shufflevector(before, x, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27,
-                                 28, 29, 30);
+  return shuffle<ShiftedMap>(before, x, std::make_integer_sequence<int, kLanes>{});
 }
 
 // e^x as 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by its Taylor series to
@@ -170,8 +252,12 @@ inline f32 exp(f32 x) {
 
 // Whether any lane is set.
 inline bool any(i32 flags) {
-#if defined(__AVX512DQ__)
+#if defined(__AVX512DQ__) && ROLLOUT_LANES == 16
   return _mm512_movepi32_mask(reinterpret_cast<__m512i>(flags)) != 0;
+#elif defined(__AVX__) && ROLLOUT_LANES == 8
+  return _mm256_movemask_ps(reinterpret_cast<__m256>(flags)) != 0;
+#elif defined(__SSE__) && ROLLOUT_LANES == 4
+  return _mm_movemask_ps(reinterpret_cast<__m128>(flags)) != 0;
 #else
   int32_t out = 0;
   for (int k = 0; k < kLanes; ++k) out |= flags[k];
@@ -442,8 +528,12 @@ constexpr int part_at(int part) {
 }
 constexpr int kProfileSize = part_at(kProfileParts);
 static_assert(part_at(p_log_bins) == kDiffBins, "the two fine histograms are adjacent");
-static_assert(kPositionBuckets > 5, "the first vector of a row spans buckets 0 ... 4");
-static_assert(kLanes == 16, "at most 2^4 copies of the counts, one per lane");
+// The position bucket of column c: 0, then [2^(i-1), 2^i) is bucket i.
+constexpr int position_bucket_of(int64_t column) {
+  return column == 0 ? 0 : 64 - __builtin_clzll(static_cast<uint64_t>(column));
+}
+static_assert(position_bucket_of(kLanes - 1) < kPositionBuckets - 1,
+              "the first vector of a row spans buckets of their own");
 
 // The fine bins of r by sign, from which the fine bins of |r| and the histogram's bins of
 // r are both added up (`write_fine_log_bins`, `write_coarse_bins`). For r >= +0, the fine
@@ -478,6 +568,17 @@ inline i32 signed_fine_bin(f32 r) {
 // 256-bit add per token), added into the sums of the block of rows at its end.
 constexpr int kLaneSums = kProbabilityBuckets * kLanes * 4;
 typedef double f64x4 __attribute__((vector_size(32)));
+// The four doubles of lane kLane from the doubles of all lanes in order (`add_profile`).
+template <int kLane>
+inline f64x4 quad_of(const f64* quads) {
+  constexpr int per = kLanes / 2, at = 4 * kLane;  // doubles a vector, the lane's first
+  if constexpr (per >= 4) {
+    constexpr int o = at % per;
+    return __builtin_shufflevector(quads[at / per], quads[at / per], o, o + 1, o + 2, o + 3);
+  } else {  // two vectors of two
+    return __builtin_shufflevector(quads[at / per], quads[at / per + 1], 0, 1, 2, 3);
+  }
+}
 // A lane's slots (with up to 4 copies) and its lane sums, as 16-bit fields of one word.
 static_assert((kCounted << 2) <= (1 << 16) && kLaneSums <= (1 << 16), "slots fit 16 bits");
 // The float64 sums of a block of rows, added up in the order of the blocks: the result
@@ -493,8 +594,6 @@ enum BlockSlot {
 };
 constexpr int64_t kMaxProfileBlocks = 256;
 constexpr int64_t kTokensPerProfileBlock = 4096;
-// The position buckets of the lanes of a row's first vector (columns 0 ... 15).
-constexpr int kFirstBuckets[kLanes] = {0, 1, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4};
 
 // Whether the histograms' bins are unions of the profile's fine bins (2^(kFineBits - 2)
 // fine bins each, those below and above the range included), as they are when they lie
@@ -695,9 +794,9 @@ struct RowExtras {
     ProfileTables& t = *profile;
     profile_d_max.add(select(counting, d, minus_inf));
     profile_r_max.add(select(counting, abs_r, minus_inf));
-    // Past the first vector all lanes share a bucket: [2^(i-1), 2^i) holds 16 k ... 16 k + 15.
+    // Past the first vector all lanes share a bucket: [2^(i-1), 2^i) holds whole vectors.
     if (position >= kLanes) {
-      const int bucket = std::min(64 - __builtin_clzll(position), kPositionBuckets - 1);
+      const int bucket = std::min(position_bucket_of(position), kPositionBuckets - 1);
       if (bucket != position_bucket) {
         end_position();
         position_bucket = bucket;
@@ -707,7 +806,7 @@ struct RowExtras {
       position_k3.add(k3);
     } else {
       for (int lane = 0; lane < kLanes; ++lane) {
-        const int bucket = kFirstBuckets[lane];
+        const int bucket = position_bucket_of(lane);
         t.block[b_position_tokens + bucket] += ones[lane];
         t.block[b_position_diff + bucket] += d[lane];
         t.block[b_position_k3 + bucket] += k3[lane];
@@ -720,36 +819,26 @@ struct RowExtras {
     const f32 top = splat<f32>(kProbabilityBuckets - 1);
     scaled = scaled > top ? top : scaled;
     const i32 slot = (kProbabilityBuckets - 1) - __builtin_convertvector(scaled, i32);
-    const i32 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const i32 lane_at = (slot * kLanes + iota) * 4;
+    const i32 lane_at = (slot * kLanes + lane_numbers()) * 4;
     const int shift = t.copy_bits;
     const i32 diff_at = (log_bin<kFineBits>(d, kDiffLow, kDiffOctaves) << shift) + t.copy_lane;
     const i32 log_at = ((signed_fine_bin(s.last_r) + kDiffBins) << shift) + t.copy_lane;
     const i32 joint = log_bin<kJointBits>(-a, kJointLow, kJointOctaves) * kJointSide +
                       log_bin<kJointBits>(-b, kJointLow, kJointOctaves);
     const i32 joint_at = ((joint + kJointCounted) << shift) + t.copy_lane;
-    // (tokens, d, |r|, 0) of each lane as four doubles: a 4 x 16 transpose.
+    // (tokens, d, |r|, 0) of each lane as four doubles: a 4 x kLanes transpose.
     const f32 tokens = __builtin_convertvector(ones, f32);
     const f32 zero = splat<f32>(0.0f);
-    const f32 tokens_d[2] = {
-        __builtin_shufflevector(tokens, d, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23),
-        __builtin_shufflevector(tokens, d, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
-                                15, 31)};
-    const f32 r_zero[2] = {
-        __builtin_shufflevector(abs_r, zero, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7,
-                                23),
-        __builtin_shufflevector(abs_r, zero, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
-                                15, 31)};
-    // quads[k]: the four doubles of lanes 2 k and 2 k + 1, kept in registers.
-    f64 quads[kLanes / 2];
+    const f32 tokens_d[2] = {interleave<0>(tokens, d), interleave<1>(tokens, d)};
+    const f32 r_zero[2] = {interleave<0>(abs_r, zero), interleave<1>(abs_r, zero)};
+    // The doubles of lanes 0, 1, ... in order, four a lane, kept in registers.
+    f64 quads[8];
     for (int half = 0; half < 2; ++half) {
       // Pairs of floats moved as one 64-bit element each.
       const f64 pairs = reinterpret_cast<f64>(tokens_d[half]);
       const f64 others = reinterpret_cast<f64>(r_zero[half]);
-      const f32 low =
-          reinterpret_cast<f32>(__builtin_shufflevector(pairs, others, 0, 8, 1, 9, 2, 10, 3, 11));
-      const f32 high = reinterpret_cast<f32>(
-          __builtin_shufflevector(pairs, others, 4, 12, 5, 13, 6, 14, 7, 15));
+      const f32 low = reinterpret_cast<f32>(interleave<0>(pairs, others));
+      const f32 high = reinterpret_cast<f32>(interleave<1>(pairs, others));
       quads[4 * half] = lower(low);
       quads[4 * half + 1] = upper(low);
       quads[4 * half + 2] = lower(high);
@@ -758,28 +847,22 @@ struct RowExtras {
     // The four slots of each lane as 16-bit fields of one 64-bit word: one load a lane.
     const i32 counted_at = diff_at | (log_at << 16), summed_at = joint_at | (lane_at << 16);
     alignas(64) uint64_t slots[kLanes];
-    const i32 words[2] = {
-        __builtin_shufflevector(counted_at, summed_at, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
-                                6, 22, 7, 23),
-        __builtin_shufflevector(counted_at, summed_at, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13,
-                                29, 14, 30, 15, 31)};
+    const i32 words[2] = {interleave<0>(counted_at, summed_at),
+                          interleave<1>(counted_at, summed_at)};
     std::memcpy(slots, words, sizeof slots);
     int32_t* counted = t.counts;
     double* lanes = t.lanes;
-#pragma GCC unroll 16
-    for (int lane = 0; lane < kLanes; ++lane) {
+    for_each_lane([&](auto lane) {
       const uint64_t word = slots[lane];
       ++counted[word & 0xffff];
       ++counted[(word >> 16) & 0xffff];
       ++counted[(word >> 32) & 0xffff];
       double* sums_at = lanes + (word >> 48);
-      const f64 pair = quads[lane / 2];
       f64x4 sums;
       std::memcpy(&sums, sums_at, sizeof sums);
-      sums += lane % 2 ? __builtin_shufflevector(pair, pair, 4, 5, 6, 7)
-                       : __builtin_shufflevector(pair, pair, 0, 1, 2, 3);
+      sums += quad_of<decltype(lane)::value>(quads);
       std::memcpy(sums_at, &sums, sizeof sums);
-    }
+    });
   }
 
   // The sums of the current position bucket into the block's.
@@ -1020,9 +1103,8 @@ void run(const void* rollout, const void* old, const void* mask, int mask_kind, 
                   options, out, request, own, nullptr);
       return;
     }
-    const i32 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     ProfileTables tables{profile_counts.data() + index * kCounted * copies, copy_bits,
-                         iota & static_cast<int32_t>(copies - 1),
+                         lane_numbers() & static_cast<int32_t>(copies - 1),
                          lane_sums.data() + index * kLaneSums, nullptr};
     for (int64_t block = first; block < last; ++block) {
       tables.block = block_sums.data() + block * kBlockSlots;
@@ -1430,3 +1512,6 @@ extern "C" int rollout_row_sums(const void* rollout, const void* old, const void
 
 // The shape of the extras' rows: `kMoments` moments, then up to `kMaxWorst` pairs.
 extern "C" int rollout_extras_shape(int which) { return which == 0 ? kMoments : kMaxWorst; }
+
+// The float32 values one step of the loop takes: 16, 8 or 4.
+extern "C" int rollout_vector_lanes() { return kLanes; }

@@ -1,0 +1,129 @@
+"""The native kernel built at every vector width it knows (16, 8 and 4 float32 lanes).
+
+The kernel takes as many lanes per step as the CPU's widest vectors hold; the rest of
+the suite runs the width of this machine. Here each width is built (``ROLLOUT_LANES``)
+and checked against the torch arithmetic and the float64 reference: the shuffles that
+move lanes, the first vector's position buckets, the tails of rows and the per-lane
+copies of the counts all depend on it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import REGIMES, make_batch
+from reference import assert_metrics_close, reference_metrics
+from test_native import EXACT, _assert_same_extras, _assert_same_profile, _profile_of
+
+from lightning_rollout_debug import GROUPS, MismatchStats, native
+from lightning_rollout_debug.extras import TokenExtras
+from lightning_rollout_debug.profile import POSITION_BUCKETS
+from lightning_rollout_debug.rows import ROW_FIELDS, row_sums, rows_for
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler here")
+
+# Widths below, at and above every lane count, rows of one token, and rows that span
+# several position buckets and several of the kernel's 512-token blocks.
+SHAPES = ((9, 333), (4, 16), (3, 7), (2, 1), (5, 33), (3, 1100))
+
+
+@pytest.fixture(params=native.VECTOR_LANES, ids=lambda lanes: f"{lanes}-lanes")
+def lanes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The kernel built with ``request.param`` lanes, in use for the test."""
+    wanted = request.param
+    if native.vector_lanes() != wanted:  # this machine's own width is built already
+        flag = f"-DROLLOUT_LANES={wanted}"
+        monkeypatch.setattr(native, "_FLAG_SETS", tuple((*f, flag) for f in native._FLAG_SETS))
+        fresh = {"function": None, "problem": None, "columns": (), "finish": None, "lanes": None}
+        monkeypatch.setattr(native, "_kernel", fresh)
+    assert native.vector_lanes() == wanted
+    return wanted
+
+
+@pytest.mark.parametrize("groups", [frozenset({"seed"}), frozenset(GROUPS)])
+def test_row_sums_match_the_torch_arithmetic(lanes: int, groups: frozenset[str]) -> None:
+    rng = np.random.default_rng(lanes)
+    for shape, regime in zip(SHAPES, (*REGIMES, "mixed"), strict=True):
+        batch = make_batch(
+            rng, shape, regime=regime, mask_kind="counts", mask_dtype=torch.int64, special_rate=0.02
+        )
+        got = native.row_sums(
+            batch.rollout, batch.old, batch.mask, rows_for(groups), 2.0, ROW_FIELDS
+        )
+        want = row_sums(batch.rollout, batch.old, batch.mask, groups, 2.0)
+        assert got is not None
+        for name, value in want.items():
+            expected = value.to(torch.float64)
+            if name in EXACT:
+                assert torch.equal(got[name], expected), (shape, name)
+            else:
+                torch.testing.assert_close(
+                    got[name], expected, rtol=3e-6, atol=1e-9, msg=f"{shape} {name}"
+                )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_updates_match_the_reference(lanes: int, dtype: torch.dtype) -> None:
+    rng = np.random.default_rng(100 + lanes)
+    stats = MismatchStats(compile=True)
+    batches = [
+        make_batch(
+            rng,
+            shape,
+            dtype=dtype,
+            regime="mixed",
+            mask_kind="prefix",
+            mask_dtype=torch.bool,
+            special_rate=0.03,
+            with_ids=True,
+        )
+        for shape in SHAPES
+    ]
+    for batch in batches:
+        stats.update(*batch.args())
+    want = reference_metrics(
+        [b.rollout for b in batches],
+        [b.old for b in batches],
+        [b.mask for b in batches],
+        rollout_ids=[b.rollout_ids for b in batches],
+        trainer_ids=[b.trainer_ids for b in batches],
+    )
+    assert_metrics_close(stats.compute(), want)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_extras_and_profile_match_the_torch_ones(lanes: int, mask_dtype: torch.dtype) -> None:
+    """Histograms, worst tokens and the profile, from the kernel and from eager torch.
+
+    The sums of a few hundred tokens hold the kernel's e^x and torch's, which differ by up
+    to 1.2e-6 relative near the log-prob floor.
+    """
+    rng = np.random.default_rng(200 + lanes)
+    for shape in SHAPES:
+        batch = make_batch(
+            rng, shape, regime="mixed", mask_kind="prefix", mask_dtype=mask_dtype, special_rate=0.02
+        )
+        ids = torch.from_numpy(rng.integers(0, 1000, shape))
+        kernel, eager = (
+            TokenExtras(worst_tokens_k=10, profile=True, compile=compile)
+            for compile in (None, False)
+        )
+        for each in (kernel, eager):
+            each.update(batch.rollout, batch.old, batch.mask, ids)
+        _assert_same_extras(kernel, eager, rel=1e-6)
+        _assert_same_profile(_profile_of(kernel), _profile_of(eager))
+
+
+def test_the_profile_counts_every_column_in_its_bucket(lanes: int) -> None:
+    """The first vector's lanes fall in buckets 0, 1, [2, 4), ...; later vectors in one."""
+    for width in (1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 600):
+        extras = TokenExtras(histograms=False, worst_tokens_k=0, profile=True)
+        extras.update(
+            torch.full((3, width), -0.5), torch.full((3, width), -0.25), torch.ones(3, width)
+        )
+        columns = torch.arange(width, dtype=torch.float64)
+        buckets = torch.where(columns >= 1, torch.floor(torch.log2(columns.clamp(min=1))) + 1, 0)
+        want = torch.zeros(POSITION_BUCKETS, dtype=torch.float64)
+        want.scatter_add_(0, buckets.long(), torch.full_like(columns, 3.0))
+        assert torch.equal(_profile_of(extras)["position_tokens"], want), width
