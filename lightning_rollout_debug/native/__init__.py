@@ -30,6 +30,7 @@ prints where it is.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import itertools
 import logging
@@ -279,8 +280,7 @@ def states(
     statistics_state = extras_state = None
     if statistics is not None:
         statistics_state = _identity_state()
-        bits = sum(1 << i for i, name in enumerate(fields) if name in needed)
-        groups = sum(1 << i for i, name in enumerate(_GROUP_ORDER) if name in statistics.groups)
+        bits, groups = _state_bits(tuple(fields), needed, statistics.groups)
         low, high = statistics.seq_ratio_bounds
         finish_state(done.table.data_ptr(), rows, bits, groups, low, high,
                      statistics_state.data_ptr())  # fmt: skip
@@ -360,7 +360,7 @@ def _pass(
     if extras is not None:
         if not 0 <= extras.k <= MAX_WORST_TOKENS:
             return None
-        done.settings = torch.tensor(extras.settings(), dtype=torch.int32)
+        done.settings = _settings(extras)
         done.extras_rows = torch.empty(rows, EXTRAS_MOMENTS + 2 * extras.k, dtype=torch.float64)
         done.bins = torch.zeros(extras.summed_size(), dtype=torch.float64)
         pointers = [done.settings.data_ptr(), done.extras_rows.data_ptr(), done.bins.data_ptr()]
@@ -386,6 +386,21 @@ def _pass(
         _give_up(f"the kernel rejected its arguments (status {status})")
         return None
     return done
+
+
+@functools.lru_cache(maxsize=64)
+def _state_bits(
+    fields: tuple[str, ...], needed: frozenset[str], groups: frozenset[str]
+) -> tuple[int, int]:
+    """The bits of the columns computed and of the groups on, as the kernel reads them."""
+    columns = sum(1 << i for i, name in enumerate(fields) if name in needed)
+    return columns, sum(1 << i for i, name in enumerate(_GROUP_ORDER) if name in groups)
+
+
+@functools.lru_cache(maxsize=16)
+def _settings(extras: ExtrasRequest) -> Tensor:
+    """The integers of ``extras`` the kernel reads (and never writes): one tensor each."""
+    return torch.tensor(extras.settings(), dtype=torch.int32)
 
 
 def _threads(tokens: int, *, profile: bool = False) -> int:

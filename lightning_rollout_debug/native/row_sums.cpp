@@ -114,14 +114,14 @@ inline T interleave(T x, T y) {
   return shuffle<InterleaveMap<kHalf, n>>(x, y, std::make_integer_sequence<int, n>{});
 }
 
-// Calls f(std::integral_constant<int, lane>) for every lane, in order.
+// Calls f(std::integral_constant<int, lane>) for every lane, in order, unrolled.
 template <typename F, int... I>
-inline void for_each_lane(F&& f, std::integer_sequence<int, I...>) {
+__attribute__((always_inline)) inline void for_each_lane(F&& f, std::integer_sequence<int, I...>) {
   (f(std::integral_constant<int, I>{}), ...);
 }
 
 template <typename F>
-inline void for_each_lane(F&& f) {
+__attribute__((always_inline)) inline void for_each_lane(F&& f) {
   for_each_lane(f, std::make_integer_sequence<int, kLanes>{});
 }
 
@@ -303,7 +303,7 @@ struct RowSums {
   f32 last_a{}, last_b{}, last_k3{};
 
   template <bool kCatalog, bool kInputSums, bool kProfile>
-  void add(f32 a, f32 b, i32 masked, const Options& options) {
+  __attribute__((always_inline)) void add(f32 a, f32 b, i32 masked, const Options& options) {
     const f32 minus_inf = splat<f32>(-kInf);
     const f32 zero = splat<f32>(0.0f);
     const f32 floor = splat<f32>(kLogProbFloor);
@@ -852,7 +852,7 @@ struct RowExtras {
     std::memcpy(slots, words, sizeof slots);
     int32_t* counted = t.counts;
     double* lanes = t.lanes;
-    for_each_lane([&](auto lane) {
+    for_each_lane([&](auto lane) __attribute__((always_inline)) {
       const uint64_t word = slots[lane];
       ++counted[word & 0xffff];
       ++counted[(word >> 16) & 0xffff];
