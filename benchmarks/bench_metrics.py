@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from seed_baseline import seed_calculate_debug_metrics
 
+from lightning_rollout_debug import native
 from lightning_rollout_debug.functional import (
     calculate_debug_metrics,
     mismatch_metrics,
@@ -41,6 +42,12 @@ from lightning_rollout_debug.functional import (
 
 SHAPES = ((256, 4096), (512, 8192))
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def kernel_width() -> str:
+    """The native CPU kernel's vector width (it follows the CPU), for a table's header."""
+    lanes = native.vector_lanes()
+    return "no native kernel" if lanes is None else f"native kernel of {lanes} lanes"
 
 
 def make_batch(shape: tuple[int, int], dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
@@ -187,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{'catalog':>8} {'seed/ours':>9} {'ours/read':>9} {'cat/ours':>8} {'quiet read':>10} "
         f"{'quiet ours':>10} {'ours/read':>9} {'mem ours/in':>11} {'mem seed/in':>11}"
     )
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {kernel_width()}")
     print(header)
     for device in devices:
         for shape in shapes:

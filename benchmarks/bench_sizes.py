@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_metrics import make_batch
+from bench_metrics import kernel_width, make_batch
 from seed_baseline import seed_calculate_debug_metrics
 
 from lightning_rollout_debug import RolloutDebugCallback
@@ -79,7 +79,8 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     largest = tuple(int(n) for n in args.largest.split("x"))
     shapes = [s for s in SHAPES if s[0] * s[1] <= largest[0] * largest[1]]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ns per token")
+    threads = torch.get_num_threads()
+    print(f"torch {torch.__version__}, {threads} threads, {kernel_width()}; ns per token")
     print(
         f"{'shape':>11} {'seed':>8} {'ours':>8} {'update':>8} {'seed/ours':>9} "
         f"{'seed/update':>11} {'ours step':>9} {'update step':>11}"
