@@ -185,14 +185,17 @@ inline f64 lower(f32 x) { return __builtin_convertvector(half<0>(x), f64); }
 inline f64 upper(f32 x) { return __builtin_convertvector(half<1>(x), f64); }
 #endif
 
-// Two float64 halves of a float64 sum over the lanes.
+// A float64 sum over the lanes, kept in half as many float64 lanes: the two halves of a
+// vector are added together first (a float64 sum in another order), so a running sum is
+// one register, or one load and store where registers run out.
 struct Sum {
-  f64 lo{}, hi{};
-  void add(f32 x) { lo += lower(x); hi += upper(x); }
-  void add_product(f32 x, f32 y) { lo += lower(x) * lower(y); hi += upper(x) * upper(y); }
+  f64 value{};
+  void add(f32 x) { value += lower(x) + upper(x); }
+  // Products of float32 values are exact in float64.
+  void add_product(f32 x, f32 y) { value += lower(x) * lower(y) + upper(x) * upper(y); }
   double total() const {
     double out = 0;
-    for (int k = 0; k < kLanes / 2; ++k) out += lo[k] + hi[k];
+    for (int k = 0; k < kLanes / 2; ++k) out += value[k];
     return out;
   }
 };
