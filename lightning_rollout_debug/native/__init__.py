@@ -407,11 +407,11 @@ def _threads(tokens: int, *, profile: bool = False) -> int:
     """Threads for a pass over ``tokens``: one per :data:`_TOKENS_PER_THREAD`, up to torch's.
 
     Waking a thread costs more than a few thousand tokens of arithmetic, and far more on
-    a busy machine. With the profile a token costs more: a second thread pays from about
-    48k tokens (``tokens / (2**16 / 2)``, rounded).
+    a busy machine. With the profile a token costs several times more: a second thread
+    pays from about 12k tokens (``tokens / (2**16 / 8)``, rounded).
     """
     if profile:
-        wanted = (2 * tokens + _TOKENS_PER_THREAD // 2) // _TOKENS_PER_THREAD
+        wanted = (8 * tokens + _TOKENS_PER_THREAD // 2) // _TOKENS_PER_THREAD
     else:
         wanted = tokens // _TOKENS_PER_THREAD
     return max(1, min(torch.get_num_threads(), wanted))
