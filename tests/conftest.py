@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import strategies as st
+from reference import Reference, reference_metrics
 from torch import Tensor
 
 # ----------------------------------------------------------------------------- slow tests
@@ -111,6 +112,18 @@ class Batch:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.mask.shape)  # type: ignore[return-value]
+
+
+def reference_for(window: Sequence[Batch], **kwargs: object) -> Reference:
+    """The reference over every token of ``window`` (token ids only where a batch has them)."""
+    return reference_metrics(
+        [b.rollout for b in window],
+        [b.old for b in window],
+        [b.mask for b in window],
+        rollout_ids=[b.rollout_ids for b in window],
+        trainer_ids=[b.trainer_ids for b in window],
+        **kwargs,
+    )
 
 
 def _near_floor(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import REGIMES, make_batch
+from conftest import REGIMES, make_batch, reference_for
 from lightning_helpers import TRAINER_DEFAULTS, MemoryLogger, RolloutModule, make_batches
 from reference import assert_metrics_close, reference_metrics
 
@@ -96,14 +96,7 @@ def test_native_updates_match_the_reference(
     for batch in batches:
         stats.update(*batch.args())
     assert native_calls == [True] * len(batches)
-    want = reference_metrics(
-        [b.rollout for b in batches],
-        [b.old for b in batches],
-        [b.mask for b in batches],
-        rollout_ids=[b.rollout_ids for b in batches],
-        trainer_ids=[b.trainer_ids for b in batches],
-    )
-    assert_metrics_close(stats.compute(), want)
+    assert_metrics_close(stats.compute(), reference_for(batches))
 
 
 @pytest.mark.parametrize("groups", [frozenset({"seed"}), frozenset({"seed", "sequence"}), ALL])

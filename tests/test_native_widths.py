@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import REGIMES, make_batch
-from reference import assert_metrics_close, reference_metrics
+from conftest import REGIMES, make_batch, reference_for
+from reference import assert_metrics_close
 from test_native import EXACT, _assert_same_extras, _assert_same_profile, _profile_of
 
 from lightning_rollout_debug import GROUPS, MismatchStats, native
@@ -82,14 +82,7 @@ def test_updates_match_the_reference(lanes: int, dtype: torch.dtype) -> None:
     ]
     for batch in batches:
         stats.update(*batch.args())
-    want = reference_metrics(
-        [b.rollout for b in batches],
-        [b.old for b in batches],
-        [b.mask for b in batches],
-        rollout_ids=[b.rollout_ids for b in batches],
-        trainer_ids=[b.trainer_ids for b in batches],
-    )
-    assert_metrics_close(stats.compute(), want)
+    assert_metrics_close(stats.compute(), reference_for(batches))
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from conftest import Batch, batches, examples, make_batch
+from conftest import Batch, batches, examples, make_batch, reference_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import ALL_NAMES, NAMES, assert_metrics_close, reference_metrics
@@ -27,18 +27,6 @@ from lightning_rollout_debug.stats import MismatchStats
 STATS_NAMES = tuple(name for name in ALL_NAMES if name not in NAMES["quantiles"])
 C_VALUES = st.sampled_from([2.0, 1.5, 1.01, 5.0, 3])
 BOUNDS = st.sampled_from([(0.99, 1.01), (0.5, 2.0), (1.0, 1.0), (0.9, 1.0), (0.999999, 1.5)])
-
-
-def reference_for(window: list[Batch], **kwargs: object) -> dict[str, float]:
-    """The reference over every token of ``window`` (token ids only where a batch has them)."""
-    return reference_metrics(
-        [b.rollout for b in window],
-        [b.old for b in window],
-        [b.mask for b in window],
-        rollout_ids=[b.rollout_ids for b in window],
-        trainer_ids=[b.trainer_ids for b in window],
-        **kwargs,
-    )
 
 
 def fed(window: list[Batch], **kwargs: object) -> MismatchStats:
