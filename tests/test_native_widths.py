@@ -9,6 +9,11 @@ copies of the counts all depend on it.
 
 from __future__ import annotations
 
+import platform
+import re
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -120,3 +125,34 @@ def test_the_profile_counts_every_column_in_its_bucket(lanes: int) -> None:
         want = torch.zeros(POSITION_BUCKETS, dtype=torch.float64)
         want.scatter_add_(0, buckets.long(), torch.full_like(columns, 3.0))
         assert torch.equal(_profile_of(extras)["position_tokens"], want), width
+
+
+def _is_gcc(compiler: list[str]) -> bool:
+    found = subprocess.run([*compiler, "--version"], capture_output=True, text=True, check=False)
+    return found.returncode == 0 and "Free Software Foundation" in found.stdout
+
+
+@pytest.mark.parametrize(
+    ("target", "lanes"), [("icelake-server", 16), ("haswell", 8), ("x86-64-v2", 4)]
+)
+def test_no_step_of_a_build_runs_lane_by_lane(target: str, lanes: int, tmp_path: Path) -> None:
+    """GCC names every vector step it does one lane at a time; no build of x86 has one.
+
+    Compiled for a CPU of each width (not run), with the flags of a real build.
+    """
+    compiler = native._compiler()
+    if platform.machine() not in ("x86_64", "AMD64") or not _is_gcc(compiler):
+        pytest.skip("GCC's -Wvector-operation-performance, for x86 targets")
+    flags = [f for f in native._FLAG_SETS[1] if f not in ("-shared", "-fPIC")]
+    found = subprocess.run(
+        [*compiler, f"-march={target}", *flags, "-Wvector-operation-performance",
+         "-S", str(native.SOURCE), "-o", str(tmp_path / "row_sums.s")],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert found.returncode == 0, found.stderr
+    assert "expanded" not in found.stderr, found.stderr[:2000]
+    assembly = (tmp_path / "row_sums.s").read_text()
+    width = re.search(
+        r"^rollout_vector_lanes:\n(?:\S.*\n|\s+\..*\n)*\s+movl\s+\$(\d+),", assembly, re.M
+    )
+    assert width is not None and int(width.group(1)) == lanes  # the width of that CPU

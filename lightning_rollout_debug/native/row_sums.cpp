@@ -148,13 +148,22 @@ inline f32 floats_of(const uint16_t* bfloat16) {
 }
 
 inline i32 nonzero(const uint8_t* values) {  // -1 where non-zero, 0 elsewhere
-#if defined(__AVX2__) && ROLLOUT_LANES == 8  // GCC widens 8 bytes one at a time
-  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(values));
-  return reinterpret_cast<i32>(_mm256_cvtepu8_epi32(raw)) != 0;
+#if (defined(__AVX512F__) && ROLLOUT_LANES == 16) || (defined(__AVX2__) && ROLLOUT_LANES == 8)
+  // GCC widens the flags one at a time: the bytes are compared, then widened at once.
+#if ROLLOUT_LANES == 16
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values));
+  const __m128i zero = _mm_cmpeq_epi8(raw, _mm_setzero_si128());  // -1 where zero
+  return ~reinterpret_cast<i32>(_mm512_cvtepi8_epi32(zero));
+#else
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(values));  // 8 bytes
+  const __m128i zero = _mm_cmpeq_epi8(raw, _mm_setzero_si128());
+  return ~reinterpret_cast<i32>(_mm256_cvtepi8_epi32(zero));
+#endif
 #elif defined(__SSE4_1__) && ROLLOUT_LANES == 4
   int32_t word;
   std::memcpy(&word, values, sizeof word);
-  return reinterpret_cast<i32>(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(word))) != 0;
+  const __m128i zero = _mm_cmpeq_epi8(_mm_cvtsi32_si128(word), _mm_setzero_si128());
+  return ~reinterpret_cast<i32>(_mm_cvtepi8_epi32(zero));
 #else
   typedef uint8_t u8 __attribute__((vector_size(kLanes)));
   u8 raw;
@@ -572,15 +581,23 @@ inline i32 signed_fine_bin(f32 r) {
 // 256-bit add per token), added into the sums of the block of rows at its end.
 constexpr int kLaneSums = kProbabilityBuckets * kLanes * 4;
 typedef double f64x4 __attribute__((vector_size(32)));
-// The four doubles of lane kLane from the doubles of all lanes in order (`add_profile`).
+// Adds the four doubles of lane kLane, of the doubles of all lanes in order, to `sums`.
 template <int kLane>
-inline f64x4 quad_of(const f64* quads) {
+__attribute__((always_inline)) inline void add_quad(double* sums, const f64* quads) {
   constexpr int per = kLanes / 2, at = 4 * kLane;  // doubles a vector, the lane's first
   if constexpr (per >= 4) {
     constexpr int o = at % per;
-    return __builtin_shufflevector(quads[at / per], quads[at / per], o, o + 1, o + 2, o + 3);
-  } else {  // two vectors of two
-    return __builtin_shufflevector(quads[at / per], quads[at / per + 1], 0, 1, 2, 3);
+    f64x4 total;
+    std::memcpy(&total, sums, sizeof total);
+    total += __builtin_shufflevector(quads[at / per], quads[at / per], o, o + 1, o + 2, o + 3);
+    std::memcpy(sums, &total, sizeof total);
+  } else {  // two vectors of two doubles
+    for (int k = 0; k < 2; ++k) {
+      f64 total;
+      std::memcpy(&total, sums + 2 * k, sizeof total);
+      total += quads[at / per + k];
+      std::memcpy(sums + 2 * k, &total, sizeof total);
+    }
   }
 }
 // A lane's slots (with up to 4 copies) and its lane sums, as 16-bit fields of one word.
@@ -861,11 +878,7 @@ struct RowExtras {
       ++counted[word & 0xffff];
       ++counted[(word >> 16) & 0xffff];
       ++counted[(word >> 32) & 0xffff];
-      double* sums_at = lanes + (word >> 48);
-      f64x4 sums;
-      std::memcpy(&sums, sums_at, sizeof sums);
-      sums += quad_of<decltype(lane)::value>(quads);
-      std::memcpy(sums_at, &sums, sizeof sums);
+      add_quad<decltype(lane)::value>(lanes + (word >> 48), quads);
     });
   }
 
