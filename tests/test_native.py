@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import REGIMES, make_batch, reference_for
+from conftest import REGIMES, Batch, make_batch, reference_for
 from lightning_helpers import TRAINER_DEFAULTS, MemoryLogger, RolloutModule, make_batches
 from reference import assert_metrics_close, reference_metrics
 
@@ -250,6 +250,55 @@ def test_native_extras_match_the_torch_extras(
             each.update(batch.rollout, batch.old, batch.mask, batch_ids, batch_index=index, rank=1)
     assert native_calls == ([True, True] if k <= native.MAX_WORST_TOKENS else [])
     _assert_same_extras(*extras)
+
+
+def _largest_first(batch: Batch, k: int) -> list[tuple[int, int]]:
+    """(row, position) of the k counting tokens with the largest float32 |r|, in float64
+    NumPy: |r| descending, then the earlier row, then the earlier position."""
+    a = np.maximum(batch.old.float().numpy(), np.float32(-20.0))
+    b = np.maximum(batch.rollout.float().numpy(), np.float32(-20.0))
+    counting = (batch.mask.numpy() != 0) & (a < np.inf) & (b < np.inf)
+    key = np.abs(np.where(counting, a, 0.0) - np.where(counting, b, 0.0)).astype(np.float64)
+    rows, positions = np.nonzero(counting)
+    order = np.lexsort((positions, rows, -key[rows, positions]))[:k]
+    return [(int(rows[i]), int(positions[i])) for i in order]
+
+
+def _few_log_ratios(rng: np.random.Generator, shape: tuple[int, int]) -> Batch:
+    """Log-ratios of a few values, the larger the rarer: ties at every rank of the k."""
+    rollout = -rng.integers(8, 160, shape) / 8.0
+    steps = rng.choice(6, shape, p=[0.4, 0.3, 0.2, 0.09, 0.0098, 0.0002])
+    old = rollout + rng.choice([-1.0, 1.0], shape) * np.where(steps > 0, 2.0 ** (steps - 6), 0.0)
+    mask = torch.from_numpy(rng.random(shape) < 0.9)
+    return Batch(torch.from_numpy(rollout).float(), torch.from_numpy(old).float(), mask)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("k", [1, 3, 10, 64])
+def test_native_worst_tokens_are_the_largest_and_the_earlier_of_equal_ones(
+    threads: int, k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel's k tokens are those with the largest |r|, and of equal |r| (bfloat16
+    log-probs take few values, so ties are common) the earlier ones in the batch, for any
+    number of threads: each thread's rows only keep tokens above the k-th |r| of its rows
+    so far, which never drops one of the k."""
+    monkeypatch.setattr(native, "_TOKENS_PER_THREAD", 1 << 12)
+    rng = np.random.default_rng(17)
+    count = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for batch in (
+            make_batch(rng, (45, 700), dtype=torch.bfloat16, regime="mixed", mask_kind="counts"),
+            make_batch(rng, (30, 333), regime="mixed", mask_kind="counts", special_rate=0.01),
+            _few_log_ratios(rng, (40, 900)),
+            *(_few_log_ratios(rng, (8, 300)) for _ in range(100)),
+        ):
+            extras = TokenExtras(histograms=False, worst_tokens_k=k)
+            extras.update(batch.rollout, batch.old, batch.mask)
+            worst = extras.summary(extras.state).worst_tokens
+            assert [(t.row, t.position) for t in worst] == _largest_first(batch, k)
+    finally:
+        torch.set_num_threads(count)
 
 
 @pytest.mark.parametrize(("histograms", "k"), [(True, 10), (True, 0), (False, 5), (False, 0)])

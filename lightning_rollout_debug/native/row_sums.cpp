@@ -751,12 +751,15 @@ struct RowExtras {
   float keys[kMaxWorst];
   int64_t positions[kMaxWorst];
   int filled = 0;
-  float threshold = -1.0f;  // a token enters with |r| above it (any while not full)
+  // A token enters with |r| above it: the k-th largest |r| of the thread's earlier rows
+  // (-1 while they hold fewer than k counting tokens), then of this row's candidates.
+  float threshold;
 
   bool fine_only;  // the histograms' bins come from the profile's fine bins
 
-  RowExtras(const ExtrasRequest& request_, int32_t* counts_, ProfileTables* profile_)
-      : request(request_), counts(counts_), profile(profile_),
+  RowExtras(const ExtrasRequest& request_, int32_t* counts_, ProfileTables* profile_,
+            float floor)
+      : request(request_), counts(counts_), profile(profile_), threshold(floor),
         fine_only(profile_ && coarse_from_fine(request_)) {}
 
   template <bool kProfile>
@@ -900,8 +903,13 @@ struct RowExtras {
       positions[filled++] = position;
       if (filled < request.k) return;
     } else {
+      // Out goes the smallest key, of equal ones the later token: the earlier one wins a tie.
       int smallest = 0;
-      for (int i = 1; i < filled; ++i) smallest = keys[i] < keys[smallest] ? i : smallest;
+      for (int i = 1; i < filled; ++i) {
+        const bool less = keys[i] < keys[smallest] ||
+                          (keys[i] == keys[smallest] && positions[i] > positions[smallest]);
+        smallest = less ? i : smallest;
+      }
       keys[smallest] = key;
       positions[smallest] = position;
     }
@@ -925,6 +933,30 @@ struct RowExtras {
       profile->diff_max = std::max<float>(profile->diff_max, profile_d_max.total());
       profile->log_max = std::max<float>(profile->log_max, profile_r_max.total());
     }
+  }
+};
+
+// The k largest |r| among the candidates of a thread's rows so far. A row's candidates need
+// only beat the k-th of them: each of the thread's k worst tokens still enters its row's
+// candidates (fewer than k tokens before it have a larger |r|, and an equal one comes
+// first), and stays there, but a row no longer takes its own k tokens whatever they are.
+struct WorstSoFar {
+  int k;
+  float keys[kMaxWorst];
+  int filled = 0;
+  float floor = -1.0f;  // below any |r|: every counting token enters while fewer than k
+
+  void add(const float* candidates, int count) {
+    for (int c = 0; c < count; ++c) {
+      if (filled < k) {
+        keys[filled++] = candidates[c];
+        continue;
+      }
+      int smallest = 0;
+      for (int i = 1; i < k; ++i) smallest = keys[i] < keys[smallest] ? i : smallest;
+      keys[smallest] = std::max(keys[smallest], candidates[c]);
+    }
+    if (filled == k && k > 0) floor = *std::min_element(keys, keys + k);
   }
 };
 
@@ -993,7 +1025,7 @@ template <typename LogProb>
 void reduce_rows(const LogProb* rollout, const LogProb* old, const char* mask, int mask_kind,
                  int64_t width, int64_t begin, int64_t end, int level, const Options& options,
                  double* out, const ExtrasRequest* request, int32_t* counts,
-                 ProfileTables* profile) {
+                 ProfileTables* profile, WorstSoFar* worst) {
   for (int64_t row = begin; row < end; ++row) {
     const LogProb* b = rollout + row * width;
     const LogProb* a = old + row * width;
@@ -1001,7 +1033,7 @@ void reduce_rows(const LogProb* rollout, const LogProb* old, const char* mask, i
     double* slots = out + row * kSlots;
     RowExtras* extras = nullptr;
     alignas(64) unsigned char storage[sizeof(RowExtras)];
-    if (request) extras = new (storage) RowExtras(*request, counts, profile);
+    if (request) extras = new (storage) RowExtras(*request, counts, profile, worst->floor);
     // Bit 0: the catalog beyond the seed group; bit 1: sums of the inputs (any other level:
     // both); bit 2: the profile.
     const int kind = (level >= 0 && level < 3 ? level : 3) | (profile ? 4 : 0);
@@ -1018,7 +1050,10 @@ void reduce_rows(const LogProb* rollout, const LogProb* old, const char* mask, i
       case 6: row_with(reduce_row<LogProb, false, true, true>); break;
       default: row_with(reduce_row<LogProb, true, true, true>); break;
     }
-    if (extras) extras->write(request->rows + row * (kMoments + 2 * request->k));
+    if (extras) {
+      extras->write(request->rows + row * (kMoments + 2 * request->k));
+      worst->add(extras->keys, extras->filled);
+    }
   }
 }
 
@@ -1115,9 +1150,10 @@ void run(const void* rollout, const void* old, const void* mask, int mask_kind, 
     const auto* a = static_cast<const LogProb*>(old);
     const auto* m = static_cast<const char*>(mask);
     int32_t* own = counts.empty() ? nullptr : counts.data() + index * kCopies * stride;
+    WorstSoFar worst{request ? request->k : 0};
     if (!profile) {
       reduce_rows(b, a, m, mask_kind, width, rows * first / blocks, rows * last / blocks, level,
-                  options, out, request, own, nullptr);
+                  options, out, request, own, nullptr, &worst);
       return;
     }
     ProfileTables tables{profile_counts.data() + index * kCounted * copies, copy_bits,
@@ -1126,7 +1162,7 @@ void run(const void* rollout, const void* old, const void* mask, int mask_kind, 
     for (int64_t block = first; block < last; ++block) {
       tables.block = block_sums.data() + block * kBlockSlots;
       reduce_rows(b, a, m, mask_kind, width, rows * block / blocks, rows * (block + 1) / blocks,
-                  level, options, out, request, own, &tables);
+                  level, options, out, request, own, &tables, &worst);
       tables.end_block();
     }
     maxima[2 * index] = tables.diff_max;
