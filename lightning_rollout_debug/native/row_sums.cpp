@@ -746,6 +746,7 @@ struct RowExtras {
   // The profile: maxima of d and |r|, and the sums of the current position bucket.
   Max profile_d_max, profile_r_max;
   Count position_tokens, idle;
+  Count bins_idle;  // tokens that do not count, counted in the histograms' bins of zeros
   Sum position_diff, position_k3;
   int position_bucket = -1;
   float keys[kMaxWorst];
@@ -779,18 +780,7 @@ struct RowExtras {
       d_sum.add(wide_d);
       d_sq.add_product(wide_d, wide_d);
       // With the profile, the bins are added up from its fine bins at the end.
-      if (!(kProfile && fine_only)) {
-        const i32 r_bin = signed_bin(r, request.ratio_low, request.ratio_octaves);
-        const i32 d_bin =
-            unsigned_bin(d, request.diff_low, request.diff_octaves) + ratio_bins(request);
-        const int stride = ratio_bins(request) + diff_bins(request);
-        const i32 ones = counting & 1;  // 1 where counting: no branch to mispredict
-        for (int lane = 0; lane < kLanes; ++lane) {
-          int32_t* copy = counts + lane * stride;
-          copy[r_bin[lane]] += ones[lane];
-          copy[d_bin[lane]] += ones[lane];
-        }
-      }
+      if (!(kProfile && fine_only)) add_bins(counting, r, d);
     }
     if constexpr (kProfile) add_profile(s, position);
     if (request.k) {
@@ -801,6 +791,27 @@ struct RowExtras {
         }
       }
     }
+  }
+
+  // The histograms' bins of one vector. A token that does not count (r = d = +0) is
+  // counted in the bins of zeros too, and taken off at the end of the row (`write`): one
+  // increment a value, no weight to read. A vector without a counting token adds nothing.
+  __attribute__((always_inline)) void add_bins(i32 counting, f32 r, f32 d) {
+    if (!any(counting)) return;
+    bins_idle.add(~counting);
+    const i32 r_bin = signed_bin(r, request.ratio_low, request.ratio_octaves);
+    const i32 d_bin = unsigned_bin(d, request.diff_low, request.diff_octaves) + ratio_bins(request);
+    // Both bins of a lane as 16-bit fields of one word: one load a lane.
+    alignas(64) int32_t words[kLanes];
+    const i32 both = r_bin | (d_bin << 16);
+    std::memcpy(words, &both, sizeof words);
+    const int stride = ratio_bins(request) + diff_bins(request);
+    for_each_lane([&](auto lane) __attribute__((always_inline)) {
+      int32_t* copy = counts + decltype(lane)::value * stride;
+      const int32_t word = words[decltype(lane)::value];
+      ++copy[word & 0xffff];
+      ++copy[word >> 16];
+    });
   }
 
   // One vector of the profile. Where a token does not count, a = b = r = d = k3 = 0: it
@@ -923,6 +934,12 @@ struct RowExtras {
                                       d_neg_max.total(), r_sum.total(), r_sq.total(),
                                       d_sum.total(), d_sq.total()};
     std::memcpy(out, moments, sizeof moments);
+    if (const int32_t idle_tokens = static_cast<int32_t>(bins_idle.total())) {
+      const f32 zero = splat<f32>(0.0f);  // the lanes of tokens that do not count
+      counts[signed_bin(zero, request.ratio_low, request.ratio_octaves)[0]] -= idle_tokens;
+      counts[unsigned_bin(zero, request.diff_low, request.diff_octaves)[0] +
+             ratio_bins(request)] -= idle_tokens;
+    }
     for (int i = 0; i < request.k; ++i) {
       out[kMoments + 2 * i] = i < filled ? keys[i] : -kInf;
       out[kMoments + 2 * i + 1] = i < filled ? static_cast<double>(positions[i]) : -1.0;
