@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -495,10 +495,19 @@ DASHBOARD = _dashboard()
 """The custom-scalars dashboard: ``(category, ((chart title, metric names), ...))``."""
 
 
-def metrics_from_state(state: Sequence[float], profile: Profile | None = None) -> dict[str, float]:
+def metrics_from_state(
+    state: Sequence[float],
+    profile: Profile | None = None,
+    groups: Collection[str] | None = None,
+) -> dict[str, float]:
     """Every metric of the catalog from a packed state on the host (NaN if undefined).
 
+    Only the metrics of ``groups`` when given (each metric's formula stands on its own).
     The quantiles come from the window's ``profile`` (NaN without one).
     """
     window = Window(state, profile)
-    return {metric.name: metric.value(window) for metric in CATALOG}
+    return {
+        metric.name: metric.value(window)
+        for metric in CATALOG
+        if groups is None or metric.group in groups
+    }

@@ -111,7 +111,7 @@ def calculate_debug_metrics(data: Any, prefix: str = DEFAULT_PREFIX) -> dict[str
     if fallback is not None:
         warnings.warn(fallback, UserWarning, stacklevel=2)
     stats = MismatchStats(groups=["seed"])
-    stats.update(inputs.rollout_log_probs, inputs.old_log_probs, inputs.mask)
+    stats._update_inputs(inputs)  # extract_inputs checked them
     metrics = stats.compute()
     return _prefixed({name: metrics[name] for name in SEED_FUNCTION_NAMES}, prefix)
 

@@ -387,13 +387,7 @@ class RolloutDebugMonitor:
                 self._stats, self._extras, inputs, token_ids, batch_index=index, rank=rank
             )
             if not together:
-                self._stats.update(
-                    inputs.rollout_log_probs,
-                    inputs.old_log_probs,
-                    inputs.mask,
-                    inputs.rollout_token_ids,
-                    inputs.trainer_token_ids,
-                )
+                self._stats._update_inputs(inputs)  # extract_inputs checked them
             self._count_pads(inputs, token_ids)
         except BatchError as error:
             # No local may hold the error (its traceback holds this frame, and with it the

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.backends import compile_problems, statistics_states
-from lightning_rollout_debug.batch import check_inputs
+from lightning_rollout_debug.batch import MismatchInputs, check_inputs
 from lightning_rollout_debug.catalog import GROUPS, METRIC_NAMES, metrics_from_state
 from lightning_rollout_debug.layout import STATE, STATE_SIZE, identity_state, merge_states
 from lightning_rollout_debug.profile import Profile
@@ -258,9 +258,15 @@ class MismatchStats(ThreadSafeWindow):
         Raises:
             ValueError: the tensors have the wrong type, rank, shape, dtype or devices.
         """
-        inputs = check_inputs(
-            rollout_log_probs, old_log_probs, mask, rollout_token_ids, trainer_token_ids
+        self._update_inputs(
+            check_inputs(
+                rollout_log_probs, old_log_probs, mask, rollout_token_ids, trainer_token_ids
+            )
         )
+
+    @torch.no_grad()
+    def _update_inputs(self, inputs: MismatchInputs) -> None:
+        """Add one batch whose tensors :func:`~.batch.check_inputs` has checked."""
         batch, width = inputs.mask.shape
         device = inputs.mask.device
         if batch * width > 0:
@@ -298,14 +304,13 @@ class MismatchStats(ThreadSafeWindow):
         :class:`~lightning_rollout_debug.extras.TokenExtras`): without one they are left
         out.
         """
-        values = self.state.tolist()
-        metrics = metrics_from_state(values, profile)
-        return {
-            name: metrics[name]
+        groups = [
+            group
             for group in GROUPS
             if group in self.groups and (profile is not None or group != "quantiles")
-            for name in METRIC_NAMES[group]
-        }
+        ]
+        metrics = metrics_from_state(self.state.tolist(), profile, groups)
+        return {name: metrics[name] for group in groups for name in METRIC_NAMES[group]}
 
     def largest_log_probs(self) -> tuple[float, float]:
         """The largest counting ``(old_log_probs, rollout_log_probs)`` of the window.
