@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_metrics import make_batch
+from configurations import SCALARS_ONLY
 
 from lightning_rollout_debug import RolloutDebugCallback
 
@@ -69,7 +70,7 @@ def main() -> None:
     for text in args.shapes.split(","):
         shape = tuple(int(n) for n in text.split("x"))
         batch = make_batch(shape, torch.float32, args.device)
-        scalars = count(update_of(batch, histograms=False, worst_tokens_k=0), args.device)
+        scalars = count(update_of(batch, **SCALARS_ONLY), args.device)
         defaults = count(update_of(batch), args.device)
         print(f"{text:>11} {scalars:>13} {defaults:>9}")
 

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_metrics import status_kib
+from configurations import SCALARS_ONLY
 
 from lightning_rollout_debug import MismatchStats, RolloutDebugCallback
 from lightning_rollout_debug.extras import TokenExtras
@@ -79,10 +80,11 @@ def make_batch(rows: int, width: int) -> dict[str, torch.Tensor]:
 
 def logged_step_seconds(
     batch: dict[str, torch.Tensor], steps: int, extras: bool
-) -> list[tuple[float, float]]:
+) -> tuple[list[tuple[float, float]], float]:
+    """(wall, CPU) seconds of each logged step but the first, and event bytes per step."""
     options: dict[str, Any] = {"alert_ranges": {}}
     if not extras:
-        options.update(histograms=False, worst_tokens_k=0, dashboard_layout=False)
+        options.update(SCALARS_ONLY)
     callback = Timed(**options)
     with tempfile.TemporaryDirectory() as logdir:
         trainer = pl.Trainer(
@@ -96,7 +98,9 @@ def logged_step_seconds(
             enable_checkpointing=False,
         )
         trainer.fit(Module(batch, steps))
-    return callback.seconds[1:]  # the first step also creates the writer
+        trainer.logger.experiment.flush()
+        written = sum(path.stat().st_size for path in Path(logdir).rglob("events.out.*"))
+    return callback.seconds[1:], written / steps  # the first step also creates the writer
 
 
 def update_seconds(batch: dict[str, torch.Tensor], target: Any, repeats: int) -> float:
@@ -118,7 +122,7 @@ def memory_probe(configuration: str, rows: int, width: int) -> None:
     """Print the peak extra memory (MB) of one callback update; run in a fresh process."""
     options: dict[str, Any] = {"alert_ranges": {}}
     if configuration == "scalars":
-        options.update(histograms=False, worst_tokens_k=0, dashboard_layout=False)
+        options.update(SCALARS_ONLY)
     callback = RolloutDebugCallback(**options)
     callback._update({}, make_batch(16, 512))  # load, build, warm up
     batch = make_batch(rows, width)
@@ -163,9 +167,11 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
     times: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    written: dict[bool, float] = {}
     for _ in range(args.rounds):
         for extras in (False, True):
-            times[extras] += logged_step_seconds(batch, args.steps, extras)
+            seconds, written[extras] = logged_step_seconds(batch, args.steps, extras)
+            times[extras] += seconds
     for column, label in ((1, "CPU time"), (0, "wall time")):
         off = statistics.median(t[column] for t in times[False])
         on = statistics.median(t[column] for t in times[True])
@@ -173,6 +179,10 @@ def main() -> None:
             f"logged step ({label}, median of {len(times[True])}): extras off {off * 1e3:.0f} ms, "
             f"on {on * 1e3:.0f} ms, extras add {(on - off) * 1e3:.0f} ms ({on / off - 1:+.0%})"
         )
+    print(
+        f"TensorBoard event bytes per logged step: extras off {written[False]:.0f}, "
+        f"on {written[True]:.0f} (the layout and a set of pictures once per run)"
+    )
     stats_update = update_seconds(batch, MismatchStats(), 5)
     extras_update = update_seconds(batch, TokenExtras(), 5)
     print(f"update alone (CPU time): MismatchStats {stats_update * 1e3:.0f} ms, ", end="")

@@ -26,18 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_launches import update_of
 from bench_metrics import kernel_width, make_batch
+from configurations import NO_PROFILE, SCALARS_ONLY, WITH_PROFILE
 
-from lightning_rollout_debug import GROUPS
-
-# As in bench_trainer.py: the defaults' groups, less the quantiles, which need the profile.
-WITH_PROFILE = [g for g in GROUPS if g != "token_ids"]
-NO_PROFILE = {"groups": [g for g in WITH_PROFILE if g != "quantiles"], "profile_images": False}
-SCALARS = {**NO_PROFILE, "histograms": False, "worst_tokens_k": 0}
 CONFIGURATIONS: dict[str, dict[str, object]] = {
-    "scalars only": SCALARS,
-    "+ worst tokens": {**SCALARS, "worst_tokens_k": 10},
-    "+ histograms": {**SCALARS, "histograms": True},
-    "+ profile": {**SCALARS, "groups": WITH_PROFILE, "profile_images": True},
+    "scalars only": SCALARS_ONLY,
+    "+ worst tokens": {**SCALARS_ONLY, "worst_tokens_k": 10},
+    "+ histograms": {**SCALARS_ONLY, "histograms": True},
+    "+ profile": {**SCALARS_ONLY, "groups": WITH_PROFILE, "profile_images": True},
     "no profile": NO_PROFILE,
     "defaults": {},
 }
