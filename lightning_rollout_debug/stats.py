@@ -237,7 +237,6 @@ class MismatchStats(ThreadSafeWindow):
         return merged
 
     # ----------------------------------------------------------------- update
-    @torch.no_grad()
     def update(
         self,
         rollout_log_probs: Tensor,
