@@ -21,6 +21,7 @@ the mask is non-zero and both log-probs are finite.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import threading
@@ -28,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -468,9 +470,12 @@ class TokenExtras(ThreadSafeWindow):
 
         Give it a host tensor or a list: reading a device tensor copies it to the host.
         """
-        values = state.tolist() if isinstance(state, Tensor) else list(state)
-        if len(values) != self.size:
-            raise ValueError(f"A packed extras state has {self.size} values; got {len(values)}.")
+        if isinstance(state, Tensor):
+            state = state.detach().to("cpu", torch.float64).numpy()
+        block = np.asarray(state, dtype=np.float64)
+        if block.shape != (self.size,):
+            raise ValueError(f"A packed extras state has {self.size} values; got {block.size}.")
+        values = block[: self._profile_at].tolist()  # the profile's block stays an array
         histograms = {}
         offset = 0
         for name, spec in self._histograms:
@@ -496,7 +501,7 @@ class TokenExtras(ThreadSafeWindow):
                     rank=int(row["rank"]),
                 )
             )
-        profile = read_profile(values[self._profile_at :]) if self.profile else None
+        profile = read_profile(block[self._profile_at :]) if self.profile else None
         return ExtrasSummary(histograms, worst, profile)
 
 
@@ -543,10 +548,17 @@ def _histogram_state(
     return torch.cat([counts, torch.stack(moments)])
 
 
+@functools.lru_cache(maxsize=32)
 def extras_layout(
-    histograms: Sequence[tuple[str, QuarterOctaveBins]], worst_tokens_k: int, profile: bool = False
+    histograms: tuple[tuple[str, QuarterOctaveBins], ...],
+    worst_tokens_k: int,
+    profile: bool = False,
 ) -> Layout:
-    """The packed extras state: per histogram its bins and moments, the candidates, the profile."""
+    """The packed extras state: per histogram its bins and moments, the candidates, the profile.
+
+    Built once per configuration (the profile alone has thousands of named slots) and
+    shared: a layout is not changed after it is built.
+    """
     blocks = []
     for name, spec in histograms:
         bins = tuple(f"{name}[{i}]" for i in range(len(spec.edges) + 1))

@@ -36,13 +36,12 @@ Example:
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -236,27 +235,28 @@ class Profile:
         }
 
 
-def read_profile(values: Sequence[float]) -> Profile:
+def read_profile(values: Sequence[float] | np.ndarray) -> Profile:
     """A :class:`Profile` from a (merged) profile block read on the host."""
-    if len(values) != PROFILE_SIZE:
-        raise ValueError(f"A profile block has {PROFILE_SIZE} values; got {len(values)}.")
+    block = np.asarray(values, dtype=np.float64)
+    if block.shape != (PROFILE_SIZE,):
+        raise ValueError(f"A profile block has {PROFILE_SIZE} values; got {block.size}.")
     taken = 0
 
-    def take(count: int) -> list[float]:
+    def take(count: int) -> np.ndarray:
         nonlocal taken
-        part = list(values[taken : taken + count])
         taken += count
-        return part
+        return block[taken - count : taken]
 
     bins = [take(len(spec.edges) + 1) for _, _, spec in QUANTILE_BINS]
-    position_tokens = take(POSITION_BUCKETS)
-    probability_tokens = take(PROBABILITY_BUCKETS)
+    position_tokens = take(POSITION_BUCKETS).tolist()
+    probability_tokens = take(PROBABILITY_BUCKETS).tolist()
     side = len(JOINT_BINS.edges) + 1
     joint = take(side * side)
-    position_diff, position_k3 = take(POSITION_BUCKETS), take(POSITION_BUCKETS)
-    probability_diff, probability_log = take(PROBABILITY_BUCKETS), take(PROBABILITY_BUCKETS)
-    maxima = take(2)
-    widest = take(1)[0]
+    position_diff, position_k3 = take(POSITION_BUCKETS).tolist(), take(POSITION_BUCKETS).tolist()
+    probability_diff = take(PROBABILITY_BUCKETS).tolist()
+    probability_log = take(PROBABILITY_BUCKETS).tolist()
+    maxima = take(2).tolist()
+    widest = float(take(1)[0])
     width = int(widest) if widest > 0 else 0
     quantiles = {}
     for (stem, _, spec), counts, largest in zip(QUANTILE_BINS, bins, maxima, strict=True):
@@ -285,7 +285,10 @@ def read_profile(values: Sequence[float]) -> Profile:
 
 
 def bin_quantiles(
-    counts: Sequence[float], edges: Sequence[float], largest: float, per_milles: Sequence[int]
+    counts: Sequence[float] | np.ndarray,
+    edges: Sequence[float],
+    largest: float,
+    per_milles: Sequence[int],
 ) -> list[float]:
     """The ``per_mille / 1000`` inverted-CDF quantiles from fixed unsigned bins.
 
@@ -298,19 +301,20 @@ def bin_quantiles(
         >>> bin_quantiles([1, 2, 1], (1.0, 2.0), 2.5, [500, 999])  # (-inf, 1), [1, 2), [2, inf)
         [1.5, 2.5]
     """
-    cumulative = list(itertools.accumulate(counts))
-    total = round(cumulative[-1]) if cumulative else 0
+    # Whole-number counts: the running sums are exact in float64 up to 2**53 tokens.
+    cumulative = np.cumsum(np.asarray(counts, dtype=np.float64))
+    total = round(float(cumulative[-1])) if cumulative.size else 0
     if total < 1:
         return [math.nan] * len(per_milles)
+    ranks = [(per_mille * total + 999) // 1000 for per_mille in per_milles]  # ceil(q N)
     found = []
-    for per_mille in per_milles:
-        i = bisect.bisect_left(cumulative, (per_mille * total + 999) // 1000)  # ceil(q N)
+    for i in np.searchsorted(cumulative, ranks, side="left").tolist():
         if i == 0:
             found.append(0.0)
         elif i >= len(edges):
-            found.append(largest)
+            found.append(float(largest))
         else:
-            found.append(min(0.5 * (edges[i - 1] + edges[i]), largest))
+            found.append(min(0.5 * (edges[i - 1] + edges[i]), float(largest)))
     return found
 
 
@@ -336,8 +340,8 @@ def _position_buckets(
     return buckets
 
 
-def _joint(counts: list[float], side: int) -> JointHistogram:
+def _joint(counts: np.ndarray, side: int) -> JointHistogram:
     """The joint counts with both axes in ascending log-prob (the bins are of ``-log p``)."""
     edges = tuple(-edge for edge in reversed(JOINT_BINS.edges))
-    rows = [counts[i * side : (i + 1) * side][::-1] for i in range(side)][::-1]
-    return JointHistogram(edges, tuple(tuple(row) for row in rows))
+    rows = counts.reshape(side, side)[::-1, ::-1].tolist()
+    return JointHistogram(edges, tuple(map(tuple, rows)))
