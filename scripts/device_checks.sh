@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The checks that need an accelerator, in one run of a few minutes: the CUDA tests, the
+# kernel launches of one update, the parts of the update and a short Trainer run.
+#
+#   bash scripts/device_checks.sh [cuda|cpu] [log folder]
+#
+# With `cpu` the same steps run on the CPU (the CUDA tests are then skipped): a dry run
+# of the script itself. Each step's output goes to the terminal and to
+# `<log folder>/<step>.log` (by default `$OUT` when set, else `device-checks/`); a step
+# that fails is reported at the end and does not stop the others.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+device="${1:-cuda}"
+logs="${2:-${OUT:-device-checks}}"
+case "$device" in
+  cuda) accelerator=gpu ;;
+  cpu) accelerator=cpu ;;
+  *) echo "device must be cuda or cpu, got '$device'" >&2; exit 2 ;;
+esac
+mkdir -p "$logs"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python="${PYTHON:-python3}"
+failed=()
+
+step() {  # step NAME COMMAND...
+  local name="$1"
+  shift
+  echo "== $name: $*"
+  local start=$SECONDS
+  "$@" 2>&1 | tee "$logs/$name.log"
+  local status=${PIPESTATUS[0]}
+  echo "== $name: exit $status after $((SECONDS - start)) s"
+  [ "$status" -eq 0 ] || failed+=("$name")
+}
+
+step environment "$python" -c "import torch; print(torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
+step tests "$python" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_host_sync.py tests/test_tensorboard.py
+step launches "$python" benchmarks/bench_launches.py --device "$device"
+step update_parts "$python" benchmarks/bench_update_parts.py --device "$device" --rounds 50
+step trainer "$python" benchmarks/bench_trainer.py --accelerator "$accelerator" --rounds 1 --steps 100
+
+if [ "${#failed[@]}" -gt 0 ]; then
+  echo "failed: ${failed[*]}"
+  exit 1
+fi
+echo "all steps passed"
