@@ -8,7 +8,13 @@ medians over rounds are printed with their ratio to scalars only. On CPUs each i
 pass of the native kernel, so the ratios are what each extra costs that pass; on the
 steps that do not log, the update is the whole of the callback's cost.
 
+The batch is that of the other benchmarks (right-padded rows of random lengths, about 62%
+of the tokens counted), or with ``--mask random`` that of ``bench_trainer.py`` (a random
+80% of the tokens counted, scattered): the extras cost per counted token, and a vector
+of padding costs them nothing.
+
     python benchmarks/bench_update_parts.py [--shapes 64x2048,256x4096] [--rounds 200]
+                                            [--mask padded|random]
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_launches import update_of
 from bench_metrics import kernel_width, make_batch
+from bench_trainer import RolloutBatches
 from configurations import NO_PROFILE, SCALARS_ONLY, WITH_PROFILE
 
 CONFIGURATIONS: dict[str, dict[str, object]] = {
@@ -44,15 +51,21 @@ def main() -> None:
     parser.add_argument("--shapes", default="64x2048,256x4096")
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--mask", default="padded", choices=("padded", "random"))
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     print(
         f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads, "
-        f"{kernel_width()}; medians of {args.rounds} interleaved rounds"
+        f"{kernel_width()}; {args.mask} mask; medians of {args.rounds} interleaved rounds"
     )
     for text in args.shapes.split(","):
         shape = tuple(int(n) for n in text.split("x"))
-        batch = make_batch(shape, torch.float32, args.device)
+        if args.mask == "random":
+            rows, width = shape
+            batch = {k: t.to(args.device) for k, t in RolloutBatches(rows, width, 1).batch.items()}
+        else:
+            batch = make_batch(shape, torch.float32, args.device)
+        counted = batch["response_mask"].float().mean().item()
         updates = {name: update_of(batch, **options) for name, options in CONFIGURATIONS.items()}
         times: dict[str, list[float]] = {name: [] for name in updates}
         for update in updates.values():  # warm-up: the kernel's build, the caches
@@ -68,7 +81,7 @@ def main() -> None:
                     torch.cuda.synchronize()
                 times[name].append(time.perf_counter() - start)
         base = statistics.median(times["scalars only"])
-        print(f"{text}:")
+        print(f"{text} ({counted:.0%} of the tokens counted):")
         for name, values in times.items():
             ms = statistics.median(values) * 1e3
             print(f"  {name:15} {ms:8.3f} ms   {ms / (base * 1e3):5.2f}x scalars only")
