@@ -1,4 +1,5 @@
-"""On a GPU: exact statistics, updates that never wait, one host copy per logged step.
+"""On a GPU: exact statistics, updates that never wait, one host copy per logged step, and
+a handful of kernel launches per update.
 
 ``torch.cuda.set_sync_debug_mode("error")`` raises on any operation that waits for the
 device (a ``.item()``, a boolean-mask gather, a device-to-host copy). Non-logged training
@@ -17,8 +18,10 @@ import torch
 from lightning_helpers import TRAINER_DEFAULTS, RolloutModule, make_batches
 from reference import assert_metrics_close, reference_metrics
 from test_fusion import _batch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
-from lightning_rollout_debug import MismatchStats, RolloutDebugCallback
+from lightning_rollout_debug import MismatchStats, RolloutDebugCallback, RolloutDebugMonitor
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -102,3 +105,38 @@ def test_cuda_training_copies_to_the_host_once_per_logged_step(extras: bool) -> 
     for logs, syncs in callback.records:
         assert syncs == (1 if logs else 0), callback.records
     assert [logs for logs, _ in callback.records].count(True) >= 2
+
+
+UPDATE_LAUNCH_BUDGET = 8
+"""Kernel launches one whole update may cost on a GPU, extras included."""
+
+
+def _launches_per_update(monitor: RolloutDebugMonitor, batch: dict[str, torch.Tensor]) -> int:
+    """Kernels (and copies, fills) one ``monitor.update`` puts on the GPU, after warm-up."""
+    for _ in range(3):  # the CUDA context, compilation, the window's first state
+        monitor.update(batch)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        monitor.update(batch)
+        torch.cuda.synchronize()
+    return sum(1 for event in prof.events() if event.device_type == DeviceType.CUDA)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"histograms": False, "worst_tokens_k": 0, "groups": ["seed"]}, {}],
+    ids=["seed-group", "defaults"],
+)
+def test_cuda_update_launches_a_handful_of_kernels(options: dict[str, Any]) -> None:
+    rows, width = 64, 2048  # large enough for the compiled update
+    generator = torch.Generator().manual_seed(3)
+    rollout = torch.log(torch.rand(rows, width, generator=generator).clamp(min=1e-6))
+    batch = {
+        "rollout_log_probs": rollout.cuda(),
+        "old_log_probs": (rollout + 0.01 * torch.randn(rows, width, generator=generator))
+        .clamp(max=0.0)
+        .cuda(),
+        "response_mask": (torch.rand(rows, width, generator=generator) > 0.2).cuda(),
+    }
+    launches = _launches_per_update(RolloutDebugMonitor(alert_ranges={}, **options), batch)
+    assert 0 < launches <= UPDATE_LAUNCH_BUDGET, f"{launches} launches for one update"
