@@ -128,15 +128,8 @@ def _launches_per_update(monitor: RolloutDebugMonitor, batch: dict[str, torch.Te
     ids=["seed-group", "defaults"],
 )
 def test_cuda_update_launches_a_handful_of_kernels(options: dict[str, Any]) -> None:
-    rows, width = 64, 2048  # large enough for the compiled update
-    generator = torch.Generator().manual_seed(3)
-    rollout = torch.log(torch.rand(rows, width, generator=generator).clamp(min=1e-6))
-    batch = {
-        "rollout_log_probs": rollout.cuda(),
-        "old_log_probs": (rollout + 0.01 * torch.randn(rows, width, generator=generator))
-        .clamp(max=0.0)
-        .cuda(),
-        "response_mask": (torch.rand(rows, width, generator=generator) > 0.2).cuda(),
-    }
+    # 64 x 2048 tokens: large enough for the compiled update.
+    (batch,) = make_batches(1, batch_size=64, width=2048, mask="random")
+    batch = {key: value.cuda() for key, value in batch.items()}
     launches = _launches_per_update(RolloutDebugMonitor(alert_ranges={}, **options), batch)
     assert 0 < launches <= UPDATE_LAUNCH_BUDGET, f"{launches} launches for one update"
