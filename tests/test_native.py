@@ -155,7 +155,7 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatc
         raise native.KernelUnavailable("no C++ compiler found; install one or set CXX")
 
     monkeypatch.setattr(native, "_kernel", {"function": None, "problem": None, "columns": ()})
-    monkeypatch.setattr(native, "_compiler", no_compiler)
+    monkeypatch.setattr(native.cache, "_compiler", no_compiler)
     rng = np.random.default_rng(10)
     batch = make_batch(rng, (300, 260), regime="matched", mask_kind="prefix")
     with warnings.catch_warnings(record=True) as caught:

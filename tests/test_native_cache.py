@@ -163,15 +163,15 @@ def fresh_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 
 def count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[Any]:
-    """Records each call of ``native.<name>`` (which still runs)."""
+    """Records each call of ``native.cache.<name>`` (which still runs)."""
     calls: list[Any] = []
-    original = getattr(native, name)
+    original = getattr(native.cache, name)
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         calls.append(args)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(native, name, spy)
+    monkeypatch.setattr(native.cache, name, spy)
     return calls
 
 
@@ -385,8 +385,8 @@ THREADS = """
 import threading, warnings
 from lightning_rollout_debug import native
 builds = []
-original = native._compile
-native._compile = lambda *args: builds.append(args) or original(*args)
+original = native.cache._compile
+native.cache._compile = lambda *args: builds.append(args) or original(*args)
 results = []
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

@@ -39,7 +39,8 @@ def lanes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> in
     wanted = request.param
     if native.vector_lanes() != wanted:  # this machine's own width is built already
         flag = f"-DROLLOUT_LANES={wanted}"
-        monkeypatch.setattr(native, "_FLAG_SETS", tuple((*f, flag) for f in native._FLAG_SETS))
+        flag_sets = tuple((*f, flag) for f in native.cache._FLAG_SETS)
+        monkeypatch.setattr(native.cache, "_FLAG_SETS", flag_sets)
         fresh = {"function": None, "problem": None, "columns": (), "finish": None, "lanes": None}
         monkeypatch.setattr(native, "_kernel", fresh)
     assert native.vector_lanes() == wanted
@@ -140,10 +141,10 @@ def test_no_step_of_a_build_runs_lane_by_lane(target: str, lanes: int, tmp_path:
 
     Compiled for a CPU of each width (not run), with the flags of a real build.
     """
-    compiler = native._compiler()
+    compiler = native.cache._compiler()
     if platform.machine() not in ("x86_64", "AMD64") or not _is_gcc(compiler):
         pytest.skip("GCC's -Wvector-operation-performance, for x86 targets")
-    flags = [f for f in native._FLAG_SETS[1] if f not in ("-shared", "-fPIC")]
+    flags = [f for f in native.cache._FLAG_SETS[1] if f not in ("-shared", "-fPIC")]
     found = subprocess.run(
         [*compiler, f"-march={target}", *flags, "-Wvector-operation-performance",
          "-S", str(native.SOURCE), "-o", str(tmp_path / "row_sums.s")],

@@ -7,20 +7,10 @@ the system C++ compiler (``$CXX``, else ``c++``, ``g++`` or ``clang++``) and loa
 :mod:`ctypes`. Where it cannot be built or loaded, one warning says why and updates use
 ``torch.compile`` or eager arithmetic instead, with the same results.
 
-The cache is the user's own and is checked before anything is loaded from it:
-
-* it lives in :func:`cache_folder`: ``$LIGHTNING_ROLLOUT_DEBUG_CACHE``, else
-  ``$XDG_CACHE_HOME/lightning-rollout-debug``, else ``~/.cache/lightning-rollout-debug``,
-  created with mode 0700;
-* the folder and every file read from it must belong to the current user and be
-  writable by nobody else, and no folder above it may be open to others (unless sticky,
-  as ``/tmp`` is);
-* a library is loaded only when its bytes match the SHA-256 digest written beside it
-  after a successful build; anything else is rebuilt, never loaded;
-* one build at a time (a lock in the folder, and one in the process), into a unique
-  temporary name that is renamed into place;
-* the loaded library must name its output columns exactly as the Python side does, and
-  lay out the profile block with the sizes and constants of :mod:`..profile`.
+The build lives in the user's own cache (:mod:`.cache`: :func:`cache_folder`, checked
+before anything is loaded from it). Once loaded, the library must name its output
+columns exactly as the Python side does, and lay out the profile block with the sizes
+and constants of :mod:`..profile`; one build per process, other threads wait for it.
 
 ``LIGHTNING_ROLLOUT_DEBUG_NATIVE=0`` turns the kernel off. ``python -m
 lightning_rollout_debug.native`` builds it ahead of time (for a container image) and
@@ -31,21 +21,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import itertools
-import logging
 import os
-import platform
-import shlex
-import shutil
-import stat
-import subprocess
-import tempfile
 import threading
-import time
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +34,14 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.layout import STATE
+from lightning_rollout_debug.native.cache import (
+    CACHE_ENV,
+    SOURCE,
+    SWITCH_ENV,
+    KernelUnavailable,
+    cache_folder,
+    verified_build,
+)
 from lightning_rollout_debug.profile import (
     _LOG2_E,
     JOINT_BINS,
@@ -65,33 +53,27 @@ from lightning_rollout_debug.profile import (
 )
 from lightning_rollout_debug.rows import ROW_FIELDS, ROWS_OF_GROUP
 
-SOURCE = Path(__file__).with_name("row_sums.cpp")
-CACHE_ENV = "LIGHTNING_ROLLOUT_DEBUG_CACHE"
-"""Environment variable naming the cache folder (overrides the XDG location)."""
-SWITCH_ENV = "LIGHTNING_ROLLOUT_DEBUG_NATIVE"
-"""Environment variable: ``0`` (or ``false``, ``off``, ``no``) turns the kernel off."""
-
-_FLAGS = (
-    "-O3",
-    "-fno-trapping-math",  # lets selects on floats vectorise; results are unchanged
-    "-fno-math-errno",
-    "-ffp-contract=fast",  # fused multiply-adds: one rounding instead of two
-    "-std=c++17",
-    "-shared",
-    "-fPIC",
-    "-pthread",
-)
-# Some compilers lack -march=native or OpenMP; the kernel then does without.
-_FLAG_SETS = (
-    ("-march=native", "-fopenmp", *_FLAGS),
-    ("-fopenmp", *_FLAGS),
-    ("-march=native", *_FLAGS),
-    _FLAGS,
-)
-_PROBE_SOURCE = 'extern "C" int rollout_probe() { return 0; }\n'
-_PROBE_BYTES = 1 << 20  # more than a built kernel takes (about 200 KB)
 VECTOR_LANES = (4, 8, 16)
 """The vector widths the kernel is built with, in float32 lanes (``ROLLOUT_LANES``)."""
+__all__ = [
+    "CACHE_ENV",
+    "EXTRAS_MOMENTS",
+    "HISTOGRAM_MOMENTS",
+    "MAX_WORST_TOKENS",
+    "SOURCE",
+    "SWITCH_ENV",
+    "VECTOR_LANES",
+    "WORST_FIELDS",
+    "ExtrasRequest",
+    "KernelUnavailable",
+    "StateRequest",
+    "available",
+    "build",
+    "cache_folder",
+    "row_sums",
+    "states",
+    "vector_lanes",
+]
 _OFF = frozenset({"0", "false", "off", "no"})
 _ON = frozenset({"", "1", "true", "on", "yes"})
 _LOG_PROB_KINDS = {torch.float32: 0, torch.bfloat16: 1}
@@ -102,11 +84,6 @@ _CATALOG_COLUMNS = frozenset().union(
     *(ROWS_OF_GROUP[group] for group in ("log_space", "kl", "importance_ratio"))
 )
 
-_LOG = logging.getLogger(__name__)
-_LOG.setLevel(logging.INFO)
-if not logging.getLogger().hasHandlers():  # as Lightning does: say it unless told otherwise
-    _LOG.addHandler(logging.StreamHandler())
-    _LOG.propagate = False
 
 _kernel: dict[str, Any] = {
     "function": None,
@@ -181,10 +158,6 @@ class ExtrasRequest:
         histograms = self.bin_count() + 2 * HISTOGRAM_MOMENTS if self.histograms else 0
         profile = PROFILE_SIZE if self.profile else 0
         return histograms + self.k * len(WORST_FIELDS) + profile
-
-
-class KernelUnavailable(RuntimeError):
-    """The kernel cannot be built or loaded here; the message says why and what to do."""
 
 
 def vector_lanes() -> int | None:
@@ -424,25 +397,6 @@ def _identity_state() -> Tensor:
     return _identity["state"].clone()
 
 
-def cache_folder() -> Path:
-    """Where the kernel is cached: the user's own folder, never a shared temporary one.
-
-    ``$LIGHTNING_ROLLOUT_DEBUG_CACHE`` if set, else ``$XDG_CACHE_HOME/lightning-rollout-debug``
-    (for an absolute ``$XDG_CACHE_HOME``), else ``~/.cache/lightning-rollout-debug``.
-
-    Example:
-        >>> folder = cache_folder()
-        >>> folder.is_absolute(), folder == Path(os.environ.get(CACHE_ENV) or folder)
-        (True, True)
-    """
-    chosen = os.environ.get(CACHE_ENV, "")
-    if chosen:
-        return Path(chosen).expanduser().absolute()
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "lightning-rollout-debug"
-
-
 def build(fields: Sequence[str] | None = None) -> Path:
     """Build the kernel (unless a verified build is cached), load and check it; its path.
 
@@ -499,7 +453,7 @@ def _load_checked(fields: tuple[str, ...]) -> tuple[Path, Any]:
         )
     if os.name != "posix":
         raise KernelUnavailable("the kernel is built on Linux and macOS only")
-    path = _build()
+    path = verified_build()
     try:
         library = ctypes.CDLL(str(path))
     except OSError as error:
@@ -622,235 +576,4 @@ def _check_profile(
         if wrong:
             raise KernelUnavailable(
                 f"{path} was built with other {what} than this package: {', '.join(wrong)}"
-            )
-
-
-# ----------------------------------------------------------------- building
-def _build() -> Path:
-    """A verified kernel in the cache folder: found there, or built now."""
-    compiler = _compiler()
-    source = SOURCE.read_bytes()
-    folder = _private_folder()
-    targets = [folder / f"row_sums_{_key(source, compiler, flags)}.so" for flags in _FLAG_SETS]
-    found = _first_verified(targets)
-    if found is not None:
-        return found
-    with _folder_lock(folder):  # concurrent processes: one builds, the others wait
-        found = _first_verified(targets)
-        if found is not None:
-            return found
-        _check_writable(folder)
-        for flags, target in zip(_FLAG_SETS, targets, strict=True):
-            if _compiles(compiler, flags, folder):
-                return _compile(compiler, flags, folder, target)
-    raise KernelUnavailable(f"{shlex.join(compiler)} builds no shared library here")
-
-
-def _first_verified(targets: Sequence[Path]) -> Path | None:
-    """The first target that is complete (its digest matches); ``None`` if none is."""
-    for target in targets:
-        if os.path.lexists(target) and _verified(target):
-            return target
-    return None
-
-
-def _verified(target: Path) -> bool:
-    """Whether ``target`` is safe to load: the user's own, and its digest matches.
-
-    Raises:
-        KernelUnavailable: the file or its digest is open to other users.
-    """
-    record = _record(target)
-    for path in (target, record):
-        if os.path.lexists(path):
-            _check_private(path, folder=False)
-    try:
-        expected = record.read_text().strip()
-    except OSError:
-        return False  # not (yet) finished by a build: rebuilt, never loaded
-    return hashlib.sha256(target.read_bytes()).hexdigest() == expected
-
-
-def _record(target: Path) -> Path:
-    return target.with_suffix(".sha256")
-
-
-def _compile(compiler: list[str], flags: Sequence[str], folder: Path, target: Path) -> Path:
-    _LOG.info("lightning_rollout_debug: building the native CPU kernel into %s", folder)
-    started = time.perf_counter()
-    with _temporary(folder, ".so") as partial:
-        result = _run([*compiler, *flags, str(SOURCE), "-o", str(partial)])
-        if result.returncode != 0:
-            raise KernelUnavailable(
-                f"{shlex.join(compiler)} failed: {result.stderr.strip()[-2000:]}"
-            )
-        os.chmod(partial, 0o700)  # whatever the umask: writable by the user alone
-        digest = hashlib.sha256(partial.read_bytes()).hexdigest()
-        _fsync(partial)
-        os.replace(partial, target)
-    with _temporary(folder, ".sha256") as partial:  # written last: it marks a whole build
-        partial.write_text(digest + "\n")
-        _fsync(partial)
-        os.replace(partial, _record(target))
-    _LOG.info(
-        "lightning_rollout_debug: built the native CPU kernel in %.1f s: %s",
-        time.perf_counter() - started,
-        target,
-    )
-    return target
-
-
-def _compiles(compiler: list[str], flags: Sequence[str], folder: Path) -> bool:
-    """Whether ``compiler`` links a trivial library with ``flags`` (a fraction of a second)."""
-    with _temporary(folder, ".so") as probe:
-        result = _run([*compiler, *flags, "-x", "c++", "-", "-o", str(probe)], _PROBE_SOURCE)
-    return result.returncode == 0
-
-
-def _run(command: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run(
-            command, input=stdin, capture_output=True, text=True, timeout=300, check=False
-        )
-    except (OSError, subprocess.SubprocessError) as error:
-        raise KernelUnavailable(f"{shlex.join(command[:2])} could not run ({error})") from error
-
-
-@contextmanager
-def _temporary(folder: Path, suffix: str) -> Iterator[Path]:
-    """A fresh file name in ``folder``, unique to this call; removed unless renamed away."""
-    handle, name = tempfile.mkstemp(prefix=".partial-", suffix=suffix, dir=folder)
-    os.close(handle)
-    path = Path(name)
-    try:
-        yield path
-    finally:
-        path.unlink(missing_ok=True)
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb+") as handle:
-        os.fsync(handle.fileno())
-
-
-@contextmanager
-def _folder_lock(folder: Path) -> Iterator[None]:
-    """Hold ``build.lock`` in ``folder``: one build at a time for every process here.
-
-    Where the file system cannot lock (some network file systems), builds go on without:
-    unique temporary names and atomic renames keep concurrent builds correct, only
-    repeated.
-    """
-    import fcntl  # POSIX only, as the kernel is
-
-    lock = folder / "build.lock"
-    handle = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    try:
-        _check_private(lock, folder=False)
-        with suppress(OSError):
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(handle)  # releases the lock
-
-
-def _check_writable(folder: Path) -> None:
-    """Write (and remove) a file of a kernel's size first: a full disk fails here, at once."""
-    try:
-        with _temporary(folder, ".probe") as probe, open(probe, "wb") as handle:
-            handle.write(bytes(_PROBE_BYTES))
-            handle.flush()
-            os.fsync(handle.fileno())
-    except OSError as error:
-        raise KernelUnavailable(
-            f"the cache folder {folder} is not writable ({error.strerror or error}); set "
-            f"{CACHE_ENV} to a folder of your own, or {SWITCH_ENV}=0"
-        ) from error
-
-
-def _compiler() -> list[str]:
-    """The compiler command: ``$CXX`` (words, as in ``ccache g++``), else the first found."""
-    chosen = os.environ.get("CXX", "").strip()
-    if chosen:
-        words = shlex.split(chosen)
-        found = shutil.which(words[0])
-        if found is None:
-            raise KernelUnavailable(
-                f"CXX={chosen!r} names no program on the PATH; set CXX to a C++ compiler "
-                "command such as 'g++' or 'ccache g++'"
-            )
-        return [found, *words[1:]]
-    for name in ("c++", "g++", "clang++"):
-        found = shutil.which(name)
-        if found:
-            return [found]
-    raise KernelUnavailable("no C++ compiler found; install one or set CXX")
-
-
-def _key(source: bytes, compiler: list[str], flags: Sequence[str]) -> str:
-    parts = [source, *map(str.encode, compiler), *map(str.encode, flags), _cpu_signature()]
-    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:24]
-
-
-def _cpu_signature() -> bytes:
-    """What ``-march=native`` depends on: the CPU's model and feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    wanted = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
-    return "\n".join(sorted(set(wanted)) or [platform.processor(), platform.machine()]).encode()
-
-
-# ------------------------------------------------------------------ trust
-def _private_folder() -> Path:
-    """The cache folder, created with mode 0700, once it is shown to be the user's alone."""
-    try:
-        folder = cache_folder()
-    except RuntimeError as error:  # no home folder to be found
-        raise KernelUnavailable(f"{error}; set {CACHE_ENV} to a folder of your own") from error
-    try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as error:
-        raise KernelUnavailable(
-            f"the cache folder {folder} cannot be created ({error.strerror or error}); set "
-            f"{CACHE_ENV} to a folder of your own, or {SWITCH_ENV}=0"
-        ) from error
-    _check_private(folder, folder=True)
-    return folder
-
-
-def _check_private(path: Path, *, folder: bool) -> None:
-    """Raise unless ``path`` and every folder above it are closed to other users.
-
-    ``path`` itself (no link) must belong to the current user and be writable by nobody
-    else. A folder above it must belong to the user or to root, and may be writable by
-    others only when sticky (as ``/tmp``): then nobody else can rename what is in it.
-    """
-    user = os.geteuid()
-    info = os.lstat(path)
-    kind = stat.S_ISDIR if folder else stat.S_ISREG
-    problem = None
-    if not kind(info.st_mode):
-        problem = f"is not a {'folder' if folder else 'regular file'}"
-    elif info.st_uid != user:
-        problem = f"belongs to user {info.st_uid}, not to you ({user})"
-    elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        problem = f"is writable by other users (mode {stat.filemode(info.st_mode)})"
-    if problem is not None:
-        where = path if folder else path.parent
-        raise KernelUnavailable(
-            f"{path} {problem}, so it is not trusted; remove {where} (it is rebuilt as a "
-            f"folder of mode 0700) or set {CACHE_ENV} to a folder of your own"
-        )
-    for parent in Path(os.path.realpath(path)).parents:
-        info = os.stat(parent)
-        open_to_others = info.st_mode & stat.S_IWOTH or (
-            info.st_mode & stat.S_IWGRP and info.st_gid != os.getegid()
-        )
-        if info.st_uid not in (0, user) or (open_to_others and not info.st_mode & stat.S_ISVTX):
-            raise KernelUnavailable(
-                f"{parent}, above the cache folder, is open to other users (owner "
-                f"{info.st_uid}, mode {stat.filemode(info.st_mode)}); set {CACHE_ENV} to a "
-                "folder of your own"
             )
