@@ -14,15 +14,17 @@ without the callback. That overhead is the difference of two noisy totals, so a
 second figure times the callback itself: the wall time of its ``on_train_batch_end``
 (the update, and on a logged step the merge, the host copy, the metrics and the
 writes), averaged over the steps after warm-up. It leaves out only what TensorBoard's
-writer thread does after the hook has returned.
+writer thread does after the hook has returned. Beside it are the medians of the hook
+of a step that does not log (the update, inside a training step) and of one that logs.
 
     python benchmarks/bench_trainer.py [--rows 64 --width 2048 --steps 200 --rounds 3]
-                                       [--accelerator gpu]
+                                       [--accelerator gpu] [--mask random|padded]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
@@ -40,7 +42,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_metrics import kernel_width
+from bench_metrics import kernel_width, make_batch
 from configurations import NO_PROFILE, SCALARS_ONLY
 
 from lightning_rollout_debug import RolloutDebugCallback
@@ -51,17 +53,31 @@ QUIET = {"alert_ranges": {}, "drift_factors": {}}
 
 
 class RolloutBatches(Dataset):
-    """The same rollout batch, ``steps`` times (data loading is not what is measured)."""
+    """The same rollout batch, ``steps`` times (data loading is not what is measured).
 
-    def __init__(self, rows: int, width: int, steps: int) -> None:
+    ``mask="random"``: a random 80% of the tokens count, scattered (every vector of the
+    kernel holds tokens that count and tokens that do not). ``mask="padded"``: the
+    right-padded responses of random lengths of the other benchmarks
+    (``bench_metrics.make_batch``, about 62% of the tokens counted), the layout of an RL
+    batch, where the padding fills whole vectors. Both masks are bool.
+    """
+
+    def __init__(self, rows: int, width: int, steps: int, mask: str = "random") -> None:
         generator = torch.Generator().manual_seed(0)
-        rollout = torch.log(torch.rand(rows, width, generator=generator).clamp(min=1e-6))
-        self.batch = {
-            "x": torch.randn(rows, 256, generator=generator),
-            "rollout_log_probs": rollout,
-            "old_log_probs": (rollout + 0.01 * torch.randn(rows, width)).clamp(max=0.0),
-            "response_mask": torch.rand(rows, width, generator=generator) > 0.2,
-        }
+        self.batch = {"x": torch.randn(rows, 256, generator=generator)}
+        if mask == "padded":
+            padded = make_batch((rows, width), torch.float32, "cpu")
+            padded["response_mask"] = padded["response_mask"].bool()  # as "random"'s
+            self.batch.update(padded)
+        elif mask == "random":
+            rollout = torch.log(torch.rand(rows, width, generator=generator).clamp(min=1e-6))
+            self.batch.update(
+                rollout_log_probs=rollout,
+                old_log_probs=(rollout + 0.01 * torch.randn(rows, width)).clamp(max=0.0),
+                response_mask=torch.rand(rows, width, generator=generator) > 0.2,
+            )
+        else:
+            raise ValueError(f"`mask` must be 'random' or 'padded', got {mask!r}.")
         self.steps = steps
 
     def __len__(self) -> int:
@@ -77,15 +93,23 @@ class TimedCallback(RolloutDebugCallback):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.seconds: list[float] = []
+        self.logged: list[bool] = []
 
     def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
         start = time.perf_counter()
         super().on_train_batch_end(*args, **kwargs)
         self.seconds.append(time.perf_counter() - start)
+        self.logged.append(self.monitor.batches_in_window == 0)  # a logged step empties it
 
     def mean_ms(self) -> float:
         """Milliseconds the hook takes per step after warm-up, logged steps included."""
         return statistics.fmean(self.seconds[WARMUP:]) * 1e3
+
+    def median_ms(self, *, logged: bool) -> float:
+        """The median milliseconds of the hook of the steps after warm-up that log (or not)."""
+        steps = zip(self.seconds[WARMUP:], self.logged[WARMUP:], strict=True)
+        found = [seconds for seconds, did in steps if did == logged]
+        return statistics.median(found) * 1e3 if found else math.nan
 
 
 class Model(pl.LightningModule):
@@ -118,8 +142,9 @@ class Model(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
-def run(callbacks: list[pl.Callback], every: int, args: argparse.Namespace) -> tuple[float, float]:
-    """Amortized milliseconds per training step after warm-up, and those of the hook."""
+def run(callbacks: list[pl.Callback], every: int, args: argparse.Namespace) -> list[float]:
+    """Milliseconds after warm-up: the amortized step, the hook (mean), and the median hook
+    of a step that does not log and of one that logs."""
     model = Model()
     with tempfile.TemporaryDirectory() as logdir:
         trainer = pl.Trainer(
@@ -133,10 +158,13 @@ def run(callbacks: list[pl.Callback], every: int, args: argparse.Namespace) -> t
             enable_model_summary=False,
             enable_checkpointing=False,
         )
-        data = RolloutBatches(args.rows, args.width, args.steps)
+        data = RolloutBatches(args.rows, args.width, args.steps, args.mask)
         trainer.fit(model, DataLoader(data, batch_size=None))
-    hook = sum(c.mean_ms() for c in callbacks if isinstance(c, TimedCallback))
-    return model.amortized_ms(), hook
+    timed = [c for c in callbacks if isinstance(c, TimedCallback)]
+    hook = sum(c.mean_ms() for c in timed)
+    quiet = sum(c.median_ms(logged=False) for c in timed)
+    logged = sum(c.median_ms(logged=True) for c in timed)
+    return [model.amortized_ms(), hook, quiet, logged]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -147,6 +175,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu, gpu")
+    parser.add_argument(
+        "--mask",
+        default="random",
+        choices=("random", "padded"),
+        help="a scattered 80%% of the tokens counted, or right-padded responses",
+    )
     parser.add_argument(
         "--max-queue",
         type=int,
@@ -173,28 +207,34 @@ def main(argv: list[str] | None = None) -> None:
         lambda: [TimedCallback(profile_images_every_n_steps=1, **QUIET)],
         1,
     )
-    times: dict[str, list[float]] = {name: [] for name in configurations}
-    hooks: dict[str, list[float]] = {name: [] for name in configurations}
+    rounds: dict[str, list[list[float]]] = {name: [] for name in configurations}
     for _ in range(args.rounds):
         for name, (make, every) in configurations.items():
-            amortized, hook = run(make(), every, args)
-            times[name].append(amortized)
-            hooks[name].append(hook)
+            rounds[name].append(run(make(), every, args))
+    # The median over rounds of each figure: amortized, hook, quiet step, logged step.
+    medians = {
+        name: [statistics.median(figures) for figures in zip(*values, strict=True)]
+        for name, values in rounds.items()
+    }
     threads = torch.get_num_threads()
     print(
         f"torch {torch.__version__}, {args.accelerator}, {threads} threads, {kernel_width()}, "
-        f"batch {args.rows}x{args.width}, {args.steps} steps, amortized per step"
+        f"batch {args.rows}x{args.width}, {args.mask} mask, {args.steps} steps, "
+        "amortized per step"
     )
-    base = statistics.median(times["without the callback"])
-    overhead, hook = {}, {}
-    for name, values in times.items():
-        ms = statistics.median(values)
-        overhead[name] = ms - base
-        hook[name] = statistics.median(hooks[name])
+    base = medians["without the callback"][0]
+    overhead, hook, quiet = {}, {}, {}
+    for name, (ms, mean_hook, quiet_hook, logged_hook) in medians.items():
+        overhead[name], hook[name], quiet[name] = ms - base, mean_hook, quiet_hook
         print(
             f"{name:42} {ms:8.2f} ms/step   overhead {ms - base:+7.2f} ms/step   "
-            f"hook {hook[name]:6.2f} ms/step"
+            f"hook {mean_hook:6.2f} ms/step   (a step that does not log {quiet_hook:5.2f} ms, "
+            f"one that logs {logged_hook:6.2f} ms)"
         )
+    for name in ("no profile", "defaults"):
+        against = "scalars only" if name == "no profile" else "no profile"
+        ratio = quiet[f"{name}, every 50 steps"] / quiet[f"{against}, every 50 steps"]
+        print(f"hook of a step that does not log: {name} / {against}: {ratio:.2f}x")
     for what, cost in (("overhead", overhead), ("hook", hook)):
         for name in cadences:
             ratio = cost[f"no profile, {name}"] / cost[f"scalars only, {name}"]
