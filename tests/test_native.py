@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 import warnings
 
@@ -627,3 +628,20 @@ def test_native_fine_bins_of_edges_match_the_torch_profile(dtype: torch.dtype) -
     for got in profiles[1:]:
         for stem in ("probs_diff_bins", "log_diff_bins", "joint", "probability_tokens"):
             assert torch.equal(got[stem], profiles[0][stem]), stem
+
+
+def test_histogram_bins_beyond_the_kernel_slots_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lane's two slots, its copy's offset included, are 16-bit fields: bins that do not
+    fit are refused before anything is counted, and the torch path takes over."""
+    monkeypatch.setattr(native, "_kernel", dict(native._kernel))  # this test's give-up only
+    rng = np.random.default_rng(46)
+    batch = make_batch(rng, (4, 300), regime="mixed", mask_kind="prefix")
+    fits = TokenExtras().kernel_request()
+    assert fits is not None
+    too_many = dataclasses.replace(fits, ratio_bins=(fits.ratio_bins[0], 2100), profile=False)
+    arguments = (batch.rollout, batch.old, batch.mask, frozenset(), 2.0, ROW_FIELDS)
+    assert native.states(*arguments, extras=dataclasses.replace(fits, profile=False)) is not None
+    with pytest.warns(RuntimeWarning, match="rejected its arguments"):
+        assert native.states(*arguments, extras=too_many) is None
