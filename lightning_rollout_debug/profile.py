@@ -36,9 +36,10 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -212,15 +213,75 @@ class JointHistogram:
     counts: tuple[tuple[float, ...], ...]
 
 
-@dataclass(frozen=True)
 class Profile:
-    """Where a window's mismatch lives: quantiles, two profiles and the joint histogram."""
+    """Where a window's mismatch lives: quantiles, two profiles and the joint histogram.
 
-    tokens: float
-    quantiles: dict[str, float]
-    by_position: list[PositionBucket]
-    by_probability: list[ProbabilityBucket]
-    joint_histogram: JointHistogram = field(repr=False)
+    Made by :func:`read_profile` from a merged block. ``tokens`` and ``quantiles`` are read
+    at once (the quantile scalars need them at every logged step); ``by_position``,
+    ``by_probability`` and ``joint_histogram`` when first asked for (the pictures and
+    :meth:`as_dict`), from the profile's own read-only copy of the block.
+    """
+
+    def __init__(self, block: np.ndarray) -> None:
+        self._parts = _split(np.array(block, dtype=np.float64))
+        self.tokens: float = float(self._parts["position_tokens"].sum())
+        """The tokens that count."""
+        self.quantiles: dict[str, float] = {}
+        """Quantile by un-prefixed metric name (``rollout_probs_diff_p50``, ...)."""
+        maxima = self._parts["maxima"][:2].tolist()
+        for (stem, _, spec), largest in zip(QUANTILE_BINS, maxima, strict=True):
+            found = bin_quantiles(
+                self._parts[f"{stem}_bins"], spec.edges, largest, [q for _, q in QUANTILES]
+            )
+            self.quantiles.update(
+                (f"{stem}_{suffix}", value)
+                for (suffix, _), value in zip(QUANTILES, found, strict=True)
+            )
+
+    @functools.cached_property
+    def by_position(self) -> list[PositionBucket]:
+        """The position buckets that start below the widest batch's width."""
+        parts = self._parts
+        widest = float(parts["maxima"][2])
+        return _position_buckets(
+            parts["position_tokens"].tolist(),
+            parts["position_diff"].tolist(),
+            parts["position_k3"].tolist(),
+            int(widest) if widest > 0 else 0,
+        )
+
+    @functools.cached_property
+    def by_probability(self) -> list[ProbabilityBucket]:
+        """The buckets of the trainer's probability, ``[2**-29, 2**-28)`` to ``[1/2, 1]``."""
+        parts = self._parts
+        return [
+            ProbabilityBucket(
+                low=2.0 ** (i - PROBABILITY_BUCKETS),
+                high=2.0 ** (i + 1 - PROBABILITY_BUCKETS),
+                tokens=count,
+                probs_diff_mean=_mean(diff, count),
+                log_probs_diff_mean=_mean(log_diff, count),
+            )
+            for i, (count, diff, log_diff) in enumerate(
+                zip(
+                    parts["probability_tokens"].tolist(),
+                    parts["probability_diff"].tolist(),
+                    parts["probability_log"].tolist(),
+                    strict=True,
+                )
+            )
+        ]
+
+    @functools.cached_property
+    def joint_histogram(self) -> JointHistogram:
+        """Counts over (trainer log-prob bin, rollout log-prob bin)."""
+        return _joint(self._parts["joint"], len(JOINT_BINS.edges) + 1)
+
+    def __repr__(self) -> str:
+        return (
+            f"Profile(tokens={self.tokens!r}, quantiles={self.quantiles!r}, "
+            f"by_position={self.by_position!r}, by_probability={self.by_probability!r})"
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dicts and lists, as ``functional.mismatch_profile`` returns them."""
@@ -240,48 +301,29 @@ def read_profile(values: Sequence[float] | np.ndarray) -> Profile:
     block = np.asarray(values, dtype=np.float64)
     if block.shape != (PROFILE_SIZE,):
         raise ValueError(f"A profile block has {PROFILE_SIZE} values; got {block.size}.")
-    taken = 0
+    return Profile(block)
 
-    def take(count: int) -> np.ndarray:
-        nonlocal taken
-        taken += count
-        return block[taken - count : taken]
 
-    bins = [take(len(spec.edges) + 1) for _, _, spec in QUANTILE_BINS]
-    position_tokens = take(POSITION_BUCKETS).tolist()
-    probability_tokens = take(PROBABILITY_BUCKETS).tolist()
+def _split(block: np.ndarray) -> dict[str, np.ndarray]:
+    """The parts of a profile block, as read-only views, in the order of the layout."""
+    block.flags.writeable = False
+    sizes = [(f"{stem}_bins", len(spec.edges) + 1) for stem, _, spec in QUANTILE_BINS]
     side = len(JOINT_BINS.edges) + 1
-    joint = take(side * side)
-    position_diff, position_k3 = take(POSITION_BUCKETS).tolist(), take(POSITION_BUCKETS).tolist()
-    probability_diff = take(PROBABILITY_BUCKETS).tolist()
-    probability_log = take(PROBABILITY_BUCKETS).tolist()
-    maxima = take(2).tolist()
-    widest = float(take(1)[0])
-    width = int(widest) if widest > 0 else 0
-    quantiles = {}
-    for (stem, _, spec), counts, largest in zip(QUANTILE_BINS, bins, maxima, strict=True):
-        found = bin_quantiles(counts, spec.edges, largest, [q for _, q in QUANTILES])
-        quantiles.update(
-            (f"{stem}_{suffix}", value) for (suffix, _), value in zip(QUANTILES, found, strict=True)
-        )
-    return Profile(
-        tokens=sum(position_tokens),
-        quantiles=quantiles,
-        by_position=_position_buckets(position_tokens, position_diff, position_k3, width),
-        by_probability=[
-            ProbabilityBucket(
-                low=2.0 ** (i - PROBABILITY_BUCKETS),
-                high=2.0 ** (i + 1 - PROBABILITY_BUCKETS),
-                tokens=count,
-                probs_diff_mean=_mean(diff, count),
-                log_probs_diff_mean=_mean(log_diff, count),
-            )
-            for i, (count, diff, log_diff) in enumerate(
-                zip(probability_tokens, probability_diff, probability_log, strict=True)
-            )
-        ],
-        joint_histogram=_joint(joint, side),
-    )
+    sizes += [
+        ("position_tokens", POSITION_BUCKETS),
+        ("probability_tokens", PROBABILITY_BUCKETS),
+        ("joint", side * side),
+        ("position_diff", POSITION_BUCKETS),
+        ("position_k3", POSITION_BUCKETS),
+        ("probability_diff", PROBABILITY_BUCKETS),
+        ("probability_log", PROBABILITY_BUCKETS),
+        ("maxima", 3),  # |pa - pb| and |a - b| maxima, then the widest batch's width
+    ]
+    parts, taken = {}, 0
+    for name, size in sizes:
+        parts[name] = block[taken : taken + size]
+        taken += size
+    return parts
 
 
 def bin_quantiles(

@@ -27,6 +27,7 @@ from lightning_rollout_debug import RolloutDebugCallback, RolloutDebugMonitor
 from lightning_rollout_debug.extras import TokenExtras
 from lightning_rollout_debug.functional import mismatch_metrics, mismatch_profile
 from lightning_rollout_debug.layout import STATE_SIZE
+from lightning_rollout_debug.profile import PROFILE_SIZE, read_profile
 
 KEYS = ("rollout_log_probs", "old_log_probs", "response_mask")
 
@@ -55,6 +56,20 @@ def test_profile_matches_the_reference(width: int) -> None:
     data = skewed_batch(width, rows=rows, width=width)
     got = mismatch_profile(data["rollout_log_probs"], data["old_log_probs"], data["response_mask"])
     assert_profile(got, reference_profile([data]))
+
+
+def test_a_profile_reads_its_views_from_its_own_copy_of_the_block() -> None:
+    """The buckets and the joint histogram are read on first use: from the block as it
+    was when the profile was made, whatever becomes of the caller's array."""
+    data = skewed_batch(7, rows=8, width=300)
+    extras = TokenExtras(histograms=False, worst_tokens_k=0, profile=True)
+    extras.update(data["rollout_log_probs"], data["old_log_probs"], data["response_mask"])
+    block = extras.state[-PROFILE_SIZE:].numpy().copy()
+    profile = read_profile(block)
+    block[:] = 0.0  # the caller reuses its array before the views are asked for
+    assert profile.as_dict() == read_profile(extras.state[-PROFILE_SIZE:].tolist()).as_dict()
+    assert_profile(profile.as_dict(), reference_profile([data]))
+    assert profile.tokens == float(data["response_mask"].sum())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

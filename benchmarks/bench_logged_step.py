@@ -1,0 +1,104 @@
+"""What a logged step does on the host, part by part, with the defaults.
+
+One merged window of the defaults (statistics, histograms, worst tokens, profile) over a
+``[rows, width]`` batch, copied to the host once, then each part of a logged step that
+the callback runs on the host, timed in interleaved rounds (medians):
+
+* **metrics**: every metric of the window (``MismatchStats.compute``, the quantiles too);
+* **summary**: the extras' host summary (histograms, worst tokens, the profile's
+  token count and quantiles);
+* **profile views**: the profile's buckets by position and by probability and its joint
+  histogram, read when the pictures are drawn (or asked for);
+* **draw**, **PNG**: drawing the three pictures and encoding them;
+* **checksum**: TensorBoard's CRC-32C of the PNGs' bytes, which its writer thread
+  computes in Python for every byte of every event.
+
+The batch is that of ``bench_trainer.py`` (``--mask random``: a scattered 80% of the
+tokens counted, the default; ``--mask padded``: right-padded responses).
+
+    python benchmarks/bench_logged_step.py [--rows 64 --width 2048 --rounds 100]
+                                           [--mask random|padded]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_metrics import kernel_width
+from bench_trainer import QUIET, RolloutBatches
+
+from lightning_rollout_debug import RolloutDebugCallback
+from lightning_rollout_debug.canvas import encode_png
+from lightning_rollout_debug.pictures import profile_images
+from lightning_rollout_debug.profile import PROFILE_SIZE, read_profile
+
+
+def parts(rows: int, width: int, mask: str) -> tuple[dict[str, Callable[[], object]], int]:
+    """The host parts of a logged step, each a closure over one window; the PNGs' bytes."""
+    callback = RolloutDebugCallback(**QUIET)  # type: ignore[arg-type]
+    callback._batches_in_window = 1
+    callback._update({}, RolloutBatches(rows, width, 1, mask).batch)
+    stats, extras = callback.monitor._stats, callback.monitor._extras
+    assert extras is not None
+    host = extras.state.to("cpu", torch.float64).numpy().copy()
+    block = host[-PROFILE_SIZE:]
+    profile = extras.summary(host).profile
+    images = profile_images(profile)
+    pngs = [encode_png(image) for image in images.values()]
+
+    def views() -> object:
+        fresh = read_profile(block)
+        return fresh.by_position, fresh.by_probability, fresh.joint_histogram
+
+    found = {
+        "metrics": lambda: stats.compute(profile),
+        "summary": lambda: extras.summary(host),
+        "profile views": views,
+        "draw": lambda: profile_images(profile),
+        "PNG": lambda: [encode_png(image) for image in images.values()],
+        "checksum": lambda: [masked_crc32c(png) for png in pngs],
+    }
+    return found, sum(map(len, pngs))
+
+
+def main() -> None:
+    """Print the median of each part, in milliseconds."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--mask", default="random", choices=("random", "padded"))
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    found, png_bytes = parts(args.rows, args.width, args.mask)
+    times: dict[str, list[float]] = {name: [] for name in found}
+    for part in found.values():  # warm-up: caches, fonts, text stamps
+        part()
+    for _ in range(args.rounds):
+        for name, part in found.items():
+            start = time.perf_counter()
+            part()
+            times[name].append(time.perf_counter() - start)
+    print(
+        f"torch {torch.__version__}, {kernel_width()}; a window of {args.rows}x{args.width}, "
+        f"{args.mask} mask; medians of {args.rounds} interleaved rounds"
+    )
+    for name, values in times.items():
+        print(f"  {name:14} {statistics.median(values) * 1e3:7.3f} ms")
+    checksum = statistics.median(times["checksum"])
+    print(f"  the pictures' PNGs: {png_bytes} bytes, {checksum / png_bytes * 1e9:.0f} ns a byte")
+
+
+if __name__ == "__main__":
+    main()
