@@ -37,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -103,6 +104,22 @@ def profile_blocks() -> list[Block]:
 
 PROFILE_SIZE = sum(block.size for block in profile_blocks())
 """Length of the profile's block of the packed extras state."""
+
+
+def profile_parts(blocks: Sequence[Block] | None = None) -> dict[str, int]:
+    """The parts of the profile block in order: the stem of their slots' names, and their size.
+
+    ``blocks`` (by default :func:`profile_blocks`) name slots ``stem[i]`` (or ``stem``
+    alone); consecutive slots of one stem make a part.
+
+    Example:
+        >>> parts = profile_parts()
+        >>> list(parts)[:3], parts["joint"], sum(parts.values()) == PROFILE_SIZE
+        (['probs_diff_bins', 'log_diff_bins', 'position_tokens'], 3844, True)
+    """
+    found = profile_blocks() if blocks is None else blocks
+    stems = [name.split("[", 1)[0] for block in found for name in block.names]
+    return {stem: len(list(run)) for stem, run in itertools.groupby(stems)}
 
 
 # ---------------------------------------------------------------------- accumulation
@@ -228,10 +245,10 @@ class Profile:
         """The tokens that count."""
         self.quantiles: dict[str, float] = {}
         """Quantile by un-prefixed metric name (``rollout_probs_diff_p50``, ...)."""
-        maxima = self._parts["maxima"][:2].tolist()
-        for (stem, _, spec), largest in zip(QUANTILE_BINS, maxima, strict=True):
+        for stem, slot, spec in QUANTILE_BINS:
+            largest = float(self._parts[f"{slot}_max"][0])
             found = bin_quantiles(
-                self._parts[f"{stem}_bins"], spec.edges, largest, [q for _, q in QUANTILES]
+                self._parts[f"{slot}_bins"], spec.edges, largest, [q for _, q in QUANTILES]
             )
             self.quantiles.update(
                 (f"{stem}_{suffix}", value)
@@ -242,11 +259,11 @@ class Profile:
     def by_position(self) -> list[PositionBucket]:
         """The position buckets that start below the widest batch's width."""
         parts = self._parts
-        widest = float(parts["maxima"][2])
+        widest = float(parts["width"][0])
         return _position_buckets(
             parts["position_tokens"].tolist(),
-            parts["position_diff"].tolist(),
-            parts["position_k3"].tolist(),
+            parts["position_probs_diff"].tolist(),
+            parts["position_kl_k3"].tolist(),
             int(widest) if widest > 0 else 0,
         )
 
@@ -265,8 +282,8 @@ class Profile:
             for i, (count, diff, log_diff) in enumerate(
                 zip(
                     parts["probability_tokens"].tolist(),
-                    parts["probability_diff"].tolist(),
-                    parts["probability_log"].tolist(),
+                    parts["probability_probs_diff"].tolist(),
+                    parts["probability_log_diff"].tolist(),
                     strict=True,
                 )
             )
@@ -305,25 +322,18 @@ def read_profile(values: Sequence[float] | np.ndarray) -> Profile:
 
 
 def _split(block: np.ndarray) -> dict[str, np.ndarray]:
-    """The parts of a profile block, as read-only views, in the order of the layout."""
+    """The parts of a profile block by stem (:func:`profile_parts`), as read-only views."""
     block.flags.writeable = False
-    sizes = [(f"{stem}_bins", len(spec.edges) + 1) for stem, _, spec in QUANTILE_BINS]
-    side = len(JOINT_BINS.edges) + 1
-    sizes += [
-        ("position_tokens", POSITION_BUCKETS),
-        ("probability_tokens", PROBABILITY_BUCKETS),
-        ("joint", side * side),
-        ("position_diff", POSITION_BUCKETS),
-        ("position_k3", POSITION_BUCKETS),
-        ("probability_diff", PROBABILITY_BUCKETS),
-        ("probability_log", PROBABILITY_BUCKETS),
-        ("maxima", 3),  # |pa - pb| and |a - b| maxima, then the widest batch's width
-    ]
-    parts, taken = {}, 0
-    for name, size in sizes:
-        parts[name] = block[taken : taken + size]
-        taken += size
-    return parts
+    return {stem: block[part] for stem, part in _part_slices().items()}
+
+
+@functools.lru_cache(maxsize=1)
+def _part_slices() -> dict[str, slice]:
+    slices, start = {}, 0
+    for stem, size in profile_parts().items():
+        slices[stem] = slice(start, start + size)
+        start += size
+    return slices
 
 
 def bin_quantiles(

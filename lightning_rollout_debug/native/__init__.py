@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import itertools
 import os
 import threading
 import warnings
@@ -50,6 +49,7 @@ from lightning_rollout_debug.profile import (
     PROFILE_SIZE,
     QUANTILE_BINS,
     profile_blocks,
+    profile_parts,
 )
 from lightning_rollout_debug.rows import ROW_FIELDS, ROWS_OF_GROUP
 
@@ -469,7 +469,7 @@ def _bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[An
 
     The statistics' state slots, the groups and the worst-token fields must be named as
     on the Python side too, and the profile block laid out as :mod:`..profile` lays it
-    out (:func:`_profile_parts`, :func:`_profile_constants`).
+    out (:func:`~lightning_rollout_debug.profile.profile_parts`, :func:`_profile_constants`).
     """
     try:
         column, function = library.rollout_row_column, library.rollout_row_sums
@@ -499,7 +499,7 @@ def _bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[An
         raise KernelUnavailable(f"{path} lacks the kernel's entry points ({error})") from error
     name.restype, name.argtypes = ctypes.c_char_p, [ctypes.c_int, ctypes.c_int]
     slots = tuple(slot for block in STATE.blocks for slot in block.names)
-    parts, constants = _profile_parts(), _profile_constants()
+    parts, constants = profile_parts(profile_blocks()), _profile_constants()
     for table, (what, expected) in enumerate(
         (
             ("state slots", slots),
@@ -529,16 +529,6 @@ def _bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[An
     ):  # fmt: skip
         entry.restype, entry.argtypes = ctypes.c_int, arguments
     return function, (finish_state, finish_extras), lanes()
-
-
-def _profile_parts() -> dict[str, int]:
-    """The parts of the profile block in order: the stem of their slots' names, and their size.
-
-    ``profile_blocks()`` names slots ``stem[i]`` (or ``stem`` alone); consecutive slots of
-    one stem make a part.
-    """
-    stems = [name.split("[", 1)[0] for block in profile_blocks() for name in block.names]
-    return {stem: len(list(run)) for stem, run in itertools.groupby(stems)}
 
 
 def _profile_constants() -> dict[str, float]:
