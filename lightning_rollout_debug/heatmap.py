@@ -10,6 +10,7 @@ token counted) has no picture: ``None``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -42,6 +43,9 @@ JOINT_CELL_PX = 4
 """Side of a heatmap cell, in pixels."""
 
 _JOINT_LEFT, _JOINT_TOP = 62, 32
+
+_SHARE_NAMES = ("tokens", "same bin", "pa > pb", "pa < pb")
+"""The names of the rows of shares beside the heatmap, on its frame (:func:`_joint_frame`)."""
 
 _JOINT_TICKS = (1e-8, 1e-4, 0.01, 0.1, 0.5, 0.9, 0.99, 0.999)
 _JOINT_X_TICKS = (1e-8, 0.01, 0.5, 0.9, 0.99, 0.999)
@@ -116,7 +120,6 @@ def _colour_bar(
         draw.line([(left + 10, round(y)), (left + 13, round(y))], fill=INK[FRAME_COLOUR])
         put_text(image, count_label(count), left + 16, y, anchor="lm")
         free_above = y - 6
-    put_text(image, "tokens", left - 1, _JOINT_TOP, anchor="lt", colour=MUTED_COLOUR)
 
 
 def joint_picture(profile: Profile) -> np.ndarray | None:
@@ -165,13 +168,38 @@ def joint_image(profile: Profile) -> Image.Image | None:
             [(x, y), (x + JOINT_CELL_PX - 1, y - JOINT_CELL_PX + 1)], INK[DIAGONAL_COLOUR]
         )
 
-    image = blank_image()
+    image = _joint_frame(tuple(joint.edges)).copy()
     draw = ImageDraw.Draw(image)
     image.paste(heat, (_JOINT_LEFT, _JOINT_TOP))
+    right = _JOINT_LEFT + side
+    top = _JOINT_TOP
+    _colour_bar(image, draw, right + 16, side, most)
+
+    total = float(counts.sum())
+    shares = (
+        count_label(total),
+        f"{np.trace(counts) / total:.1%}",
+        f"{np.tril(counts, -1).sum() / total:.1%}",
+        f"{np.triu(counts, 1).sum() / total:.1%}",
+    )
+    for k, value in enumerate(shares):
+        put_text(image, value, WIDTH - 10, top + 8 + 18 * k, anchor="rm")
+    return image
+
+
+@functools.lru_cache(maxsize=4)
+def _joint_frame(edges: tuple[float, ...]) -> Image.Image:
+    """What a heatmap over these bins holds whatever its counts, drawn once.
+
+    The frame, the title, the ticks, the axis labels and the names of the shares. Not to
+    be drawn on: :func:`joint_image` draws on a copy.
+    """
+    side = len(joint_shown_bins(edges)) * JOINT_CELL_PX
+    image = blank_image()
+    draw = ImageDraw.Draw(image)
     left, top = _JOINT_LEFT, _JOINT_TOP
     right, bottom = left + side, top + side
     draw.rectangle([(left - 1, top - 1), (right, bottom)], outline=INK[FRAME_COLOUR])
-
     put_text(
         image,
         "Tokens by trainer and rollout probability: log(1 + count)",
@@ -181,7 +209,7 @@ def joint_image(profile: Profile) -> Image.Image | None:
         anchor="lm",
     )
     for p in _JOINT_TICKS:
-        at = _joint_coordinate(joint.edges, p) * JOINT_CELL_PX
+        at = _joint_coordinate(edges, p) * JOINT_CELL_PX
         y = round(bottom - at)
         draw.line([(left - 4, y), (left - 1, y)], fill=INK[FRAME_COLOUR])
         put_text(image, probability_label(p), left - 6, y, anchor="rm")
@@ -206,20 +234,10 @@ def joint_image(profile: Profile) -> Image.Image | None:
         anchor="lm",
         rotate=True,
     )
-    _colour_bar(image, draw, right + 16, side, most)
-
-    total = float(counts.sum())
-    rows = [
-        ("tokens", count_label(total)),
-        ("same bin", f"{np.trace(counts) / total:.1%}"),
-        ("pa > pb", f"{np.tril(counts, -1).sum() / total:.1%}"),
-        ("pa < pb", f"{np.triu(counts, 1).sum() / total:.1%}"),
-    ]
+    put_text(image, "tokens", right + 15, top, anchor="lt", colour=MUTED_COLOUR)
     x = right + 72
-    for k, (name, value) in enumerate(rows):
-        y = top + 8 + 18 * k
-        put_text(image, name, x, y, anchor="lm", colour=MUTED_COLOUR)
-        put_text(image, value, WIDTH - 10, y, anchor="rm")
+    for k, name in enumerate(_SHARE_NAMES):
+        put_text(image, name, x, top + 8 + 18 * k, anchor="lm", colour=MUTED_COLOUR)
     put_text(image, "pa > pb: above the", x, top + 86, anchor="lm", colour=MUTED_COLOUR)
     put_text(image, "diagonal (trainer", x, top + 100, anchor="lm", colour=MUTED_COLOUR)
     put_text(image, "more confident)", x, top + 114, anchor="lm", colour=MUTED_COLOUR)

@@ -37,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -175,37 +176,11 @@ def _series_picture(
 
     ``x_ticks`` are ``(slot coordinate, label)``: slot ``i`` spans ``[i, i + 1)``.
     """
-    image = blank_image(VIRIDIS_START)
-    draw = ImageDraw.Draw(image)
     slots = len(tokens)
-    slot_px = (_RIGHT - _LEFT) / slots
-
-    def x_of(coordinate: float) -> float:
-        return _LEFT + coordinate * slot_px
-
     low, high = _decade_range(series)
-
-    def y_of(log_value: float) -> float:
-        return _MAIN_BOTTOM - (log_value - low) / (high - low) * (_MAIN_BOTTOM - _TOP)
-
-    put_text(image, title, 8, 15, size=TITLE_SIZE, anchor="lm")
-    _legend(image, draw, names)
-
-    # Grid and y ticks of the main axes.
-    for mark, label in _y_ticks(low, high):
-        y = round(y_of(mark))
-        draw.line([(_LEFT + 1, y), (_RIGHT - 1, y)], fill=INK[GRID_COLOUR])
-        draw.line([(_LEFT - 3, y), (_LEFT, y)], fill=INK[FRAME_COLOUR])
-        put_text(image, label, _LEFT - 5, y, anchor="rm")
-    put_text(
-        image,
-        "mean (log scale)",
-        6,
-        (_TOP + _MAIN_BOTTOM) / 2,
-        size=LABEL_SIZE,
-        anchor="lm",
-        rotate=True,
-    )
+    image = _series_frame(title, tuple(names), slots, low, high, tuple(x_ticks), x_label).copy()
+    draw = ImageDraw.Draw(image)
+    x_of, y_of = _slot_x(slots), _log_y(low, high)
     if not any(value > 0 for values in series for value in values):
         put_text(
             image,
@@ -220,7 +195,7 @@ def _series_picture(
     # Token counts: log-scaled bars, at least 2 px for a single token.
     most = max(tokens)
     strip = _STRIP_BOTTOM - _STRIP_TOP - 2
-    half_bar = max(1.0, 0.35 * slot_px)
+    half_bar = max(1.0, 0.35 * (_RIGHT - _LEFT) / slots)
     for i, count in enumerate(tokens):
         if count < 1:
             continue
@@ -234,16 +209,6 @@ def _series_picture(
     put_text(image, count_label(most), _LEFT - 5, _STRIP_TOP, anchor="rt", colour=MUTED_COLOUR)
     if most >= 2:
         put_text(image, "1", _LEFT - 5, _STRIP_BOTTOM, anchor="rb", colour=MUTED_COLOUR)
-    put_text(
-        image,
-        "tokens",
-        6,
-        (_STRIP_TOP + _STRIP_BOTTOM) / 2,
-        size=TICK_SIZE,
-        anchor="lm",
-        colour=MUTED_COLOUR,
-        rotate=True,
-    )
 
     # The series: lines through consecutive buckets with a mean, dots at each mean, a
     # triangle on the bottom edge for a mean of 0 or below the axis.
@@ -266,23 +231,89 @@ def _series_picture(
             draw.line(run, fill=INK[colour], width=2, joint="curve")
         for x, y in dots:
             draw.ellipse([(x - 2.5, y - 2.5), (x + 2.5, y + 2.5)], fill=INK[colour])
+    _frame_lines(draw, x_of, x_ticks)  # over the series and the bars
+    return image
 
-    # Frames, x ticks (a label only where it does not run into the previous one).
-    draw.rectangle([(_LEFT, _TOP), (_RIGHT, _MAIN_BOTTOM)], outline=INK[FRAME_COLOUR])
-    draw.line([(_LEFT, _STRIP_BOTTOM), (_RIGHT, _STRIP_BOTTOM)], fill=INK[FRAME_COLOUR])
-    draw.line([(_LEFT, _STRIP_TOP), (_LEFT, _STRIP_BOTTOM)], fill=INK[FRAME_COLOUR])
+
+def _slot_x(slots: int) -> Callable[[float], float]:
+    """The x pixel of a coordinate in slots (slot ``i`` spans ``[i, i + 1)``)."""
+    slot_px = (_RIGHT - _LEFT) / slots
+    return lambda coordinate: _LEFT + coordinate * slot_px
+
+
+def _log_y(low: int, high: int) -> Callable[[float], float]:
+    """The y pixel of a ``log10`` value on the main axes over decades ``[low, high]``."""
+    return lambda log_value: _MAIN_BOTTOM - (log_value - low) / (high - low) * (_MAIN_BOTTOM - _TOP)
+
+
+@functools.lru_cache(maxsize=8)
+def _series_frame(
+    title: str,
+    names: tuple[str, ...],
+    slots: int,
+    low: int,
+    high: int,
+    x_ticks: tuple[tuple[float, str], ...],
+    x_label: str,
+) -> Image.Image:
+    """What a line plot holds whatever its values, drawn once per axes.
+
+    The title, the legend, the grid, the ticks and the labels. Not to be drawn on:
+    :func:`_series_picture` draws on a copy.
+    """
+    image = blank_image(VIRIDIS_START)
+    draw = ImageDraw.Draw(image)
+    x_of, y_of = _slot_x(slots), _log_y(low, high)
+    put_text(image, title, 8, 15, size=TITLE_SIZE, anchor="lm")
+    _legend(image, draw, names)
+    for mark, label in _y_ticks(low, high):
+        y = round(y_of(mark))
+        draw.line([(_LEFT + 1, y), (_RIGHT - 1, y)], fill=INK[GRID_COLOUR])
+        draw.line([(_LEFT - 3, y), (_LEFT, y)], fill=INK[FRAME_COLOUR])
+        put_text(image, label, _LEFT - 5, y, anchor="rm")
+    put_text(
+        image,
+        "mean (log scale)",
+        6,
+        (_TOP + _MAIN_BOTTOM) / 2,
+        size=LABEL_SIZE,
+        anchor="lm",
+        rotate=True,
+    )
+    put_text(
+        image,
+        "tokens",
+        6,
+        (_STRIP_TOP + _STRIP_BOTTOM) / 2,
+        size=TICK_SIZE,
+        anchor="lm",
+        colour=MUTED_COLOUR,
+        rotate=True,
+    )
+    # x tick labels, each only where it does not run into the previous one.
     free_from = -math.inf
     for coordinate, label in x_ticks:
         x = round(x_of(coordinate))
         width, _ = text_size(label, TICK_SIZE)
         left = min(x - width / 2, _RIGHT + 6 - width)
-        draw.line([(x, _STRIP_BOTTOM), (x, _STRIP_BOTTOM + 3)], fill=INK[FRAME_COLOUR])
-        draw.line([(x, _MAIN_BOTTOM), (x, _MAIN_BOTTOM + 3)], fill=INK[FRAME_COLOUR])
         if left >= free_from:
             put_text(image, label, left, _STRIP_BOTTOM + 4)
             free_from = left + width + 3
     put_text(image, x_label, (_LEFT + _RIGHT) / 2, _STRIP_BOTTOM + 21, size=LABEL_SIZE, anchor="mt")
     return image
+
+
+def _frame_lines(
+    draw: ImageDraw.ImageDraw, x_of: Callable[[float], float], x_ticks: Sequence[tuple[float, str]]
+) -> None:
+    """The frames of the main axes and of the strip, and the x tick marks on both."""
+    draw.rectangle([(_LEFT, _TOP), (_RIGHT, _MAIN_BOTTOM)], outline=INK[FRAME_COLOUR])
+    draw.line([(_LEFT, _STRIP_BOTTOM), (_RIGHT, _STRIP_BOTTOM)], fill=INK[FRAME_COLOUR])
+    draw.line([(_LEFT, _STRIP_TOP), (_LEFT, _STRIP_BOTTOM)], fill=INK[FRAME_COLOUR])
+    for coordinate, _ in x_ticks:
+        x = round(x_of(coordinate))
+        draw.line([(x, _STRIP_BOTTOM), (x, _STRIP_BOTTOM + 3)], fill=INK[FRAME_COLOUR])
+        draw.line([(x, _MAIN_BOTTOM), (x, _MAIN_BOTTOM + 3)], fill=INK[FRAME_COLOUR])
 
 
 def by_position_picture(profile: Profile) -> np.ndarray | None:

@@ -24,6 +24,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 from torch.utils.tensorboard import SummaryWriter
 
+from lightning_rollout_debug import heatmap, pictures
 from lightning_rollout_debug.extras import TokenExtras
 from lightning_rollout_debug.pictures import (
     BACKGROUND,
@@ -60,8 +61,11 @@ def profile_of(rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> 
     return profile
 
 
-def realistic(seed: int, rows: int = 16, width: int = 512) -> Profile:
-    """bf16-like noise growing with position, and a larger mismatch at low probability."""
+def realistic(
+    seed: int, rows: int = 16, width: int = 512, counted_rows: int | None = None
+) -> Profile:
+    """bf16-like noise growing with position, and a larger mismatch at low probability
+    (the tokens of the first ``counted_rows`` rows, or of all of them)."""
     generator = torch.Generator().manual_seed(seed)
     confident = -(torch.rand(rows, width, generator=generator) ** 3) * 0.3
     tail = -(torch.rand(rows, width, generator=generator) ** 0.7) * 22
@@ -70,7 +74,10 @@ def realistic(seed: int, rows: int = 16, width: int = 512) -> Profile:
     noise = torch.randn(rows, width, generator=generator) * 0.004 * growth
     low = torch.where(old < -4, torch.randn(rows, width, generator=generator) * 0.25, 0.0)
     rollout = (old + noise + low).clamp(max=0)
-    return profile_of(rollout, old, torch.ones(rows, width))
+    mask = torch.ones(rows, width)
+    if counted_rows is not None:
+        mask[counted_rows:] = 0
+    return profile_of(rollout, old, mask)
 
 
 def empty_profile() -> Profile:
@@ -147,6 +154,29 @@ def test_pngs_are_the_pictures_with_the_fixed_palette() -> None:
         np.testing.assert_array_equal(np.asarray(decoded.convert("RGB")), pictures[name])
         assert len(png) < 32_000, (name, len(png))  # a few KB each
     assert profile_pngs(empty_profile()) == {} and profile_pngs(None) == {}
+
+
+def test_a_picture_does_not_carry_over_into_the_next_on_the_same_axes() -> None:
+    """What a picture holds whatever its values is drawn once per axes and copied: drawing
+    one profile leaves nothing behind in the next profile's pictures."""
+    first, second = realistic(0), realistic(0, counted_rows=12)
+    frames = (pictures._series_frame, heatmap._joint_frame)
+    for frame in frames:
+        frame.cache_clear()
+    alone = profile_pictures(second)
+    for frame in frames:
+        frame.cache_clear()
+    profile_pictures(first)
+    hits = [frame.cache_info().hits for frame in frames]
+    after = profile_pictures(second)
+    # The second profile's pictures were drawn on the frames the first one's were.
+    reused = [frame.cache_info().hits - was for frame, was in zip(frames, hits, strict=True)]
+    assert reused == [2, 1]
+    assert alone.keys() == after.keys() == {name for name, _ in PICTURES}
+    for name, picture in alone.items():
+        np.testing.assert_array_equal(after[name], picture, err_msg=name)
+    drawn_first = profile_pictures(first)
+    assert not any(np.array_equal(drawn_first[name], picture) for name, picture in alone.items())
 
 
 def test_an_empty_profile_has_no_picture() -> None:
