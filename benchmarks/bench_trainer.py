@@ -1,36 +1,44 @@
-"""What the callback costs a real training run: the same run with and without it.
+"""What the callback costs a real training run, every configuration side by side in one run.
 
-A small Lightning model trains on batches that carry ``[rows, width]`` rollout tensors;
-the run is repeated without the callback and with it, logging every step (the worst
-case), every 10 steps and every 50 (the Trainer's default), each with the defaults, with
-the defaults less the profile (no quantiles, no pictures: the defaults before them) and
-with scalars only; and with the pictures at every logged step, logging every step.
-The cost of a step is amortized: the wall time from the start of the first step after
-warm-up (which includes compilation where it happens) to the start of the last, over
-the steps in between, so a logged step's cost is spread over its window, and so is the
-work TensorBoard's writer thread does between steps. Runs alternate; the median over
-rounds of each configuration is printed, with the overhead per step against the run
-without the callback. That overhead is the difference of two noisy totals, so a
-second figure times the callback itself: the wall time of its ``on_train_batch_end``
-(the update, and on a logged step the merge, the host copy, the metrics and the
-writes), averaged over the steps after warm-up. It leaves out only what TensorBoard's
-writer thread does after the hook has returned. Beside it are the medians of the hook
-of a step that does not log (the update, inside a training step) and of one that logs.
+A small Lightning model trains on batches that carry ``[rows, width]`` rollout tensors.
+One Trainer run holds one callback per configuration, and the steps go to them in
+blocks: a block of ``--block`` steps (50 by default, a multiple of every cadence and of
+the pictures' span) where one configuration's callback works, then a block where none
+does. Each round runs every configuration's block once, in a new order each round, after
+a round of warm-up. The configurations: the defaults, the defaults less the profile (no
+quantiles, no pictures: the defaults before them) and scalars only, each logging every
+step (the worst case), every 10 steps and every 50 (the Trainer's default) through the
+callback's own ``log_every_n_steps``; and the pictures at every logged step, logging
+every step. Load that changes over the run reaches every configuration alike.
 
-    python benchmarks/bench_trainer.py [--rows 64 --width 2048 --steps 200 --rounds 3]
+Two figures per configuration, per round, then their median over rounds:
+
+* **overhead**: the wall time of its block's steps, plus the first 10 steps of the block
+  after it (where TensorBoard's writer thread may still be writing what it logged), less
+  the same number of steps at the per-step time of the rest of that idle block; per step
+  of its block. It holds everything, the writer thread's work too.
+* **hook**: the wall time of its ``on_train_batch_end`` (the update, and on a logged
+  step the merge, the host copy, the metrics and the writes), averaged over its steps.
+  Beside it are the medians of the hook of a step that does not log (the update, inside
+  a training step) and of one that logs.
+
+The ratios the goals name are printed as the ratio of the medians, with the range of the
+rounds' own ratios.
+
+    python benchmarks/bench_trainer.py [--rows 64 --width 2048 --block 50 --rounds 6]
                                        [--accelerator gpu] [--mask random|padded]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +55,6 @@ from configurations import NO_PROFILE, SCALARS_ONLY
 
 from lightning_rollout_debug import RolloutDebugCallback
 
-WARMUP = 5
 QUIET = {"alert_ranges": {}, "drift_factors": {}}
 """No alerts: the batches are the same every step, and warnings are not what is timed."""
 
@@ -88,28 +95,33 @@ class RolloutBatches(Dataset):
 
 
 class TimedCallback(RolloutDebugCallback):
-    """The callback, with the wall time of each ``on_train_batch_end``."""
+    """The callback of one configuration: it works in its own blocks of steps, timed."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.seconds: list[float] = []
-        self.logged: list[bool] = []
+    def __init__(self, name: str, schedule: list[str | None], **kwargs: Any) -> None:
+        super().__init__(**QUIET, **kwargs)
+        self.name, self.schedule = name, schedule
+        self.seconds: dict[int, float] = {}  # step -> wall time of the hook
+        self.logged: set[int] = set()
 
-    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+    @property
+    def state_key(self) -> str:  # one callback per configuration in one Trainer
+        return f"{super().state_key}[{self.name}]"
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self.schedule[batch_idx] != self.name:
+            return
         start = time.perf_counter()
-        super().on_train_batch_end(*args, **kwargs)
-        self.seconds.append(time.perf_counter() - start)
-        self.logged.append(self.monitor.batches_in_window == 0)  # a logged step empties it
-
-    def mean_ms(self) -> float:
-        """Milliseconds the hook takes per step after warm-up, logged steps included."""
-        return statistics.fmean(self.seconds[WARMUP:]) * 1e3
-
-    def median_ms(self, *, logged: bool) -> float:
-        """The median milliseconds of the hook of the steps after warm-up that log (or not)."""
-        steps = zip(self.seconds[WARMUP:], self.logged[WARMUP:], strict=True)
-        found = [seconds for seconds, did in steps if did == logged]
-        return statistics.median(found) * 1e3 if found else math.nan
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.seconds[batch_idx] = time.perf_counter() - start
+        if self.monitor.batches_in_window == 0:  # a logged step empties the window
+            self.logged.add(batch_idx)
 
 
 class Model(pl.LightningModule):
@@ -121,17 +133,9 @@ class Model(pl.LightningModule):
         self.step_starts: list[float] = []
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._synchronize()
-        self.step_starts.append(time.perf_counter())
-
-    def _synchronize(self) -> None:
         if self.device.type == "cuda":  # time the work, not its queueing
             torch.cuda.synchronize(self.device)
-
-    def amortized_ms(self) -> float:
-        """Milliseconds per step from the first step after warm-up to the last."""
-        starts = self.step_starts[WARMUP:]
-        return (starts[-1] - starts[0]) / (len(starts) - 1) * 1e3
+        self.step_starts.append(time.perf_counter())
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.net(batch["x"]).pow(2).mean()
@@ -142,38 +146,98 @@ class Model(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
-def run(callbacks: list[pl.Callback], every: int, args: argparse.Namespace) -> list[float]:
-    """Milliseconds after warm-up: the amortized step, the hook (mean), and the median hook
-    of a step that does not log and of one that logs."""
+CONFIGURATIONS: dict[str, dict[str, Any]] = {}
+"""Each configuration's constructor arguments, by name."""
+CADENCES = {"every step": 1, "every 10 steps": 10, "every 50 steps": 50}
+for _cadence, _every in CADENCES.items():
+    CONFIGURATIONS[f"defaults, {_cadence}"] = {"log_every_n_steps": _every}
+    CONFIGURATIONS[f"no profile, {_cadence}"] = {**NO_PROFILE, "log_every_n_steps": _every}
+    CONFIGURATIONS[f"scalars only, {_cadence}"] = {**SCALARS_ONLY, "log_every_n_steps": _every}
+CONFIGURATIONS["pictures at every logged step, every step"] = {
+    "profile_images_every_n_steps": 1,
+    "log_every_n_steps": 1,
+}
+SPILL = 10
+"""Steps of the idle block after a configuration's block that are counted as its own."""
+
+
+def schedule_of(names: list[str], block: int, rounds: int) -> list[str | None]:
+    """Who works at each step: per round (the first is warm-up), each name's block, then an
+    idle block; the order rotates and reverses from round to round."""
+    steps: list[str | None] = []
+    for index in range(rounds + 1):
+        order = names[index % len(names) :] + names[: index % len(names)]
+        for name in order[::-1] if index % 2 else order:
+            steps += [name] * block + [None] * block
+    return steps
+
+
+def measure(args: argparse.Namespace) -> dict[str, list[list[float]]]:
+    """Per configuration, per measured round: overhead, hook, a quiet hook, a logged hook,
+    and the step without the callback it was measured against (milliseconds per step)."""
+    names = list(CONFIGURATIONS)
+    schedule = schedule_of(names, args.block, args.rounds)
+    callbacks = [TimedCallback(name, schedule, **CONFIGURATIONS[name]) for name in names]
     model = Model()
     with tempfile.TemporaryDirectory() as logdir:
         trainer = pl.Trainer(
             accelerator=args.accelerator,
             devices=1,
-            max_steps=args.steps,
-            log_every_n_steps=every,
+            max_steps=len(schedule),
             logger=TensorBoardLogger(logdir, max_queue=args.max_queue),
             callbacks=callbacks,
             enable_progress_bar=False,
             enable_model_summary=False,
             enable_checkpointing=False,
         )
-        data = RolloutBatches(args.rows, args.width, args.steps, args.mask)
+        data = RolloutBatches(args.rows, args.width, len(schedule), args.mask)
         trainer.fit(model, DataLoader(data, batch_size=None))
-    timed = [c for c in callbacks if isinstance(c, TimedCallback)]
-    hook = sum(c.mean_ms() for c in timed)
-    quiet = sum(c.median_ms(logged=False) for c in timed)
-    logged = sum(c.median_ms(logged=True) for c in timed)
-    return [model.amortized_ms(), hook, quiet, logged]
+    starts = model.step_starts
+    step_seconds = [later - earlier for earlier, later in itertools.pairwise(starts)]
+    found: dict[str, list[list[float]]] = {name: [] for name in names}
+    for callback in callbacks:
+        blocks = [i for i, name in enumerate(schedule) if name == callback.name]
+        for first in blocks[args.block :: args.block]:  # the first round warms up
+            steps = range(first, first + args.block)
+            idle = step_seconds[first + args.block + SPILL : first + 2 * args.block]
+            spilled = step_seconds[first : first + args.block + SPILL]
+            overhead = sum(spilled) - len(spilled) * statistics.fmean(idle)
+            hooks = [callback.seconds[step] for step in steps]
+            quiet = [callback.seconds[step] for step in steps if step not in callback.logged]
+            logged = [callback.seconds[step] for step in steps if step in callback.logged]
+            found[callback.name].append(
+                [
+                    overhead / args.block * 1e3,
+                    statistics.fmean(hooks) * 1e3,
+                    statistics.median(quiet) * 1e3 if quiet else math.nan,
+                    statistics.median(logged) * 1e3 if logged else math.nan,
+                    statistics.fmean(idle) * 1e3,
+                ]
+            )
+        every = CONFIGURATIONS[callback.name]["log_every_n_steps"]
+        expected = (args.rounds) * (args.block // every)
+        measured = sum(step >= args.block * 2 * len(names) for step in callback.logged)
+        if measured != expected:
+            raise RuntimeError(f"{callback.name}: {measured} logged steps, expected {expected}")
+    return found
+
+
+def ratio_text(found: dict[str, list[list[float]]], top: str, bottom: str, figure: int) -> str:
+    """The ratio of two configurations' medians of a figure, with the range of the rounds'."""
+    tops = [values[figure] for values in found[top]]
+    bottoms = [values[figure] for values in found[bottom]]
+    rounds = sorted(t / b for t, b in zip(tops, bottoms, strict=True))
+    ratio = statistics.median(tops) / statistics.median(bottoms)
+    return f"{ratio:.2f}x (rounds {rounds[0]:.2f}x to {rounds[-1]:.2f}x)"
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Time the configurations and print the overhead per step."""
+    """Time the configurations side by side and print their cost and its ratios."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--block", type=int, default=50, help="steps a block, a multiple of 50")
+    parser.add_argument("--rounds", type=int, default=6, help="measured rounds, after warm-up")
     parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu, gpu")
     parser.add_argument(
         "--mask",
@@ -188,63 +252,38 @@ def main(argv: list[str] | None = None) -> None:
         help="events the SummaryWriter queues before a write waits (10: its default)",
     )
     args = parser.parse_args(argv)
+    if args.block < 50 or args.block % 50:
+        parser.error(f"--block must be a multiple of 50, got {args.block}")
     warnings.filterwarnings("ignore")
-    cadences = {"every step": 1, "every 10 steps": 10, "every 50 steps": 50}
-    configurations: dict[str, tuple[Callable[[], list[pl.Callback]], int]] = {
-        "without the callback": (list, 1)
-    }
-    for name, every in cadences.items():
-        configurations[f"defaults, {name}"] = (lambda: [TimedCallback(**QUIET)], every)
-        configurations[f"no profile, {name}"] = (
-            lambda: [TimedCallback(**NO_PROFILE, **QUIET)],
-            every,
-        )
-        configurations[f"scalars only, {name}"] = (
-            lambda: [TimedCallback(**SCALARS_ONLY, **QUIET)],
-            every,
-        )
-    configurations["pictures at every logged step, every step"] = (
-        lambda: [TimedCallback(profile_images_every_n_steps=1, **QUIET)],
-        1,
-    )
-    rounds: dict[str, list[list[float]]] = {name: [] for name in configurations}
-    for _ in range(args.rounds):
-        for name, (make, every) in configurations.items():
-            rounds[name].append(run(make(), every, args))
-    # The median over rounds of each figure: amortized, hook, quiet step, logged step.
-    medians = {
-        name: [statistics.median(figures) for figures in zip(*values, strict=True)]
-        for name, values in rounds.items()
-    }
-    threads = torch.get_num_threads()
+    found = measure(args)
     print(
-        f"torch {torch.__version__}, {args.accelerator}, {threads} threads, {kernel_width()}, "
-        f"batch {args.rows}x{args.width}, {args.mask} mask, {args.steps} steps, "
-        "amortized per step"
+        f"torch {torch.__version__}, {args.accelerator}, {torch.get_num_threads()} threads, "
+        f"{kernel_width()}, batch {args.rows}x{args.width}, {args.mask} mask; blocks of "
+        f"{args.block} steps, medians of {args.rounds} rounds, ms per step"
     )
-    base = medians["without the callback"][0]
-    overhead, hook, quiet = {}, {}, {}
-    for name, (ms, mean_hook, quiet_hook, logged_hook) in medians.items():
-        overhead[name], hook[name], quiet[name] = ms - base, mean_hook, quiet_hook
+    idle = statistics.median(values[4] for rounds in found.values() for values in rounds)
+    print(f"{'a step without the callback':42} {idle:6.2f}")
+    for name, values in found.items():
+        overhead, hook, quiet, logged, _ = (statistics.median(v) for v in zip(*values, strict=True))
         print(
-            f"{name:42} {ms:8.2f} ms/step   overhead {ms - base:+7.2f} ms/step   "
-            f"hook {mean_hook:6.2f} ms/step   (a step that does not log {quiet_hook:5.2f} ms, "
-            f"one that logs {logged_hook:6.2f} ms)"
+            f"{name:42} overhead {overhead:+6.2f}   hook {hook:6.2f}   (a step that does not "
+            f"log {quiet:5.2f}, one that logs {logged:6.2f})"
         )
-    for name in ("no profile", "defaults"):
-        against = "scalars only" if name == "no profile" else "no profile"
-        ratio = quiet[f"{name}, every 50 steps"] / quiet[f"{against}, every 50 steps"]
-        print(f"hook of a step that does not log: {name} / {against}: {ratio:.2f}x")
-    for what, cost in (("overhead", overhead), ("hook", hook)):
-        for name in cadences:
-            ratio = cost[f"no profile, {name}"] / cost[f"scalars only, {name}"]
-            print(f"{what}: no profile / scalars only, logging {name}: {ratio:.2f}x (goal: 1.5x)")
-        for name in cadences:
-            ratio = cost[f"defaults, {name}"] / cost[f"no profile, {name}"]
-            print(f"{what}: defaults / no profile, logging {name}: {ratio:.2f}x (goal: 1.3x)")
-        pictures = cost["pictures at every logged step, every step"]
-        ratio = pictures / cost["no profile, every step"]
-        print(f"{what}: pictures at every logged step / no profile, every step: {ratio:.2f}x")
+    for name, against in (("no profile", "scalars only"), ("defaults", "no profile")):
+        ratio = ratio_text(found, f"{name}, every 50 steps", f"{against}, every 50 steps", 2)
+        print(f"hook of a step that does not log: {name} / {against}: {ratio}")
+    for figure, what in ((0, "overhead"), (1, "hook")):
+        for name, against, goal in (
+            ("no profile", "scalars only", 1.5),
+            ("defaults", "no profile", 1.3),
+        ):
+            for cadence in CADENCES:
+                ratio = ratio_text(found, f"{name}, {cadence}", f"{against}, {cadence}", figure)
+                print(f"{what}: {name} / {against}, logging {cadence}: {ratio} (goal: {goal}x)")
+        ratio = ratio_text(
+            found, "pictures at every logged step, every step", "no profile, every step", figure
+        )
+        print(f"{what}: pictures at every logged step / no profile, every step: {ratio}")
 
 
 if __name__ == "__main__":

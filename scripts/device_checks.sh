@@ -37,7 +37,7 @@ step environment "$python" -c "import torch; print(torch.__version__, torch.cuda
 step tests "$python" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_host_sync.py tests/test_tensorboard.py
 step launches "$python" benchmarks/bench_launches.py --device "$device"
 step update_parts "$python" benchmarks/bench_update_parts.py --device "$device" --rounds 50
-step trainer "$python" benchmarks/bench_trainer.py --accelerator "$accelerator" --rounds 1 --steps 100
+step trainer "$python" benchmarks/bench_trainer.py --accelerator "$accelerator" --rounds 2
 
 if [ "${#failed[@]}" -gt 0 ]; then
   echo "failed: ${failed[*]}"
