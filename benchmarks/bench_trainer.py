@@ -215,7 +215,7 @@ def measure(args: argparse.Namespace) -> dict[str, list[list[float]]]:
                 ]
             )
         every = CONFIGURATIONS[callback.name]["log_every_n_steps"]
-        expected = (args.rounds) * (args.block // every)
+        expected = args.rounds * (args.block // every)
         measured = sum(step >= args.block * 2 * len(names) for step in callback.logged)
         if measured != expected:
             raise RuntimeError(f"{callback.name}: {measured} logged steps, expected {expected}")

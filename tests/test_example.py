@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import statistics
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -19,6 +21,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_mismatch.py"
 
 PROBS_DIFF = "training/rollout_probs_diff_mean"
 KL_K3 = "training/rollout_actor_kl_k3"
+LOG_PROBS_DIFF = "training/rollout_log_probs_diff_mean"
 REWARD = "train/reward"
 HEAVY_MODULES = (
     "torch",
@@ -131,6 +134,30 @@ def test_the_command_line_answers_before_the_heavy_imports(flags: list[str]) -> 
     assert not heavy, f"{' '.join(flags)} imported {heavy[:5]}"
 
 
+def test_the_default_run_drifts_as_its_policy_grows_confident(
+    example: ModuleType, tmp_path: Path
+) -> None:
+    """The bf16 run, as its docstring says: inside every fixed range, but its probability-
+    weighted mismatch passes twice its start as the sampled tokens' probabilities rise,
+    and the drift alert names it; the log-space error does not double."""
+    from lightning_rollout_debug import RolloutAlertWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        log_dir = example.main(["--max-steps", "30", "--logdir", str(tmp_path)])
+    alerts = [str(w.message) for w in caught if issubclass(w.category, RolloutAlertWarning)]
+    assert alerts, "no alert in 30 steps"
+    for message in alerts:
+        assert f"`{PROBS_DIFF}`" in message and "drifted above 2 x its baseline" in message
+    scalars = read_scalars(log_dir)
+    probs, logs = scalars[PROBS_DIFF], scalars[LOG_PROBS_DIFF]
+    assert sorted(probs) == list(range(30))
+    start = statistics.median(probs[step] for step in range(10))
+    log_start = statistics.median(logs[step] for step in range(10))
+    assert max(probs[step] for step in range(10, 30)) > 2 * start
+    assert max(logs[step] for step in range(10, 30)) < 2 * log_start
+
+
 def test_a_sync_that_stops_drifts_and_draws_the_profile(
     example: ModuleType, tmp_path: Path
 ) -> None:
@@ -146,6 +173,10 @@ def test_a_sync_that_stops_drifts_and_draws_the_profile(
     early = sorted(scalars[PROBS_DIFF].items())[:10]
     baseline = sorted(value for _, value in early)[4:6]
     assert max(scalars[PROBS_DIFF].values()) > 2 * min(baseline)
+    # Unlike the policy's growing confidence, the stale engine moves the log-space error too.
+    logs = scalars[LOG_PROBS_DIFF]
+    log_start = statistics.median(logs[step] for step in range(10))
+    assert min(logs[step] for step in range(13, 30)) > 2 * log_start
     assert "training/rollout_probs_diff_p99" in scalars
     accumulator = EventAccumulator(str(log_dir), size_guidance={"images": 0})
     accumulator.Reload()
