@@ -10,8 +10,10 @@ the callback runs on the host, timed in interleaved rounds (medians):
 * **profile views**: the profile's buckets by position and by probability and its joint
   histogram, read when the pictures are drawn (or asked for);
 * **draw**, **PNG**: drawing the three pictures and encoding them;
-* **checksum**: TensorBoard's CRC-32C of the PNGs' bytes, which its writer thread
-  computes in Python for every byte of every event.
+* **checksum in Python**: TensorBoard's CRC-32C of the PNGs' bytes, which its writer
+  thread computes in Python for every byte of every event;
+* **checksum in C**: the same values from google-crc32c, the writer's checksum once the
+  callback has logged to TensorBoard (``use_fast_event_checksums``).
 
 The batch is that of ``bench_trainer.py`` (``--mask random``: a scattered 80% of the
 tokens counted, the default; ``--mask padded``: right-padded responses).
@@ -32,6 +34,7 @@ from pathlib import Path
 
 import torch
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+from tensorboard.summary.writer import record_writer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -42,6 +45,7 @@ from lightning_rollout_debug import RolloutDebugCallback
 from lightning_rollout_debug.canvas import encode_png
 from lightning_rollout_debug.pictures import profile_images
 from lightning_rollout_debug.profile import PROFILE_SIZE, read_profile
+from lightning_rollout_debug.tensorboard import use_fast_event_checksums
 
 
 def parts(rows: int, width: int, mask: str) -> tuple[dict[str, Callable[[], object]], int]:
@@ -56,6 +60,8 @@ def parts(rows: int, width: int, mask: str) -> tuple[dict[str, Callable[[], obje
     profile = extras.summary(host).profile
     images = profile_images(profile)
     pngs = [encode_png(image) for image in images.values()]
+    assert use_fast_event_checksums()
+    in_c = record_writer.masked_crc32c
 
     def views() -> object:
         fresh = read_profile(block)
@@ -67,7 +73,8 @@ def parts(rows: int, width: int, mask: str) -> tuple[dict[str, Callable[[], obje
         "profile views": views,
         "draw": lambda: profile_images(profile),
         "PNG": lambda: [encode_png(image) for image in images.values()],
-        "checksum": lambda: [masked_crc32c(png) for png in pngs],
+        "checksum in Python": lambda: [masked_crc32c(png) for png in pngs],
+        "checksum in C": lambda: [in_c(png) for png in pngs],
     }
     return found, sum(map(len, pngs))
 
@@ -95,8 +102,8 @@ def main() -> None:
         f"{args.mask} mask; medians of {args.rounds} interleaved rounds"
     )
     for name, values in times.items():
-        print(f"  {name:14} {statistics.median(values) * 1e3:7.3f} ms")
-    checksum = statistics.median(times["checksum"])
+        print(f"  {name:18} {statistics.median(values) * 1e3:7.3f} ms")
+    checksum = statistics.median(times["checksum in Python"])
     print(f"  the pictures' PNGs: {png_bytes} bytes, {checksum / png_bytes * 1e9:.0f} ns a byte")
 
 

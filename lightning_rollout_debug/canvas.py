@@ -175,8 +175,7 @@ def rgb_array(image: Image.Image | None) -> np.ndarray | None:
 
 PNG_COMPRESS_LEVEL = 3
 """zlib level of the pictures' PNGs (a few KB each): about as fast to encode as level 1, and
-smaller. Each byte of an event costs TensorBoard's writer a checksum computed in Python,
-so the size counts as much as the encoding time."""
+smaller; a higher level saves less in the event file than it costs in time."""
 
 
 def encode_png(image: Image.Image) -> bytes:

@@ -72,6 +72,7 @@ from lightning_rollout_debug.stats import (
 from lightning_rollout_debug.tensorboard import (
     PROFILE_IMAGES_EVERY_N_STEPS,
     dashboard_layout,
+    use_fast_event_checksums,
     write_extras,
     write_profile,
 )
@@ -570,6 +571,8 @@ class RolloutDebugMonitor:
             if not math.isnan(value)
         }
         if ranks.is_global_zero:
+            if any(isinstance(logger, TENSORBOARD_LOGGERS) for logger in loggers):
+                use_fast_event_checksums()
             if scalars:
                 for logger in loggers:
                     logger.log_metrics(dict(scalars), step=step)

@@ -5,15 +5,18 @@ The scalars reach TensorBoard through the Lightning loggers; what only a
 (:class:`~lightning_rollout_debug.extras.ExtrasSummary`): histograms with the fixed bins
 of :mod:`.extras`, a markdown table of the worst tokens, the pictures of the profile
 (:mod:`.pictures`), and the custom-scalars layout of the catalog's
-:data:`~lightning_rollout_debug.catalog.DASHBOARD`.
+:data:`~lightning_rollout_debug.catalog.DASHBOARD`. :func:`use_fast_event_checksums`
+gives TensorBoard's event writer a checksum in C.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 import sys
-from collections.abc import Collection, Sequence
+import warnings
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from lightning_rollout_debug.catalog import DASHBOARD
@@ -41,9 +44,62 @@ PROFILE_IMAGE_TAGS: tuple[str, ...] = tuple(f"{PROFILE_IMAGE_TAG}/{name}" for na
 PROFILE_IMAGES_EVERY_N_STEPS = 50
 """Default spacing of the profile pictures: they are drawn at the first logged step of each
 span of this many steps (``[0, 50)``, ``[50, 100)``, ...), so at every logged step when
-logging every 50 steps or less often. A set costs a few milliseconds (drawing, PNG, and
-TensorBoard's pure-Python checksum of some 20 KB); TensorBoard shows 10 images per tag
-unless started with ``--samples_per_plugin images=N``."""
+logging every 50 steps or less often. A set costs a few milliseconds (drawing and PNG,
+some 20 KB); TensorBoard shows 10 images per tag unless started with
+``--samples_per_plugin images=N``."""
+
+
+@functools.cache
+def _masked_crc32c_in_c() -> Callable[[bytes], int] | None:
+    """TensorBoard's masked CRC-32C of a record, computed by google-crc32c's C extension.
+
+    ``None`` without that extension (google-crc32c then falls back to Python, and warns).
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        try:
+            from google_crc32c.cext import value
+        except ImportError:
+            return None
+
+    def masked_crc32c(data: bytes) -> int:
+        crc = value(data)
+        rotated = ((crc >> 15) | (crc << 17)) & 0xFFFFFFFF
+        return (rotated + 0xA282EAD8) & 0xFFFFFFFF
+
+    return masked_crc32c
+
+
+def use_fast_event_checksums() -> bool:
+    """Give TensorBoard's event writer google-crc32c's checksum in C; whether it has it now.
+
+    The event files of torch's ``SummaryWriter`` (TensorBoard's writer, that of Lightning's
+    ``TensorBoardLogger``) hold a masked CRC-32C of each record, which TensorBoard's writer
+    computes in Python, byte by byte, on its writer thread and holding the interpreter's
+    lock while the training step runs: of a logged step's work, the pictures' checksum
+    cost more than drawing them. google-crc32c's C extension computes the same values;
+    the files are byte for byte the same. The monitor calls this at each logged step
+    with a TensorBoard logger. It changes nothing without that extension, or where
+    something else has already replaced the writer's checksum; tensorboardX has its own
+    (in C with the ``crc32c`` package installed).
+
+    Example:
+        >>> from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+        >>> from tensorboard.summary.writer import record_writer
+        >>> use_fast_event_checksums()
+        True
+        >>> record_writer.masked_crc32c(b"rollout") == masked_crc32c(b"rollout")
+        True
+    """
+    fast = _masked_crc32c_in_c()
+    if fast is None:
+        return False
+    from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
+    from tensorboard.summary.writer import record_writer
+
+    if record_writer.masked_crc32c is pywrap_tensorflow.masked_crc32c:
+        record_writer.masked_crc32c = fast
+    return record_writer.masked_crc32c is fast
 
 
 def write_extras(

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from lightning_helpers import (
     PACKAGES,
     PYTORCH_LIGHTNING,
@@ -29,7 +31,9 @@ from lightning_helpers import (
 )
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.compat.tensorflow_stub import errors, pywrap_tensorflow
 from tensorboard.plugins.custom_scalar import layout_pb2
+from tensorboard.summary.writer import record_writer
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -46,7 +50,7 @@ from lightning_rollout_debug.catalog import DASHBOARD
 from lightning_rollout_debug.extras import WORST_FIELDS, TokenExtras
 from lightning_rollout_debug.ranks import Ranks
 from lightning_rollout_debug.rows import LOG_PROB_FLOOR
-from lightning_rollout_debug.tensorboard import dashboard_layout
+from lightning_rollout_debug.tensorboard import dashboard_layout, use_fast_event_checksums
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),
@@ -334,13 +338,18 @@ def test_layout_follows_groups_and_prefix() -> None:
 
 
 # ---------------------------------------------------------------------- loggers, flags
-def test_csv_logger_only_gets_scalars_and_nothing_fails(tmp_path: Path) -> None:
+def test_csv_logger_only_gets_scalars_and_nothing_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(record_writer, "masked_crc32c", pywrap_tensorflow.masked_crc32c)
     batches = [batch(seed) for seed in range(4)]
     logger = CSVLogger(tmp_path, name="csv", version=0)
     fit(batches, RolloutDebugCallback(), logger)
     series = read_csv_metrics(Path(logger.log_dir) / "metrics.csv")
     assert sorted(series[f"{PREFIX}rollout_tokens"]) == [1, 3]
     assert not list(tmp_path.rglob("events.out.tfevents.*"))
+    # Without a TensorBoard logger, TensorBoard's writer keeps its own checksum.
+    assert record_writer.masked_crc32c is pywrap_tensorflow.masked_crc32c
 
 
 @pytest.mark.parametrize("lit", PACKAGES)
@@ -352,6 +361,58 @@ def test_csv_and_tensorboard_together(tmp_path: Path, lit: Lightning) -> None:
     assert f"{PREFIX}rollout_tokens" in read_csv_metrics(Path(csv.log_dir) / "metrics.csv")
     tags = accumulator(tb.log_dir).Tags()
     assert LOG_RATIO_TAG in tags["histograms"] and TEXT_TAG in tags["tensors"]
+
+
+# ---------------------------------------------------------------------- event checksums
+@given(st.binary(max_size=3000))
+def test_fast_event_checksum_is_tensorboards_own(data: bytes) -> None:
+    assert use_fast_event_checksums()
+    assert record_writer.masked_crc32c is not pywrap_tensorflow.masked_crc32c
+    assert record_writer.masked_crc32c(data) == pywrap_tensorflow.masked_crc32c(data)
+
+
+def records(path: Path) -> list[bytes]:
+    """Every record of an event file, each checked by TensorBoard's reader (its own checksum)."""
+    reader = pywrap_tensorflow.PyRecordReader_New(str(path))
+    found = []
+    while True:
+        try:
+            reader.GetNext()
+        except errors.OutOfRangeError:
+            return found
+        found.append(reader.record())
+
+
+def test_a_run_writes_event_files_that_tensorboards_reader_checks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run gives the writer the checksum in C; TensorBoard's own Python one accepts it."""
+    monkeypatch.setattr(record_writer, "masked_crc32c", pywrap_tensorflow.masked_crc32c)
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    fit([batch(seed) for seed in range(4)], RolloutDebugCallback(), logger)
+    assert record_writer.masked_crc32c is not pywrap_tensorflow.masked_crc32c
+    (path,) = Path(logger.log_dir).glob("events.out.tfevents.*")
+    found = records(path)
+    pictures = [record for record in found if b"rollout_profile/joint" in record]
+    assert len(found) > 50 and len(pictures) == 1 and len(pictures[0]) > 5000
+    assert f"{PREFIX}rollout_profile/joint" in accumulator(logger.log_dir).Tags()["images"]
+    # The reader does check: one byte changed in the pictures' record is refused.
+    data = bytearray(path.read_bytes())
+    data[data.index(pictures[0]) + len(pictures[0]) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(errors.DataLossError, match="crc32"):
+        records(path)
+
+
+def test_a_checksum_replaced_by_something_else_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def theirs(data: bytes) -> int:
+        return pywrap_tensorflow.masked_crc32c(data)
+
+    monkeypatch.setattr(record_writer, "masked_crc32c", theirs)
+    assert not use_fast_event_checksums()
+    assert record_writer.masked_crc32c is theirs
 
 
 def test_extras_can_be_turned_off(tmp_path: Path) -> None:
