@@ -92,12 +92,16 @@ def use_fast_event_checksums() -> bool:
         True
     """
     fast = _masked_crc32c_in_c()
-    if fast is None:
+    try:
+        from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
+        from tensorboard.summary.writer import record_writer
+    except ImportError:
         return False
-    from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
-    from tensorboard.summary.writer import record_writer
-
-    if record_writer.masked_crc32c is pywrap_tensorflow.masked_crc32c:
+    # A TensorBoard whose writer finds its checksum elsewhere is left as it is.
+    current = getattr(record_writer, "masked_crc32c", None)
+    if fast is None or current is None:
+        return False
+    if current is getattr(pywrap_tensorflow, "masked_crc32c", None):
         record_writer.masked_crc32c = fast
     return record_writer.masked_crc32c is fast
 

@@ -413,6 +413,10 @@ def test_a_checksum_replaced_by_something_else_is_left_alone(
     monkeypatch.setattr(record_writer, "masked_crc32c", theirs)
     assert not use_fast_event_checksums()
     assert record_writer.masked_crc32c is theirs
+    # A TensorBoard whose writer takes its checksum from elsewhere: nothing is added.
+    monkeypatch.delattr(record_writer, "masked_crc32c")
+    assert not use_fast_event_checksums()
+    assert not hasattr(record_writer, "masked_crc32c")
 
 
 def test_extras_can_be_turned_off(tmp_path: Path) -> None:
