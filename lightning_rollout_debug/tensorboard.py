@@ -53,7 +53,8 @@ some 20 KB); TensorBoard shows 10 images per tag unless started with
 def _masked_crc32c_in_c() -> Callable[[bytes], int] | None:
     """TensorBoard's masked CRC-32C of a record, computed by google-crc32c's C extension.
 
-    ``None`` without that extension (google-crc32c then falls back to Python, and warns).
+    ``None`` without that extension (google-crc32c then falls back to Python; its warning
+    about that is not shown here).
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
