@@ -1,6 +1,8 @@
 """Keep the documentation in step with the code.
 
-- every metric name of ``METRIC_NAMES`` is documented in ``docs/metrics.md``;
+- every metric name of ``METRIC_NAMES`` is documented in ``docs/metrics.md``, whose
+  definition tables list them in the catalog's order;
+- the dashboard table of ``docs/tensorboard.md`` lists the charts of ``DASHBOARD``;
 - every constructor parameter of ``RolloutDebugCallback`` is in the argument table of
   ``docs/usage.md``, with the default the code has;
 - the code blocks of ``docs/usage.md`` marked ``<!-- test: run -->`` run, and the YAML
@@ -57,6 +59,53 @@ ALL_METRICS = [name for group in GROUPS for name in METRIC_NAMES[group]]
 @pytest.mark.parametrize("name", ALL_METRICS)
 def test_metric_is_documented(name: str) -> None:
     assert f"`{name}`" in read("metrics.md"), f"docs/metrics.md does not mention `{name}`"
+
+
+def test_the_definition_tables_follow_the_catalog_order() -> None:
+    """``docs/metrics.md`` says ``METRIC_NAMES`` holds the names "in the order of this page"."""
+    order: list[str] = []
+    inside = False
+    for row in read("metrics.md").splitlines():
+        if not row.startswith("|"):
+            inside = False
+        elif row.startswith("| name | definition"):
+            inside = True
+        elif inside:
+            order += [n for n in re.findall(r"`(\w+)`", row.split("|")[1]) if n not in order]
+    assert [n for n in order if n in ALL_METRICS] == ALL_METRICS
+
+
+def charts_of_the_dashboard_table() -> dict[str, list[tuple[str, ...]]]:
+    """The rows of the dashboard table: category -> charts, each chart's names spelled out.
+
+    A name written ``_suffix`` replaces the last ``_part`` of the full name before it
+    (``rollout_is_ratio_mean``, ``_min`` is ``rollout_is_ratio_min``).
+    """
+    text = read("tensorboard.md")
+    table = text[text.index("| category | charts |") :]
+    table = table[: table.index("\n\n")]
+    rows: dict[str, list[tuple[str, ...]]] = {}
+    for row in table.splitlines()[2:]:
+        category, charts = (cell.strip() for cell in row.strip("|").split("|"))
+        spelled = []
+        for chart in charts.split(";"):
+            names, stem = [], ""
+            for written in re.findall(r"`(\w+)`", chart):
+                if written.startswith("_"):
+                    names.append(stem + written)
+                else:
+                    names.append(written)
+                    stem = written.rsplit("_", 1)[0]
+            spelled.append(tuple(names))
+        rows[category.strip("`").removeprefix("{prefix}")] = spelled
+    return rows
+
+
+def test_the_dashboard_table_lists_every_chart() -> None:
+    from lightning_rollout_debug.catalog import DASHBOARD
+
+    expected = {category: [names for _, names in charts] for category, charts in DASHBOARD}
+    assert charts_of_the_dashboard_table() == expected
 
 
 @pytest.mark.parametrize("group", GROUPS)
