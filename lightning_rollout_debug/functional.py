@@ -2,8 +2,10 @@
 
 The first four keep the names and call shapes of the original debug-metrics module;
 :func:`mismatch_metrics` returns the whole catalog and :func:`mismatch_profile` where the
-mismatch lives. All of them go through :class:`~lightning_rollout_debug.stats.MismatchStats`
-and :class:`~lightning_rollout_debug.extras.TokenExtras`.
+mismatch lives. :func:`calculate_debug_metrics` goes through
+:class:`~lightning_rollout_debug.stats.MismatchStats`, :func:`mismatch_profile` through
+:class:`~lightning_rollout_debug.extras.TokenExtras` and :func:`mismatch_metrics`
+through both; the other three are plain tensor arithmetic.
 """
 
 from __future__ import annotations
@@ -129,7 +131,8 @@ def mismatch_metrics(
 ) -> dict[str, float]:
     """Every metric of the catalog for one batch (NaN where a value is undefined).
 
-    The token-id metrics are included when both token-id tensors are given.
+    The token-id metrics are included when both token-id tensors are given; one without
+    the other raises a ``ValueError``.
 
     Example:
         >>> import torch
@@ -170,7 +173,7 @@ def mismatch_profile(
       bucket of columns ``[0, 1), [1, 2), [2, 4), ...`` up to the width;
     * ``"by_probability"``: ``{"low", "high", "tokens", "probs_diff_mean",
       "log_probs_diff_mean"}`` per power-of-two bucket of the trainer's probability
-      ``exp(old_log_probs)``, from ``[2**-29, 2**-28)`` to ``[1/2, 1]``;
+      ``exp(old_log_probs)``, from ``(2**-29, 2**-28]`` to ``(1/2, 1]``;
     * ``"joint_histogram"``: ``{"edges", "counts"}``, ``counts[i][j]`` the tokens whose
       trainer log-prob is in bin ``i`` and rollout log-prob in bin ``j``.
 

@@ -138,8 +138,8 @@ class RolloutDebugMonitor:
             the charts once per log directory.
         profile_images: with a TensorBoard logger, draw where the window's mismatch lives
             (IMAGES tab): by response position, by trainer probability, and the joint
-            histogram of the two log-probs. :attr:`profile` holds the numbers of every
-            logged window.
+            histogram of the two log-probs. :attr:`profile` holds the numbers of the last
+            logged window (with the pictures or the quantiles group on).
         profile_images_every_n_steps: draw the pictures at the first logged step of each
             span of this many steps (``[0, n)``, ``[n, 2n)``, ...): at every logged step
             when logging every ``n`` steps or less often; 1 draws at every logged step.
@@ -153,8 +153,9 @@ class RolloutDebugMonitor:
             ``None`` uses ``DEFAULT_DRIFT_FACTORS`` and ``{}`` turns drift alerts off.
         drift_baseline: how many first logged (defined) values of a metric its baseline
             is the median of. The baseline is kept in :meth:`state_dict`.
-        compile: fuse the statistics and the extras of large batches into one pass, as
-            the callback's ``compile`` does; see ``docs/performance.md``.
+        compile: fuse the statistics and the extras of a batch into one pass, as the
+            callback's ``compile`` does (on CPUs every batch, on accelerators those of
+            at least 65,536 tokens); see ``docs/performance.md``.
         pad_token_id: the pad token's id: pad tokens inside the mask are counted and
             named in the ``padding`` diagnosis. The ids come from ``token_ids_keys[0]`` or
             ``responses``.
@@ -320,8 +321,9 @@ class RolloutDebugMonitor:
         Every process must call it at the same steps: the window of every rank is merged
         with one collective, through ``fabric.all_gather`` when given a Fabric, over
         ``process_group`` when ``torch.distributed`` is initialised, else not at all. Rank
-        0 sends the scalars to the loggers and writes the histograms, worst tokens and
-        dashboard layout to the TensorBoard ones; every rank checks the alerts.
+        0 sends the scalars to the loggers and writes the histograms, worst tokens,
+        profile pictures and dashboard layout to the TensorBoard ones; every rank checks
+        the alerts.
 
         Args:
             step: the step the values are logged at (an int >= 0).

@@ -355,7 +355,7 @@ _PROBABILITY_TICKS = (1e-8, 1e-6, 1e-4, 0.01, 0.1, 0.5, 1.0)
 def by_probability_picture(profile: Profile) -> np.ndarray | None:
     """Mean ``|pa - pb|`` and mean ``|a - b|`` by the trainer's probability ``pa``.
 
-    One slot per bucket ``[2**-(k+1), 2**-k)`` from ``2**-29`` to 1 (the x axis is log2,
+    One slot per bucket ``(2**-(k+1), 2**-k]`` from ``2**-29`` to 1 (the x axis is log2,
     ticks at probabilities), with the tokens per bucket; ``None`` for an empty profile.
 
     Example:

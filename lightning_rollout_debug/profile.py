@@ -14,8 +14,8 @@ host:
 * **by position**: the column of the ``[B, T]`` tensors (the position in the response
   when they hold the response) in buckets ``[0, 1), [1, 2), [2, 4), [4, 8), ...``;
 * **by probability**: the trainer's probability ``pa = exp(old_log_probs)`` in
-  power-of-two buckets ``[2**-(k+1), 2**-k)`` (the top one holds 1), the bucket being
-  ``k = floor(-a / ln 2)`` computed in the log-probs' precision;
+  power-of-two buckets ``(2**-(k+1), 2**-k]``, the bucket being ``k = floor(-a / ln 2)``
+  computed in the log-probs' precision;
 * **joint**: counts over (trainer log-prob bin, rollout log-prob bin), four bins per
   octave of ``-log p``, so that the confident tokens, where most of them are, are spread
   out as well as the rare ones.
@@ -66,7 +66,7 @@ POSITION_BUCKETS = 24
 ``[2**22, inf)``."""
 
 PROBABILITY_BUCKETS = 29
-"""Buckets of the trainer's probability, ``[2**-29, 2**-28), ..., [1/2, 1]``: the floor
+"""Buckets of the trainer's probability, ``(2**-29, 2**-28], ..., (1/2, 1]``: the floor
 of -20 nats is ``2**-28.9``."""
 
 JOINT_BINS = LogBins(-10, 15, signed=False, steps=4)
@@ -134,7 +134,7 @@ def column_buckets(width: int, device: torch.device | str | None = None) -> Tens
 
 
 def probability_buckets(a: Tensor) -> Tensor:
-    """The bucket of each trainer log-prob ``a``: 28 for ``pa`` in ``[1/2, 1]``, down to 0."""
+    """The bucket of each trainer log-prob ``a``: 28 for ``pa`` in ``(1/2, 1]``, down to 0."""
     k = (-a * _LOG2_E).floor().clamp(0, PROBABILITY_BUCKETS - 1)
     return (PROBABILITY_BUCKETS - 1) - k.long()
 
@@ -203,10 +203,9 @@ class PositionBucket:
 
 @dataclass(frozen=True)
 class ProbabilityBucket:
-    """The counting tokens whose trainer probability is in ``[low, high)``, and their means.
+    """The counting tokens whose trainer probability is in ``(low, high]``, and their means.
 
-    The top bucket, ``high = 1``, is ``[1/2, 1]``; the means are of ``|pa - pb|`` and
-    ``|a - b|``.
+    The means are of ``|pa - pb|`` and ``|a - b|``.
     """
 
     low: float
@@ -269,7 +268,7 @@ class Profile:
 
     @functools.cached_property
     def by_probability(self) -> list[ProbabilityBucket]:
-        """The buckets of the trainer's probability, ``[2**-29, 2**-28)`` to ``[1/2, 1]``."""
+        """The buckets of the trainer's probability, ``(2**-29, 2**-28]`` to ``(1/2, 1]``."""
         parts = self._parts
         return [
             ProbabilityBucket(

@@ -145,8 +145,9 @@ class MismatchStats(ThreadSafeWindow):
         compile: fuse an update into one pass: on CPUs with float32 or bfloat16
             log-probs the package's native kernel (built on first use with the system
             C++ compiler), on accelerators ``torch.compile``. ``None`` (the default)
-            does so for blocks of at least 65,536 tokens, never compiles on a CPU, and
-            falls back to eager arithmetic, with one warning, where neither is
+            takes the kernel on CPUs at every size and ``torch.compile`` on
+            accelerators for blocks of at least 65,536 tokens, never compiles on a CPU,
+            and falls back to eager arithmetic, with one warning, where neither is
             available; ``False`` never fuses; ``True`` fuses every block (with
             ``torch.compile`` on a CPU where the kernel does not apply).
         chunk_tokens: without compilation, rows are processed in chunks of about this

@@ -588,7 +588,7 @@ def reference_profile(batches: Sequence[dict[str, torch.Tensor]]) -> dict[str, A
                 "kl_k3": _mean(k3[here]),
             }
         )
-    halvings = -a / LN2  # pa in [2**-(k+1), 2**-k) for k = floor of it
+    halvings = -a / LN2  # pa in (2**-(k+1), 2**-k] for k = floor of it
     k = np.clip(np.floor(halvings), 0, PROBABILITY_BUCKETS - 1).astype(int)
     near_edge = np.abs(halvings - np.round(halvings)) < 1e-5
     by_probability = []
