@@ -46,8 +46,11 @@ def child_env(cache: Path, **extra: str) -> dict[str, str]:
     return {**env, native.CACHE_ENV: str(cache), "TORCH_COMPILE_DISABLE": "1", **extra}
 
 
-def run_probes(caches: list[Path], **extra: str) -> list[dict[str, Any]]:
-    """One update per cache folder in a fresh process (``PLANTED_MARKER``: ``<cache>.marker``)."""
+def run_probes(
+    caches: list[Path], *, group: int | None = None, **extra: str
+) -> list[dict[str, Any]]:
+    """One update per cache folder in a fresh process (``PLANTED_MARKER``: ``<cache>.marker``),
+    run with the group id ``group`` when given (root only)."""
     result = subprocess.run(
         [sys.executable, str(PROBE), *map(str, caches)],
         env=child_env(caches[0], **extra),
@@ -55,6 +58,7 @@ def run_probes(caches: list[Path], **extra: str) -> list[dict[str, Any]]:
         text=True,
         timeout=300,
         check=False,
+        group=group,
     )
     assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
     return [{**report, "stderr": result.stderr} for report in json.loads(result.stdout)]
@@ -312,6 +316,54 @@ def test_a_library_planted_where_others_can_write_is_never_loaded(
     assert PLACES[place][1] in message, message
     assert native.CACHE_ENV in message  # the fix
     assert_reference(report)
+
+
+def _group_shared_with(user: int) -> tuple[int | None, int | None]:
+    """``(shared, private)``: a group another user belongs to, and one only ``user`` does."""
+    import grp  # POSIX only, as the kernel is
+    import pwd
+
+    entries = pwd.getpwall()
+    groups = {group.gr_gid: group for group in grp.getgrall()}
+
+    def others(gid: int) -> bool:
+        members = groups[gid].gr_mem if gid in groups else []
+        return bool(members) or any(e.pw_gid == gid and e.pw_uid != user for e in entries)
+
+    gids = sorted({entry.pw_gid for entry in entries} & set(groups))
+    shared = next((gid for gid in gids if others(gid)), None)
+    private = next((gid for gid in gids if not others(gid)), None)
+    return shared, private
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a process as another group needs root")
+def test_a_parent_that_a_shared_group_can_write_is_not_trusted(
+    tmp_path: Path, planted_library: Path, built: Path
+) -> None:
+    """A group-writable folder above the cache is closed to others only when its group is
+    the user's own (a private group, as with umask 002): with a group that another user
+    belongs to, they could rename the cache folder, and the planted library is refused."""
+    shared, private = _group_shared_with(os.geteuid())
+    assert shared is not None, "this system has no group that another user belongs to"
+    folders = {}
+    for kind, gid in (("shared", shared), ("private", private)):
+        if gid is None:
+            continue
+        parent = tmp_path / kind
+        parent.mkdir()
+        os.chown(parent, -1, gid)
+        parent.chmod(0o775)  # group-writable, not sticky
+        folder = private_folder(parent / "cache")
+        plant(planted_library, folder, built.name)
+        folders[kind] = folder
+    shared_report = run_probe(folders["shared"], group=shared)
+    assert not Path(f"{folders['shared']}.marker").exists(), "the planted library was loaded"
+    (message,) = kernel_warnings(shared_report)
+    assert "is open to other users" in message and f"group {shared}" in message, message
+    assert_reference(shared_report)
+    if private is not None:  # the control: the same folder, with the user's own group
+        run_probe(folders["private"], group=private)
+        assert Path(f"{folders['private']}.marker").exists()
 
 
 def test_the_planted_library_does_run_code_when_loaded(planted: dict[str, Any]) -> None:

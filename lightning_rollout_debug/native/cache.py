@@ -6,8 +6,8 @@ The cache is the user's own:
   ``$XDG_CACHE_HOME/lightning-rollout-debug``, else ``~/.cache/lightning-rollout-debug``,
   created with mode 0700;
 * the folder and every file read from it must belong to the current user and be
-  writable by nobody else, and no folder above it may be open to others (unless sticky,
-  as ``/tmp`` is);
+  writable by nobody else, and no folder above it may be open to other users, through
+  its mode or a group with another member (unless sticky, as ``/tmp`` is);
 * a library is loaded only when its bytes match the SHA-256 digest written beside it
   after a successful build; anything else is rebuilt, never loaded;
 * one build at a time (a lock in the folder), into a unique temporary name that is
@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -295,7 +296,8 @@ def _check_private(path: Path, *, folder: bool) -> None:
 
     ``path`` itself (no link) must belong to the current user and be writable by nobody
     else. A folder above it must belong to the user or to root, and may be writable by
-    others only when sticky (as ``/tmp``): then nobody else can rename what is in it.
+    other users (through its mode's "others" or a group with another member) only when
+    sticky (as ``/tmp``): then nobody else can rename what is in it.
     """
     user = os.geteuid()
     info = os.lstat(path)
@@ -316,11 +318,34 @@ def _check_private(path: Path, *, folder: bool) -> None:
     for parent in Path(os.path.realpath(path)).parents:
         info = os.stat(parent)
         open_to_others = info.st_mode & stat.S_IWOTH or (
-            info.st_mode & stat.S_IWGRP and info.st_gid != os.getegid()
+            info.st_mode & stat.S_IWGRP and _group_has_others(info.st_gid)
         )
         if info.st_uid not in (0, user) or (open_to_others and not info.st_mode & stat.S_ISVTX):
             raise KernelUnavailable(
                 f"{parent}, above the cache folder, is open to other users (owner "
-                f"{info.st_uid}, mode {stat.filemode(info.st_mode)}); set {CACHE_ENV} to a "
-                "folder of your own"
+                f"{info.st_uid}, group {info.st_gid}, mode {stat.filemode(info.st_mode)}); "
+                f"set {CACHE_ENV} to a folder of your own"
             )
+
+
+@functools.cache
+def _group_has_others(gid: int) -> bool:
+    """Whether a user other than this one may belong to group ``gid``.
+
+    A group-writable folder is closed to others only when its group is the user's own,
+    as the private group of a user created with ``useradd`` (often with umask 002) is:
+    no other member, and the primary group of no other user. A group this process cannot
+    look up counts as shared.
+    """
+    import grp  # POSIX only, as the kernel is
+    import pwd
+
+    user = os.geteuid()
+    try:
+        members = grp.getgrgid(gid).gr_mem
+        name = pwd.getpwuid(user).pw_name
+    except KeyError:
+        return True
+    if any(member != name for member in members):
+        return True
+    return any(entry.pw_gid == gid and entry.pw_uid != user for entry in pwd.getpwall())
