@@ -19,8 +19,10 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +49,10 @@ def child_env(cache: Path, **extra: str) -> dict[str, str]:
 
 
 def run_probes(
-    caches: list[Path], *, group: int | None = None, **extra: str
+    caches: list[Path], *, group: int | None = None, cwd: Path | None = None, **extra: str
 ) -> list[dict[str, Any]]:
     """One update per cache folder in a fresh process (``PLANTED_MARKER``: ``<cache>.marker``),
-    run with the group id ``group`` when given (root only)."""
+    run with the group id ``group`` (root only) and in the folder ``cwd`` when given."""
     result = subprocess.run(
         [sys.executable, str(PROBE), *map(str, caches)],
         env=child_env(caches[0], **extra),
@@ -59,6 +61,7 @@ def run_probes(
         timeout=300,
         check=False,
         group=group,
+        cwd=cwd,
     )
     assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
     return [{**report, "stderr": result.stderr} for report in json.loads(result.stdout)]
@@ -366,6 +369,52 @@ def test_a_parent_that_a_shared_group_can_write_is_not_trusted(
         assert Path(f"{folders['private']}.marker").exists()
 
 
+def _grant_write_by_acl(folder: Path, uid: int) -> None:
+    """An access control list on ``folder`` that lets user ``uid`` write in it."""
+    import struct
+
+    undefined = 0xFFFFFFFF  # (tag, permissions, id): owner, named user, group, mask, other
+    entries = [(0x01, 7, undefined), (0x02, 7, uid), (0x04, 5, undefined)]
+    entries += [(0x10, 7, undefined), (0x20, 5, undefined)]
+    blob = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
+    try:
+        os.setxattr(folder, "system.posix_acl_access", blob)
+    except OSError as error:
+        pytest.skip(f"this file system keeps no access control lists ({error})")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="links and lists for another user need root")
+def test_links_and_access_lists_of_other_users_do_not_open_the_cache(
+    tmp_path: Path, planted_library: Path, built: Path
+) -> None:
+    """A folder above the cache whose access control list lets another user write is open
+    to them though its mode does not say so; and a cache path through another user's link
+    is used as the folder the link pointed to when checked, so that turning the link
+    elsewhere afterwards changes nothing."""
+    listed = tmp_path / "listed"
+    listed.mkdir(mode=0o775)
+    _, private = _group_shared_with(os.geteuid())
+    if private is not None:
+        os.chown(listed, -1, private)  # its group bits alone would not open it
+    _grant_write_by_acl(listed, 65534)
+    folder = private_folder(listed / "cache")
+    plant(planted_library, folder, built.name)
+    report = run_probe(folder)
+    assert not Path(f"{folder}.marker").exists(), "the planted library was loaded"
+    (message,) = kernel_warnings(report)
+    assert "is open to other users" in message and "an access control list" in message
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    real = private_folder(tmp_path / "real")
+    link = sticky / "link"
+    link.symlink_to(real)
+    os.lchown(link, 65534, 65534)  # the link is another user's: they may replace it
+    result = prebuild(link / "cache")
+    assert result.returncode == 0, result.stderr
+    assert Path(result.stdout.strip()).parent == real / "cache"
+
+
 def test_the_planted_library_does_run_code_when_loaded(planted: dict[str, Any]) -> None:
     """The control for the test above, and a kernel without its entry points: in the
     user's own folder with a matching record the library loads (its mark appears), the
@@ -556,9 +605,123 @@ def test_a_compiler_command_with_arguments_works(tmp_path: Path, built: Path) ->
 def test_a_compiler_that_does_not_exist_is_named(tmp_path: Path) -> None:
     report = run_probe(tmp_path / "cache", CXX="no-such-c++ -O2")
     (message,) = kernel_warnings(report)
-    assert "CXX='no-such-c++ -O2' names no program on the PATH" in message
+    assert "CXX='no-such-c++ -O2': no no-such-c++ is in a folder of the PATH" in message
     assert not list((tmp_path / "cache").glob("*.so"))
     assert_reference(report)
+
+
+MARKING_COMPILER = """#!/bin/sh
+echo ran > "$0.marker"
+exec %s "$@"
+"""
+
+
+def marking_compiler(folder: Path, name: str = "c++") -> Path:
+    """A compiler wrapper in ``folder`` that leaves ``<wrapper>.marker`` when it runs."""
+    wrapper = folder / name
+    wrapper.write_text(MARKING_COMPILER % (shutil.which("c++") or shutil.which("g++")))
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def test_a_compiler_in_a_folder_others_can_write_is_never_run(tmp_path: Path) -> None:
+    """Named by CXX or found on the PATH (a relative entry, a folder open to others): a
+    compiler that another user could have put there is not run; one found further on the
+    PATH builds the kernel."""
+    open_folder = tmp_path / "open"
+    open_folder.mkdir()
+    open_folder.chmod(0o777)
+    planted = marking_compiler(open_folder)
+    named = run_probe(tmp_path / "named", CXX=str(planted))
+    (message,) = kernel_warnings(named)
+    assert f"{planted} is missing, or other users can change it" in message
+    assert not named["native"]
+    assert_reference(named)
+    (tmp_path / "here").mkdir()
+    marking_compiler(tmp_path / "here")
+    path = os.pathsep.join(["here", str(open_folder), os.environ["PATH"]])
+    found = run_probes([tmp_path / "found"], cwd=tmp_path, PATH=path)
+    assert found[0]["native"] and kernel_warnings(found[0]) == []
+    assert not list(tmp_path.rglob("*.marker")), "a compiler others could plant was run"
+    assert_reference(found[0])
+
+
+def test_a_held_lock_ends_in_a_warning_not_a_hang(
+    fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build lock that another process holds past the wait (a build stuck or suspended)
+    means the torch path, with a warning that names the lock."""
+    import fcntl
+
+    fresh_kernel.mkdir(mode=0o700)
+    holder = os.open(fresh_kernel / "build.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another open file: a lock of another process
+    monkeypatch.setattr(native.cache, "_LOCK_WAIT_S", 0.3)
+    try:
+        with pytest.warns(RuntimeWarning, match="build.lock has been held by another process"):
+            assert not native.available()
+    finally:
+        os.close(holder)
+
+
+def test_a_compiler_that_hangs_is_killed_with_what_it_started(
+    fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On the compile timeout the compiler's whole session ends, its children included."""
+    hanging = tmp_path / "hanging-c++"
+    hanging.write_text('#!/bin/sh\nsleep 1000 &\necho $! > "$0.child"\nwait\n')
+    hanging.chmod(0o755)
+    monkeypatch.setenv("CXX", str(hanging))
+    monkeypatch.setattr(native.cache, "_COMPILE_TIMEOUT_S", 1.0)
+    with pytest.warns(RuntimeWarning, match="did not finish in 1 s"):
+        assert not native.available()
+    child = Path(f"/proc/{Path(f'{hanging}.child').read_text().strip()}")
+    deadline = time.monotonic() + 5
+    while child.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # killed, then reaped by whoever inherited it
+    with suppress(FileNotFoundError):
+        state = (child / "stat").read_text().split()[2]
+        assert state == "Z", f"the compiler's child {child.name} still runs ({state})"
+
+
+@pytest.mark.parametrize("damage", ["binary", "oversized"])
+def test_a_damaged_digest_record_means_a_rebuild(tmp_path: Path, built: Path, damage: str) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(built.parent, cache)
+    record = cache / built.with_suffix(".sha256").name
+    if damage == "binary":
+        record.write_bytes(b"\xff\xfe" + bytes(range(256)))
+    else:
+        with open(record, "wb") as handle:
+            handle.truncate(1 << 30)  # sparse: a gigabyte of zeros that is never read
+    report = run_probe(cache)
+    assert report["native"] and kernel_warnings(report) == []
+    assert "building" in report["stderr"]
+    digest = hashlib.sha256((cache / built.name).read_bytes()).hexdigest()
+    assert record.read_text().strip() == digest
+    assert_reference(report)
+
+
+def test_missing_folders_of_the_cache_are_made_private(tmp_path: Path, built: Path) -> None:
+    """Under umask 000 too, every folder made for the cache has mode 0700, as XDG asks."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os; os.umask(0); import runpy; "
+            "runpy.run_module('lightning_rollout_debug.native', run_name='__main__')",
+        ],
+        env={**child_env(home / "unused"), "HOME": str(home), native.CACHE_ENV: ""},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    for folder in (home / ".cache", home / ".cache" / "lightning-rollout-debug"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
 
 
 def test_a_kernel_that_rejects_its_arguments_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:

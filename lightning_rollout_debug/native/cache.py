@@ -7,11 +7,15 @@ The cache is the user's own:
   created with mode 0700;
 * the folder and every file read from it must belong to the current user and be
   writable by nobody else, and no folder above it may be open to other users, through
-  its mode or a group with another member (unless sticky, as ``/tmp`` is);
+  its mode, a group with another member or an access control list (unless sticky, as
+  ``/tmp`` is);
 * a library is loaded only when its bytes match the SHA-256 digest written beside it
   after a successful build; anything else is rebuilt, never loaded;
-* one build at a time (a lock in the folder), into a unique temporary name that is
-  renamed into place.
+* the compiler comes only from folders no other user can write, and runs with a
+  ``PATH`` of such folders only;
+* one build at a time (a lock in the folder, waited for at most ``_LOCK_WAIT_S``), into
+  a unique temporary name that is renamed into place; a compiler that hangs is killed
+  with everything it started.
 
 A build's name is keyed by the source, the compiler command, the flags and the CPU
 (``-march=native`` depends on it). :func:`verified_build` returns the path of a verified
@@ -31,6 +35,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
@@ -65,6 +70,9 @@ _FLAG_SETS = (
 )
 _PROBE_SOURCE = 'extern "C" int rollout_probe() { return 0; }\n'
 _PROBE_BYTES = 1 << 20  # more than a built kernel takes (about 200 KB)
+_RECORD_BYTES = 128  # a digest record is 65 bytes; more is not a record
+_COMPILE_TIMEOUT_S = 300.0
+_LOCK_WAIT_S = 600.0  # longer than any build takes: a lock held longer is stuck
 
 _LOG = logging.getLogger(__package__)  # the package's logger: lightning_rollout_debug.native
 _LOG.setLevel(logging.INFO)
@@ -98,7 +106,21 @@ def cache_folder() -> Path:
 
 # ----------------------------------------------------------------- building
 def verified_build() -> Path:
-    """A verified kernel in the cache folder: found there, or built now."""
+    """A verified kernel in the cache folder: found there, or built now.
+
+    Raises:
+        KernelUnavailable: it can be neither found nor built here; the message says why.
+    """
+    try:
+        return _find_or_build()
+    except OSError as error:  # a read-only or vanished folder, a file system error
+        raise KernelUnavailable(
+            f"the kernel cache cannot be used ({error}); set {CACHE_ENV} to a folder of "
+            f"your own, or {SWITCH_ENV}=0"
+        ) from error
+
+
+def _find_or_build() -> Path:
     compiler = _compiler()
     source = SOURCE.read_bytes()
     folder = _private_folder()
@@ -136,10 +158,12 @@ def _verified(target: Path) -> bool:
         if os.path.lexists(path):
             _check_private(path, folder=False)
     try:
-        expected = record.read_text().strip()
+        with open(record, "rb") as handle:
+            expected = handle.read(_RECORD_BYTES).strip()
     except OSError:
         return False  # not (yet) finished by a build: rebuilt, never loaded
-    return hashlib.sha256(target.read_bytes()).hexdigest() == expected
+    # Anything but the digest itself (damaged, binary, oversized) means a rebuild.
+    return hashlib.sha256(target.read_bytes()).hexdigest().encode() == expected
 
 
 def _record(target: Path) -> Path:
@@ -179,12 +203,33 @@ def _compiles(compiler: list[str], flags: Sequence[str], folder: Path) -> bool:
 
 
 def _run(command: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the compiler in a session of its own, with a ``PATH`` of trusted folders only.
+
+    On a timeout the whole session is killed, the programs the compiler started too.
+    """
+    env = {**os.environ, "PATH": os.pathsep.join(_trusted_path())}
     try:
-        return subprocess.run(
-            command, input=stdin, capture_output=True, text=True, timeout=300, check=False
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
         )
-    except (OSError, subprocess.SubprocessError) as error:
+    except OSError as error:
         raise KernelUnavailable(f"{shlex.join(command[:2])} could not run ({error})") from error
+    try:
+        out, err = process.communicate(stdin, timeout=_COMPILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as error:
+        with suppress(OSError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise KernelUnavailable(
+            f"{shlex.join(command[:2])} did not finish in {_COMPILE_TIMEOUT_S:.0f} s"
+        ) from error
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 @contextmanager
@@ -218,8 +263,22 @@ def _folder_lock(folder: Path) -> Iterator[None]:
     handle = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         _check_private(lock, folder=False)
-        with suppress(OSError):
-            fcntl.flock(handle, fcntl.LOCK_EX)
+        deadline = time.monotonic() + _LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # another process builds: wait for it, not forever
+                if time.monotonic() > deadline:
+                    raise KernelUnavailable(
+                        f"{lock} has been held by another process for {_LOCK_WAIT_S:.0f} s; "
+                        "a build that takes this long is stuck: end that process or remove "
+                        f"{folder}"
+                    ) from None
+                time.sleep(0.05)
+            except OSError:
+                break  # no locking on this file system
+            else:
+                break
         yield
     finally:
         os.close(handle)  # releases the lock
@@ -240,22 +299,94 @@ def _check_writable(folder: Path) -> None:
 
 
 def _compiler() -> list[str]:
-    """The compiler command: ``$CXX`` (words, as in ``ccache g++``), else the first found."""
+    """The compiler command: ``$CXX`` (words, as in ``ccache g++``), else the first found.
+
+    A program is looked up only in the ``PATH`` folders that no other user can write
+    (:func:`_trusted_path`), and must itself be writable by nobody but its owner, the
+    user or root.
+    """
+    path = os.pathsep.join(_trusted_path())
     chosen = os.environ.get("CXX", "").strip()
     if chosen:
         words = shlex.split(chosen)
-        found = shutil.which(words[0])
-        if found is None:
+        program = words[0]
+        if os.sep in program:
+            found = _trusted_program(program)
+            where = f"{program} is missing, or other users can change it or a folder on its way"
+        else:
+            which = shutil.which(program, path=path)
+            found = which and _trusted_program(which)
+            where = f"no {program} is in a folder of the PATH that only you or root can write"
+        if not found:
             raise KernelUnavailable(
-                f"CXX={chosen!r} names no program on the PATH; set CXX to a C++ compiler "
-                "command such as 'g++' or 'ccache g++'"
+                f"CXX={chosen!r}: {where}; set CXX to a C++ compiler command such as 'g++' "
+                "or 'ccache g++'"
             )
         return [found, *words[1:]]
     for name in ("c++", "g++", "clang++"):
-        found = shutil.which(name)
-        if found:
-            return [found]
-    raise KernelUnavailable("no C++ compiler found; install one or set CXX")
+        found = shutil.which(name, path=path)
+        trusted = found and _trusted_program(found)
+        if trusted:
+            return [trusted]
+    raise KernelUnavailable(
+        "no C++ compiler found in a folder of the PATH that only you or root can write; "
+        "install one or set CXX"
+    )
+
+
+def _trusted_path() -> list[str]:
+    """The folders of ``$PATH`` a program may come from: absolute, closed to other users."""
+    entries = []
+    for entry in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        if os.path.isabs(entry) and entry not in entries and _closed_folder(Path(entry)):
+            entries.append(entry)
+    return entries
+
+
+def _trusted_program(program: str) -> str | None:
+    """``program``'s absolute path if nobody but the user or root can change what it runs.
+
+    The file it names and every link on the way there must sit in folders closed to
+    others (:func:`_closed_folder`), and the file must be writable by its owner alone.
+    The path itself is returned, links and all: a compiler wrapper such as ccache tells
+    by the name it was called with which compiler it stands for.
+    """
+    current = Path(program).absolute()
+    for _ in range(40):  # as the kernel's own limit on links followed
+        if not _closed_folder(current.parent):
+            return None
+        if not current.is_symlink():
+            break
+        current = current.parent / os.readlink(current)
+    else:
+        return None
+    try:
+        info = os.stat(current)
+    except OSError:
+        return None
+    writable = info.st_mode & stat.S_IWOTH or (
+        info.st_mode & stat.S_IWGRP and _group_has_others(info.st_gid)
+    )
+    if not stat.S_ISREG(info.st_mode) or info.st_uid not in (0, os.geteuid()) or writable:
+        return None
+    return str(Path(program).absolute())
+
+
+def _closed_folder(folder: Path) -> bool:
+    """Whether nobody but the user and root can add or replace a file in ``folder``.
+
+    The folder itself must not be open to others at all (a sticky folder still lets
+    them add files); the folders above it may be, when sticky.
+    """
+    try:
+        real = Path(os.path.realpath(folder))
+        info = os.stat(real)
+        if info.st_uid not in (0, os.geteuid()) or _open_to_others(real, info):
+            return False
+        _check_parents(real)
+    except (OSError, KernelUnavailable):
+        return False
+    return True
 
 
 def _key(source: bytes, compiler: list[str], flags: Sequence[str]) -> str:
@@ -281,14 +412,22 @@ def _private_folder() -> Path:
     except RuntimeError as error:  # no home folder to be found
         raise KernelUnavailable(f"{error}; set {CACHE_ENV} to a folder of your own") from error
     try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Each missing folder with mode 0700, as XDG asks (a parent made by mkdir's
+        # `parents` would take the umask's mode, 0777 under umask 000).
+        for missing in reversed([folder, *folder.parents]):
+            if not os.path.lexists(missing):
+                with suppress(FileExistsError):
+                    missing.mkdir(mode=0o700)
     except OSError as error:
         raise KernelUnavailable(
             f"the cache folder {folder} cannot be created ({error.strerror or error}); set "
             f"{CACHE_ENV} to a folder of your own, or {SWITCH_ENV}=0"
         ) from error
-    _check_private(folder, folder=True)
-    return folder
+    # From here on the resolved folder: a link on the way, checked now, cannot be
+    # pointed elsewhere between the checks and the load.
+    real = Path(os.path.realpath(folder))
+    _check_private(real, folder=True)
+    return real
 
 
 def _check_private(path: Path, *, folder: bool) -> None:
@@ -315,17 +454,45 @@ def _check_private(path: Path, *, folder: bool) -> None:
             f"{path} {problem}, so it is not trusted; remove {where} (it is rebuilt as a "
             f"folder of mode 0700) or set {CACHE_ENV} to a folder of your own"
         )
-    for parent in Path(os.path.realpath(path)).parents:
+    _check_parents(Path(os.path.realpath(path)))
+
+
+def _check_parents(path: Path) -> None:
+    """Raise unless every folder above ``path`` is the user's or root's, closed to others.
+
+    A folder above may be open to others when sticky: they cannot rename what is in it.
+    """
+    user = os.geteuid()
+    for parent in path.parents:
         info = os.stat(parent)
-        open_to_others = info.st_mode & stat.S_IWOTH or (
-            info.st_mode & stat.S_IWGRP and _group_has_others(info.st_gid)
-        )
+        open_to_others = _open_to_others(parent, info)
         if info.st_uid not in (0, user) or (open_to_others and not info.st_mode & stat.S_ISVTX):
             raise KernelUnavailable(
                 f"{parent}, above the cache folder, is open to other users (owner "
-                f"{info.st_uid}, group {info.st_gid}, mode {stat.filemode(info.st_mode)}); "
-                f"set {CACHE_ENV} to a folder of your own"
+                f"{info.st_uid}, group {info.st_gid}, mode {stat.filemode(info.st_mode)}"
+                f"{', an access control list' if _has_acl(parent) else ''}); set "
+                f"{CACHE_ENV} to a folder of your own"
             )
+
+
+def _open_to_others(path: Path, info: os.stat_result) -> bool:
+    """Whether users other than this one may write in ``path`` (its mode, group, ACL).
+
+    Group write is closed to others only for the user's own private group and without an
+    access control list, whose named entries the mode's group bits do not show.
+    """
+    if info.st_mode & stat.S_IWOTH:
+        return True
+    if not info.st_mode & stat.S_IWGRP:
+        return False  # the group bits bound every ACL entry but the owner's
+    return _group_has_others(info.st_gid) or _has_acl(path)
+
+
+def _has_acl(path: Path) -> bool:
+    try:
+        return "system.posix_acl_access" in os.listxattr(path)
+    except (OSError, AttributeError):  # no extended attributes here (macOS has no listxattr)
+        return False
 
 
 @functools.cache
@@ -334,18 +501,18 @@ def _group_has_others(gid: int) -> bool:
 
     A group-writable folder is closed to others only when its group is the user's own,
     as the private group of a user created with ``useradd`` (often with umask 002) is:
-    no other member, and the primary group of no other user. A group this process cannot
-    look up counts as shared.
+    named after the user, no other member, and the primary group of no other user. A
+    group this process cannot look up counts as shared.
     """
     import grp  # POSIX only, as the kernel is
     import pwd
 
     user = os.geteuid()
     try:
-        members = grp.getgrgid(gid).gr_mem
+        group = grp.getgrgid(gid)
         name = pwd.getpwuid(user).pw_name
     except KeyError:
         return True
-    if any(member != name for member in members):
+    if group.gr_name != name or any(member != name for member in group.gr_mem):
         return True
     return any(entry.pw_gid == gid and entry.pw_uid != user for entry in pwd.getpwall())
