@@ -267,6 +267,7 @@ def _folder_lock(folder: Path) -> Iterator[None]:
         while True:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
             except BlockingIOError:  # another process builds: wait for it, not forever
                 if time.monotonic() > deadline:
                     raise KernelUnavailable(
@@ -277,8 +278,6 @@ def _folder_lock(folder: Path) -> Iterator[None]:
                 time.sleep(0.05)
             except OSError:
                 break  # no locking on this file system
-            else:
-                break
         yield
     finally:
         os.close(handle)  # releases the lock
@@ -364,10 +363,11 @@ def _trusted_program(program: str) -> str | None:
         info = os.stat(current)
     except OSError:
         return None
-    writable = info.st_mode & stat.S_IWOTH or (
-        info.st_mode & stat.S_IWGRP and _group_has_others(info.st_gid)
-    )
-    if not stat.S_ISREG(info.st_mode) or info.st_uid not in (0, os.geteuid()) or writable:
+    if (
+        not stat.S_ISREG(info.st_mode)
+        or info.st_uid not in (0, os.geteuid())
+        or _open_to_others(current, info)
+    ):
         return None
     return str(Path(program).absolute())
 
@@ -435,8 +435,9 @@ def _check_private(path: Path, *, folder: bool) -> None:
 
     ``path`` itself (no link) must belong to the current user and be writable by nobody
     else. A folder above it must belong to the user or to root, and may be writable by
-    other users (through its mode's "others" or a group with another member) only when
-    sticky (as ``/tmp``): then nobody else can rename what is in it.
+    other users (:func:`_open_to_others`: its mode, a group with another member, an
+    access control list) only when sticky (as ``/tmp``): then nobody else can rename
+    what is in it.
     """
     user = os.geteuid()
     info = os.lstat(path)
