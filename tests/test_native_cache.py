@@ -10,6 +10,7 @@ eager path instead of compiling with inductor.
 from __future__ import annotations
 
 import copy
+import ctypes
 import hashlib
 import json
 import os
@@ -644,6 +645,58 @@ def test_a_compiler_in_a_folder_others_can_write_is_never_run(tmp_path: Path) ->
     assert found[0]["native"] and kernel_warnings(found[0]) == []
     assert not list(tmp_path.rglob("*.marker")), "a compiler others could plant was run"
     assert_reference(found[0])
+
+
+# A header that wraps the real one and adds a constructor: a library built with it runs
+# code when loaded.
+PLANTED_HEADER = """#include_next <algorithm>
+#include <cstdio>
+#include <cstdlib>
+__attribute__((constructor)) static void planted_header() {
+  if (const char* path = std::getenv("PLANTED_MARKER")) {
+    if (FILE* file = std::fopen(path, "w")) { std::fputs("loaded", file); std::fclose(file); }
+  }
+}
+"""
+
+
+@pytest.fixture
+def shared_toolchain(tmp_path: Path) -> Path:
+    """A folder open to others with a planted ``<algorithm>`` and a marking assembler."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    (shared / "algorithm").write_text(PLANTED_HEADER)
+    assembler = shared / "as"
+    assembler.write_text(MARKING_COMPILER % shutil.which("as"))
+    assembler.chmod(0o755)
+    return shared
+
+
+@pytest.mark.parametrize("variable", ["CPLUS_INCLUDE_PATH", "CPATH", "COMPILER_PATH"])
+def test_variables_that_point_the_compiler_elsewhere_do_not_reach_it(
+    tmp_path: Path, shared_toolchain: Path, variable: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Headers and programs that the user's environment finds in a folder others can write
+    are not used: the kernel builds from the system's own and loads clean."""
+    control = tmp_path / "control"
+    control.mkdir()
+    source = control / "uses_algorithm.cpp"
+    source.write_text("#include <algorithm>\nint most(int a, int b) { return std::max(a, b); }\n")
+    env = {**os.environ, variable: str(shared_toolchain)}
+    command = ["c++", "-shared", "-fPIC", str(source), "-o", str(control / "control.so")]
+    subprocess.run(command, env=env, check=True, timeout=300)
+    monkeypatch.setenv("PLANTED_MARKER", str(control / "control.marker"))
+    ctypes.CDLL(str(control / "control.so"))
+    assert list(tmp_path.rglob("*.marker")), f"{variable} does not reach a plain compiler here"
+    for marker in tmp_path.rglob("*.marker"):
+        marker.unlink()
+
+    report = run_probe(tmp_path / "cache", **{variable: str(shared_toolchain)})
+    assert report["native"] and kernel_warnings(report) == []
+    assert not list(tmp_path.rglob("*.marker")), f"{variable} reached the kernel's compiler"
+    assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")] == []
+    assert_reference(report)
 
 
 def test_a_held_lock_ends_in_a_warning_not_a_hang(

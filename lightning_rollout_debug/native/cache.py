@@ -174,7 +174,7 @@ def _compile(compiler: list[str], flags: Sequence[str], folder: Path, target: Pa
     _LOG.info("lightning_rollout_debug: building the native CPU kernel into %s", folder)
     started = time.perf_counter()
     with _temporary(folder, ".so") as partial:
-        result = _run([*compiler, *flags, str(SOURCE), "-o", str(partial)])
+        result = _run([*compiler, *flags, str(SOURCE), "-o", str(partial)], folder)
         if result.returncode != 0:
             raise KernelUnavailable(
                 f"{shlex.join(compiler)} failed: {result.stderr.strip()[-2000:]}"
@@ -198,37 +198,52 @@ def _compile(compiler: list[str], flags: Sequence[str], folder: Path, target: Pa
 def _compiles(compiler: list[str], flags: Sequence[str], folder: Path) -> bool:
     """Whether ``compiler`` links a trivial library with ``flags`` (a fraction of a second)."""
     with _temporary(folder, ".so") as probe:
-        result = _run([*compiler, *flags, "-x", "c++", "-", "-o", str(probe)], _PROBE_SOURCE)
+        command = [*compiler, *flags, "-x", "c++", "-", "-o", str(probe)]
+        result = _run(command, folder, _PROBE_SOURCE)
     return result.returncode == 0
 
 
-def _run(command: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    """Run the compiler in a session of its own, with a ``PATH`` of trusted folders only.
+def _run(
+    command: list[str], folder: Path, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the compiler in a session of its own, in an environment of its own.
 
-    On a timeout the whole session is killed, the programs the compiler started too.
+    Of the user's environment only ``HOME`` reaches it: its ``PATH`` holds trusted
+    folders only, its temporary files go to a private folder inside the checked cache
+    ``folder``, and no variable names headers, programs or a compiler cache (``CPATH``,
+    ``COMPILER_PATH``, ``CCACHE_DIR``, ...) that another user could write. On a timeout
+    the whole session is killed, the programs the compiler started too.
     """
-    env = {**os.environ, "PATH": os.pathsep.join(_trusted_path())}
-    try:
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-    except OSError as error:
-        raise KernelUnavailable(f"{shlex.join(command[:2])} could not run ({error})") from error
-    try:
-        out, err = process.communicate(stdin, timeout=_COMPILE_TIMEOUT_S)
-    except subprocess.TimeoutExpired as error:
-        with suppress(OSError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise KernelUnavailable(
-            f"{shlex.join(command[:2])} did not finish in {_COMPILE_TIMEOUT_S:.0f} s"
-        ) from error
+    with tempfile.TemporaryDirectory(prefix=".compiler-", dir=folder) as scratch:  # 0700
+        env = {
+            "PATH": os.pathsep.join(_trusted_path()),
+            "TMPDIR": scratch,
+            "LC_ALL": "C",
+            "CCACHE_DISABLE": "1",  # a wrapper such as ccache compiles, reads no cache
+            **({"HOME": os.environ["HOME"]} if "HOME" in os.environ else {}),
+        }
+        try:
+            process = subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+                start_new_session=True,
+            )
+        except OSError as error:
+            name = shlex.join(command[:2])
+            raise KernelUnavailable(f"{name} could not run ({error})") from error
+        try:
+            out, err = process.communicate(stdin, timeout=_COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired as error:
+            with suppress(OSError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise KernelUnavailable(
+                f"{shlex.join(command[:2])} did not finish in {_COMPILE_TIMEOUT_S:.0f} s"
+            ) from error
     return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
