@@ -87,6 +87,10 @@ def batch_type_error(
     return converted
 
 
+def _found(batch_type: type | None) -> str:
+    return "is " if batch_type is None else f"is a {batch_type.__name__}, "
+
+
 def _is_lookup(obj: Any) -> bool:
     if isinstance(obj, Mapping):
         return True
@@ -141,7 +145,7 @@ def select_mask(
             continue
         responses = lookup(sources, RESPONSES_KEY)
         if _is_matrix(mask) and _is_matrix(responses) and mask.shape[1] > responses.shape[1]:
-            mask = mask[:, -responses.shape[1] :]
+            mask = mask[:, mask.shape[1] - responses.shape[1] :]  # zero columns for T = 0
         return mask, key
     return None, (
         f"The batch has neither `{response_mask_key}` nor `{RESPONSE_MASK_FALLBACK}`; every one "
@@ -156,11 +160,13 @@ def extract_inputs(
     old_log_probs_key: str = "old_log_probs",
     response_mask_key: str = "response_mask",
     token_ids_keys: tuple[str, str] | None = None,
+    batch_type: type | None = None,
 ) -> tuple[MismatchInputs, str | None]:
     """Look the tensors up in ``sources`` (first source wins), pick the mask, validate.
 
     Returns the inputs and, when neither mask key is present and every position
-    counts, the reason to warn about; ``None`` otherwise.
+    counts, the reason to warn about; ``None`` otherwise. ``batch_type``, the type of the
+    batch ``sources`` came from, is named when none of it could be searched.
 
     Raises:
         BatchError: a key is missing, or a tensor has the wrong type, shape or dtype.
@@ -168,9 +174,9 @@ def extract_inputs(
     if not sources:
         raise BatchError(
             "type:batch",
-            "The batch is not a mapping of tensors, a TensorDict, or an object whose `.batch` "
-            f"is one; expected `{rollout_log_probs_key}` and `{old_log_probs_key}` under those "
-            "keys.",
+            f"The batch {_found(batch_type)}not a mapping of tensors, a TensorDict, or an object "
+            f"whose `.batch` is one; expected `{rollout_log_probs_key}` and "
+            f"`{old_log_probs_key}` under those keys.",
         )
     rollout = require(sources, rollout_log_probs_key)
     old = require(sources, old_log_probs_key)
@@ -280,6 +286,13 @@ def check_inputs(
     tensors = {rollout_name: rollout_log_probs, old_name: old_log_probs, mask_name: mask}
     ids = (rollout_token_ids, trainer_token_ids)
     if any(value is not None for value in ids):
+        for name, value in zip(id_names, ids, strict=True):
+            if isinstance(value, Tensor) and value.dim() == 2 and tuple(value.shape) != shape:
+                raise BatchError(
+                    f"shape:{name}",
+                    f"`{name}` has shape {tuple(value.shape)} but `{rollout_name}` has shape "
+                    f"{shape}; expected the token ids of the same [batch, response_length].",
+                )
         check_token_ids(*ids, mask, names=(*id_names, mask_name))
         tensors.update(zip(id_names, ids, strict=True))
     _check_one_device(tensors)

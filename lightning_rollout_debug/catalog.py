@@ -112,6 +112,11 @@ def _exp(x: float) -> float:
     return math.exp(x) if x < 709.0 else math.inf
 
 
+def _clamp(value: float, low: float, high: float) -> float:
+    """``value`` within ``[low, high]``; NaN stays NaN (undefined is never clamped)."""
+    return value if math.isnan(value) else max(low, min(high, value))
+
+
 def pearson_from_moments(
     n: float, mean_x: float, mean_y: float, m_xx: float, m_yy: float, m_xy: float
 ) -> float:
@@ -121,19 +126,24 @@ def pearson_from_moments(
     below what float32 arithmetic resolves relative to its mean.
     """
     root = _pearson_root(n, mean_x, mean_y, m_xx, m_yy)
-    return math.nan if root is None else max(-1.0, min(1.0, m_xy / root))
+    return math.nan if root is None else _clamp(m_xy / root, -1.0, 1.0)
 
 
 def _pearson_root(n: float, mean_x: float, mean_y: float, m_xx: float, m_yy: float) -> float | None:
-    """``sqrt(M_xx M_yy)``, or ``None`` where the correlation is undefined."""
+    """``sqrt(M_xx) sqrt(M_yy)``, or ``None`` where the correlation is undefined.
+
+    The roots are taken apart so that the product of the co-moments cannot overflow
+    where each is finite (float64 probabilities above ``e^177``); a co-moment that did
+    overflow leaves the correlation undefined.
+    """
     if n < 2:
         return None
     for m_self, center in ((m_xx, mean_x), (m_yy, mean_y)):
         if math.sqrt(max(m_self, 0.0) / n) <= _CONSTANT_RELATIVE_STD * abs(center):
             return None
-        if m_self <= 0.0:
+        if not 0.0 < m_self < math.inf:
             return None
-    return math.sqrt(m_xx * m_yy)
+    return math.sqrt(m_xx) * math.sqrt(m_yy)
 
 
 def _probability_moments(w: Window) -> tuple[float, ...]:
@@ -155,7 +165,7 @@ def _one_minus_pearson(w: Window) -> float:
     """``1 - rho`` as ``(sqrt(M_xx M_yy) - M_xy) / sqrt(M_xx M_yy)``, clamped to ``[0, 2]``."""
     n, mean_x, mean_y, m_xx, m_yy, m_xy = _probability_moments(w)
     root = _pearson_root(n, mean_x, mean_y, m_xx, m_yy)
-    return math.nan if root is None else max(0.0, min(2.0, (root - m_xy) / root))
+    return math.nan if root is None else _clamp((root - m_xy) / root, 0.0, 2.0)
 
 
 def _ess(w: Window) -> float:
@@ -179,8 +189,8 @@ def _one_minus_ess(w: Window) -> float:
     n, d1, sum_sq = w.n, w["ratio_m1"], w["ratio_sq"]
     d2 = max(w["ratio_sq_m1"] - 2.0 * d1, 0.0)
     if math.sqrt(n * d2) + d2 < sum_sq:
-        return max(0.0, min(1.0, (n * d2 - d1 * d1) / (n * sum_sq)))
-    return max(0.0, min(1.0, 1.0 - ess))
+        return _clamp((n * d2 - d1 * d1) / (n * sum_sq), 0.0, 1.0)
+    return _clamp(1.0 - ess, 0.0, 1.0)
 
 
 def lag_correlations(w: Window) -> dict[int, float]:

@@ -109,7 +109,7 @@ def calculate_debug_metrics(data: Any, prefix: str = DEFAULT_PREFIX) -> dict[str
         >>> {name: round(value, 4) for name, value in calculate_debug_metrics(batch).items()}
         {'training/rollout_probs_diff_valid': 1.0, 'training/rollout_probs_diff_max': 0.1, 'training/rollout_probs_diff_mean': 0.0667, 'training/rollout_probs_diff_std': 0.0577, 'training/rollout_actor_probs_pearson_corr': 0.9972}
     """  # noqa: E501
-    inputs, fallback = extract_inputs(tensor_sources(data))
+    inputs, fallback = extract_inputs(tensor_sources(data), batch_type=type(data))
     if fallback is not None:
         warnings.warn(fallback, UserWarning, stacklevel=2)
     stats = MismatchStats(groups=["seed"])

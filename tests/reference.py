@@ -187,9 +187,9 @@ def pearson(x: np.ndarray, y: np.ndarray) -> float:
         return math.nan
     dx, dy = x - x.mean(), y - y.mean()
     sxx, syy = float(np.sum(dx * dx)), float(np.sum(dy * dy))
-    if sxx == 0.0 or syy == 0.0:
-        return math.nan
-    return float(np.sum(dx * dy) / math.sqrt(sxx * syy))
+    if not (0.0 < sxx < math.inf and 0.0 < syy < math.inf):
+        return math.nan  # a constant side, or squares beyond float64
+    return float(np.sum(dx * dy) / (math.sqrt(sxx) * math.sqrt(syy)))
 
 
 def pearson_sides(x: np.ndarray, y: np.ndarray) -> list[tuple[float, float]] | None:

@@ -19,6 +19,7 @@ from lightning_rollout_debug.batch import (
     select_mask,
     tensor_sources,
 )
+from lightning_rollout_debug.functional import calculate_debug_metrics
 
 
 class FakeDataProto:
@@ -121,6 +122,17 @@ def test_select_mask_cuts_to_the_response_columns(key: str) -> None:
     assert torch.equal(mask, full[:, -3:])
 
 
+@pytest.mark.parametrize("key", ["response_mask", "attention_mask"])
+def test_select_mask_cuts_to_no_columns_for_empty_responses(key: str) -> None:
+    full = torch.ones(3, 4)
+    mask, _ = select_mask([{key: full, "responses": ids(3, 0)}], "response_mask", 0)
+    assert mask.shape == (3, 0)
+    metrics = calculate_debug_metrics(
+        {"rollout_log_probs": t(3, 0), "old_log_probs": t(3, 0), key: full, "responses": ids(3, 0)}
+    )
+    assert metrics["training/rollout_probs_diff_valid"] == 0.0  # no tokens, no error
+
+
 def test_select_mask_leaves_masks_it_cannot_cut() -> None:
     narrow = torch.ones(2, 2)
     mask, _ = select_mask([{"attention_mask": narrow, "responses": ids(2, 3)}], "response_mask", 3)
@@ -213,8 +225,8 @@ def test_check_inputs_uses_the_given_names() -> None:
         ((ids(2, 3), ids(2, 4)), "shape:trainer_token_ids", ["(2, 4)", "(2, 3)"]),
         (
             (ids(2, 4), ids(2, 4)),
-            "shape:response_mask",
-            ["`response_mask` has shape (2, 3)", "`rollout_token_ids` has shape (2, 4)"],
+            "shape:rollout_token_ids",
+            ["`rollout_token_ids` has shape (2, 4)", "`rollout_log_probs` has shape (2, 3)"],
         ),
         ((ids(6), ids(6)), "rank:rollout_token_ids", ["(6,)"]),
     ],
@@ -284,6 +296,12 @@ def test_extract_inputs_falls_back_to_all_ones() -> None:
     inputs, fallback = extract_inputs([{"rollout_log_probs": t(2, 4), "old_log_probs": t(2, 4)}])
     assert fallback is not None and "4" in fallback
     assert inputs.mask.dtype == torch.bool and bool(inputs.mask.all())
+
+
+@pytest.mark.parametrize("batch", [[t(2, 3)], (t(2, 3),), None, t(2, 3)])
+def test_calculate_debug_metrics_names_the_type_of_an_unsearchable_batch(batch: Any) -> None:
+    with raises("type:batch", f"The batch is a {type(batch).__name__}, not a mapping"):
+        calculate_debug_metrics(batch)
 
 
 def test_extract_inputs_errors() -> None:

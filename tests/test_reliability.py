@@ -43,6 +43,7 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from reference import NAMES, Reference, assert_metrics_close, reference_metrics
 
 from lightning_rollout_debug import BatchError, RolloutDebugCallback, RolloutDebugWarning
+from lightning_rollout_debug.functional import mismatch_metrics
 from lightning_rollout_debug.stats import MismatchStats
 
 pytestmark = [
@@ -574,7 +575,7 @@ def test_huge_positive_log_probs_never_stop_the_fit(strict: bool) -> None:
 
 def test_positive_log_probs_beyond_the_float32_exp_range() -> None:
     # Above ~88.7 nats exp() overflows float32 (the element-wise precision of float32,
-    # bfloat16 and float16 inputs; ~709 for float64): the probability-space metrics turn
+    # bfloat16 and float16 inputs; ~354 for float64 squares): the probability-space metrics turn
     # inf or NaN, every other metric stays right. Further up see `huge-positive-log-probs`.
     rollout = torch.full((2, 3), -0.5)
     old = torch.tensor([[100.0, -1.0, 95.0], [90.0, -0.5, -2.0]])
@@ -594,6 +595,36 @@ def test_positive_log_probs_beyond_the_float32_exp_range() -> None:
         {k: v for k, v in got.items() if k not in overflowing},
         want.select([k for k in got if k not in overflowing]),
     )
+
+
+@pytest.mark.parametrize("shift", [200.0, 340.0])
+def test_float64_positive_log_probs_keep_their_correlation(shift: float) -> None:
+    # Adding a constant to both sides scales pa and pb alike: the correlation is that of
+    # the unshifted batch. The product of the two co-moments overflows float64 above
+    # about 177 nats, each co-moment only above about 354.
+    generator = torch.Generator().manual_seed(3)
+    rollout = torch.log(torch.rand(4, 50, generator=generator, dtype=torch.float64) * 0.9 + 0.05)
+    old = rollout + 0.01 * torch.randn(4, 50, generator=generator, dtype=torch.float64)
+    mask = torch.ones(4, 50)
+    got = mismatch_metrics(rollout + shift, old + shift, mask, prefix="")
+    want = reference_metrics(rollout + shift, old + shift, mask)
+    assert_metrics_close(got, want.select(list(got)))
+    unshifted = mismatch_metrics(rollout, old, mask, prefix="")
+    name, one_minus = (
+        "rollout_actor_probs_pearson_corr",
+        "rollout_actor_probs_one_minus_pearson_corr",
+    )
+    assert got[name] == pytest.approx(unshifted[name], rel=1e-9)
+    assert got[one_minus] == pytest.approx(unshifted[one_minus], rel=1e-6)
+
+
+def test_overflowing_co_moments_leave_the_correlation_undefined() -> None:
+    # Above about 354 nats the float64 squares of the probabilities overflow: the
+    # correlation and its distance from 1 are undefined (NaN), never clamped to a bound.
+    rollout = torch.log(torch.rand(4, 50, dtype=torch.float64) * 0.9 + 0.05) + 400.0
+    got = mismatch_metrics(rollout, rollout + 0.01, torch.ones(4, 50), prefix="")
+    assert math.isnan(got["rollout_actor_probs_pearson_corr"])
+    assert math.isnan(got["rollout_actor_probs_one_minus_pearson_corr"])
 
 
 # ---------------------------------------------------------------------- checkpoints
