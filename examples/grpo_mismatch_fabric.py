@@ -146,6 +146,8 @@ def train(fabric: Fabric, args: argparse.Namespace) -> None:
             break
     if monitor.batches_in_window:
         monitor.log(step, fabric=fabric)
+    if torch.distributed.is_initialized():  # gloo: destroyed before the process exits
+        torch.distributed.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable, Mapping
+from contextlib import suppress
 from typing import Any
+
+import torch
 
 from lightning_rollout_debug.alerts import (
     DEFAULT_DRIFT_BASELINE,
@@ -91,6 +94,12 @@ def monitor_problems(
             validate(value)
         except ValueError as error:
             problems.append(str(error))
+    with suppress(TypeError, ValueError):
+        if not validate_groups(groups):
+            problems.append(
+                f"`groups` is empty, so nothing would be logged; choose from {list(GROUPS)}, "
+                "or pass None for all of them."
+            )
     if groups is not None and "token_ids" in groups and token_ids_keys is None:
         problems.append("The `token_ids` group needs `token_ids_keys=(rollout_key, trainer_key)`.")
     problems += extras_problems(
@@ -112,6 +121,32 @@ def monitor_problems(
     ):
         problems.append(f"`pad_token_id` must be None or an int token id, got {pad_token_id!r}.")
     return problems
+
+
+def is_process_group(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.distributed`` process group."""
+    distributed = torch.distributed
+    return distributed.is_available() and isinstance(value, distributed.ProcessGroup)
+
+
+def process_group_problems(group: Any, *, trainer_callable: bool = False) -> list[str]:
+    """What is wrong with a ``process_group`` argument (nothing: ``[]``).
+
+    With ``trainer_callable`` (the callback's), a callable that makes the group from the
+    Trainer is valid too.
+    """
+    if group is None or is_process_group(group) or (trainer_callable and callable(group)):
+        return []
+    if callable(group):
+        return [
+            "`process_group` must be a torch.distributed process group or None, got a "
+            "callable; create the group first and pass it."
+        ]
+    also = ", or a callable that makes one from the Trainer" if trainer_callable else ""
+    return [
+        f"`process_group` must be None (every rank) or a torch.distributed process group{also}, "
+        f"got {group!r}."
+    ]
 
 
 def is_int_at_least(value: Any, low: int) -> bool:
@@ -147,7 +182,8 @@ def checked_step(step: Any) -> int:
 
 def checked_loggers(loggers: Any) -> list[Any]:
     """``loggers`` as a list, every one with ``log_metrics``; checked before any collective."""
-    listed = [loggers] if hasattr(loggers, "log_metrics") else list(loggers)
+    single = hasattr(loggers, "log_metrics") or not isinstance(loggers, Iterable)
+    listed = [loggers] if single or isinstance(loggers, (str, bytes)) else list(loggers)
     wrong = [repr(logger) for logger in listed if not callable(getattr(logger, "log_metrics", 0))]
     if wrong:
         raise TypeError(

@@ -89,7 +89,7 @@ def token_id_states(inputs: MismatchInputs, groups: frozenset[str]) -> list[Tens
 
 def compile_problems(compile: object) -> list[str]:
     """What is wrong with a ``compile`` argument (nothing: ``[]``)."""
-    if compile in (None, True, False):
+    if compile is None or isinstance(compile, bool):
         return []
     return [f"`compile` must be None (auto), True or False, got {compile!r}."]
 

@@ -18,7 +18,13 @@ from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_rollout_debug.alerts import DEFAULT_DRIFT_BASELINE
-from lightning_rollout_debug.arguments import is_int_at_least, metric_names, monitor_problems
+from lightning_rollout_debug.arguments import (
+    is_int_at_least,
+    is_process_group,
+    metric_names,
+    monitor_problems,
+    process_group_problems,
+)
 from lightning_rollout_debug.monitor import FrontDoor, RolloutDebugMonitor, RolloutDebugWarning
 from lightning_rollout_debug.packages import Callback
 from lightning_rollout_debug.ranks import Ranks, rank_in
@@ -192,6 +198,7 @@ class RolloutDebugCallback(Callback):
             "pad_token_id": pad_token_id,
         }
         problems = monitor_problems(**monitor_args)
+        problems += process_group_problems(process_group, trainer_callable=True)
         if log_every_n_steps is not None and not is_int_at_least(log_every_n_steps, 1):
             problems.append(
                 f"`log_every_n_steps` must be None (follow the Trainer) or an int >= 1, "
@@ -204,11 +211,11 @@ class RolloutDebugCallback(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.warn_dropout = warn_dropout
         self.process_group = process_group
-        group = None if callable(process_group) else process_group  # a callable: in setup
+        group = process_group if is_process_group(process_group) else None  # a callable: in setup
         self.monitor = RolloutDebugMonitor(**monitor_args, process_group=group)
         """The engine: the window, its merge, the logs, the alerts and the checkpoint state."""
         self.monitor._door = CALLBACK_DOOR
-        self._ended = False
+        self._batch_step: int | None = None  # the optimizer step of the last batch
         self._restored = False
 
     rollout_log_probs_key = _OfTheMonitor()
@@ -257,6 +264,7 @@ class RolloutDebugCallback(Callback):
         # A window restored from a checkpoint carries on; any other starts empty.
         self.monitor._begin(keep_window=self._restored, device=pl_module.device)
         self._restored = False
+        self._batch_step = None
         if self.warn_dropout:
             self.monitor.check_dropout(pl_module)
 
@@ -269,6 +277,7 @@ class RolloutDebugCallback(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        self._batch_step = trainer.fit_loop.epoch_loop._batches_that_stepped
         self.monitor.update(outputs, batch)
         if self._should_log(trainer, pl_module):
             self._log_window(trainer)
@@ -276,11 +285,7 @@ class RolloutDebugCallback(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.monitor.batches_in_window:  # the last, partial window: at its last batch's step
-            self._ended = True
-            try:
-                self._log_window(trainer)
-            finally:
-                self._ended = False
+            self._log_window(trainer)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -321,9 +326,15 @@ class RolloutDebugCallback(Callback):
         return step % self.log_every_n_steps == 0 or trainer.should_stop
 
     def _log_step(self, trainer: pl.Trainer) -> int:
-        """The step ``self.log`` uses for the batch that just ended."""
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
-        return max(step - 1, 0) if self._ended else step
+        """The step ``self.log`` uses for the window's last batch.
+
+        That of the last batch this run, the step it belongs to even where the run stopped
+        before that step's optimizer step (a stop in the middle of gradient accumulation);
+        for a restored window without a batch since, the last step taken.
+        """
+        if self._batch_step is not None:
+            return self._batch_step
+        return max(trainer.fit_loop.epoch_loop._batches_that_stepped - 1, 0)
 
     def _ranks(self, trainer: pl.Trainer) -> Ranks:
         """The Trainer's processes: they gather through the strategy, over the process group."""

@@ -103,10 +103,14 @@ class StateReader:
             self._reject(problems, "the window starts empty")
             return None
         saved = state_dict.get("config", {})
-        if saved and {key: saved.get(key) for key in config} != dict(config):
+        changed = [key for key in config if saved and saved.get(key) != config[key]]
+        if changed:
+            differences = "; ".join(
+                f"`{key}` {saved.get(key)!r}, now {config[key]!r}" for key in changed
+            )
             self._warn_on_rank_zero(
-                f"{self.name}: the checkpoint was written with {dict(saved)}; "
-                f"continuing with the constructor's {dict(config)}."
+                f"{self.name}: the checkpoint was written with another configuration "
+                f"({differences}); continuing with the constructor's."
             )
         extras = state_dict.get("extras_window")
         if self.extras is None or extras is None:

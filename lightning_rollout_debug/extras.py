@@ -79,6 +79,10 @@ _PLACEHOLDER = (-math.inf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0)
 """A candidate that loses against any token (no token id)."""
 
 
+MAX_WORST_TOKENS_K = 1000
+"""The most worst tokens a table lists: each row's candidates are kept on the device."""
+
+
 def extras_problems(*, histograms: Any, worst_tokens_k: Any, dashboard_layout: Any) -> list[str]:
     """Return what is wrong with the TensorBoard-extras arguments (empty if nothing)."""
     problems = []
@@ -88,10 +92,11 @@ def extras_problems(*, histograms: Any, worst_tokens_k: Any, dashboard_layout: A
     if (
         isinstance(worst_tokens_k, bool)
         or not isinstance(worst_tokens_k, int)
-        or worst_tokens_k < 0
+        or not 0 <= worst_tokens_k <= MAX_WORST_TOKENS_K
     ):
         problems.append(
-            f"`worst_tokens_k` must be an int >= 0 (0 turns the table off), got {worst_tokens_k!r}."
+            f"`worst_tokens_k` must be an int from 0 (the table off) to {MAX_WORST_TOKENS_K}, "
+            f"got {worst_tokens_k!r}."
         )
     return problems
 

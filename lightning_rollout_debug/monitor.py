@@ -37,6 +37,7 @@ from lightning_rollout_debug.arguments import (
     checked_step,
     enabled_groups,
     monitor_problems,
+    process_group_problems,
 )
 from lightning_rollout_debug.batch import (
     RESPONSES_KEY,
@@ -74,6 +75,7 @@ from lightning_rollout_debug.tensorboard import (
     dashboard_layout,
     use_fast_event_checksums,
     write_extras,
+    write_layout,
     write_profile,
 )
 
@@ -232,11 +234,7 @@ class RolloutDebugMonitor:
             profile_images=profile_images,
             profile_images_every_n_steps=profile_images_every_n_steps,
         )
-        if callable(process_group):
-            problems.append(
-                "`process_group` must be a torch.distributed process group or None, got a "
-                "callable; create the group first and pass it."
-            )
+        problems += process_group_problems(process_group)
         if problems:
             raise ValueError(
                 f"Invalid {type(self).__name__} arguments:\n- " + "\n- ".join(problems)
@@ -347,7 +345,9 @@ class RolloutDebugMonitor:
     def reset(self) -> None:
         """Start over: an empty window, no open alert episodes, ``should_stop`` cleared.
 
-        The drift baselines are collected again from the next logged window.
+        Warnings about the batches are given again, once per kind, the pictures are drawn
+        at the next logged step, and the drift baselines are collected again from the next
+        logged window.
         """
         self._begin()
 
@@ -494,14 +494,17 @@ class RolloutDebugMonitor:
 
     # ------------------------------------------------------------------ windows
     def _begin(self, *, keep_window: bool = False, device: torch.device | None = None) -> None:
-        """Start a run: no open alert episodes; the window emptied, or kept on ``device``.
+        """Start a run: the window emptied, or kept on ``device``.
 
-        A kept window (restored from a checkpoint) keeps its drift baselines too; otherwise
-        they are collected again.
+        No alert episode is open, and no warning or picture counts as given yet. A kept
+        window (restored from a checkpoint) keeps its drift baselines too; otherwise they
+        are collected again.
         """
         self._alerts.reset()
         self._drift.reset()
         self.should_stop = False
+        self._warned.clear()
+        self._pictures_span = None
         if not keep_window:
             self._empty_window()
             self._drift.restart()
@@ -594,7 +597,7 @@ class RolloutDebugMonitor:
             if self.dashboard_layout and logger.log_dir not in self._layouts_written:
                 self._layouts_written.add(logger.log_dir)
                 names = enabled_metric_names(self.groups)
-                writer.add_custom_scalars(dashboard_layout(self.prefix, names))
+                write_layout(writer, dashboard_layout(self.prefix, names))
             if extras is not None:
                 write_extras(writer, self.prefix, extras, step, show_rank=show_rank)
             if pictures:

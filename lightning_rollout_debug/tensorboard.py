@@ -16,6 +16,7 @@ import importlib
 import re
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -248,7 +249,11 @@ def worst_tokens_markdown(tokens: Sequence[WorstToken], *, show_rank: bool = Fal
     return "\n".join(lines)
 
 
-def dashboard_layout(prefix: str, names: Collection[str]) -> dict[str, dict[str, list[Any]]]:
+Layout = dict[str, dict[str, list[Any]]]
+"""A custom-scalars layout as ``SummaryWriter.add_custom_scalars`` takes it."""
+
+
+def dashboard_layout(prefix: str, names: Collection[str]) -> Layout:
     """The custom-scalars layout of :data:`DASHBOARD` for ``SummaryWriter.add_custom_scalars``.
 
     Only metrics in ``names`` (un-prefixed) appear; empty charts and categories are left
@@ -258,7 +263,7 @@ def dashboard_layout(prefix: str, names: Collection[str]) -> dict[str, dict[str,
         >>> dashboard_layout("training/", ["rollout_actor_kl_k1", "rollout_actor_kl_k3"])
         {'training/divergence': {'KL(rollout || actor): k1, k3': ['Multiline', ['^training/rollout_actor_kl_k1$', '^training/rollout_actor_kl_k3$']]}}
     """  # noqa: E501
-    layout: dict[str, dict[str, list[Any]]] = {}
+    layout: Layout = {}
     for category, charts in DASHBOARD:
         content = {
             title: ["Multiline", [f"^{re.escape(prefix + name)}$" for name in chart]]
@@ -268,3 +273,18 @@ def dashboard_layout(prefix: str, names: Collection[str]) -> dict[str, dict[str,
         if content:
             layout[f"{prefix}{category}"] = content
     return layout
+
+
+_WRITTEN_LAYOUTS: weakref.WeakKeyDictionary[Any, Layout] = weakref.WeakKeyDictionary()
+
+
+def write_layout(writer: Any, layout: Layout) -> None:
+    """Write ``layout`` to ``writer``'s run, with what this process wrote there before.
+
+    TensorBoard's custom-scalars page reads one layout per run, the last one written: so
+    that callbacks or monitors with different prefixes sharing one run each keep their
+    dashboard, every write holds the categories of all of them so far.
+    """
+    merged = _WRITTEN_LAYOUTS.setdefault(writer, {})
+    merged.update(layout)
+    writer.add_custom_scalars(merged)

@@ -36,6 +36,7 @@ from lightning_helpers import (
 )
 from pytorch_lightning.callbacks import Callback
 from reference import ALL_NAMES, NAMES, PEARSON, Reference, assert_metrics_close, reference_metrics
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_rollout_debug import GROUPS, BatchError, RolloutDebugCallback, RolloutDebugWarning
 
@@ -162,7 +163,9 @@ class MetricsSpy(Callback):
 
 # ---------------------------------------------------------------------- constructor
 def test_constructor_keeps_its_arguments() -> None:
-    group = object()
+    def group(trainer: pl.Trainer) -> None:  # the group made in setup: every rank
+        return None
+
     callback = RolloutDebugCallback(
         rollout_log_probs_key="rlp",
         old_log_probs_key="olp",
@@ -222,6 +225,17 @@ def test_constructor_keeps_its_arguments() -> None:
             f"Unknown metric groups ['nope']; valid groups are {list(GROUPS)}",
         ),
         ({"groups": ["token_ids"]}, "The `token_ids` group needs `token_ids_keys"),
+        (
+            {"groups": []},
+            f"`groups` is empty, so nothing would be logged; choose from {list(GROUPS)}",
+        ),
+        ({"compile": 1}, "`compile` must be None (auto), True or False, got 1"),
+        ({"worst_tokens_k": 10**9}, "`worst_tokens_k` must be an int from 0 (the table off)"),
+        (
+            {"process_group": "world"},
+            "`process_group` must be None (every rank) or a torch.distributed process group, or "
+            "a callable that makes one from the Trainer, got 'world'",
+        ),
     ],
 )
 def test_invalid_argument_is_explained(kwargs: dict[str, Any], expected: str) -> None:
@@ -316,6 +330,39 @@ def test_gradient_accumulation_windows_hold_every_micro_batch(
     first_log = accumulate * every - 1
     assert all(VALID not in snapshot for snapshot in spy.snapshots[:first_log])
     assert VALID in spy.snapshots[first_log]
+
+
+class StopAtBatch(Callback):
+    """Stops the run at the end of batch ``index``, as a timer or an alert of another
+    callback may, in the middle of an accumulation."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if args[-1] == self.index:
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize("via_callback", [False, True])
+def test_a_stop_in_the_middle_of_an_accumulation_logs_no_step_twice(
+    tmp_path: Path, via_callback: bool
+) -> None:
+    batches = make_batches(8, seed=21)
+    fit(
+        RolloutModule(batches),
+        [StopAtBatch(2), RolloutDebugCallback(log_every_n_steps=1 if via_callback else None)],
+        logger=tb_logger(tmp_path),
+        log_every_n_steps=1,
+        accumulate_grad_batches=2,
+    )
+
+    series = read_scalars(tmp_path / "tb" / "version_0")
+    # Step 0 holds batches 0 and 1; batch 2 belongs to step 1, which never stepped.
+    accumulator = EventAccumulator(str(tmp_path / "tb" / "version_0"))
+    accumulator.Reload()
+    assert [event.step for event in accumulator.Scalars(VALID)] == [0, 1]  # each once
+    assert_windows(series, split_windows(batches[:3], step_of_batches(3, 2), [0, 1]))
 
 
 def test_manual_optimization_with_several_optimizer_steps_per_batch(tmp_path: Path) -> None:

@@ -253,6 +253,12 @@ def test_every_invalid_argument_is_reported_at_once() -> None:
     assert message.count("\n- ") == 7
 
 
+@pytest.mark.parametrize("group", [5, "world", object()])
+def test_a_process_group_that_is_none_of_the_kinds_is_refused(group: object) -> None:
+    with pytest.raises(ValueError, match=r"`process_group` must be None \(every rank\) or a torch"):
+        RolloutDebugMonitor(process_group=group)
+
+
 def test_bad_log_arguments_keep_the_window() -> None:
     monitor = RolloutDebugMonitor(alert_ranges={})
     monitor.update(make_batch(seed=37))
@@ -260,6 +266,9 @@ def test_bad_log_arguments_keep_the_window() -> None:
         monitor.log(-1)
     with pytest.raises(TypeError, match="`loggers` must be a logger or a list of loggers"):
         monitor.log(0, ["not a logger"])
+    for wrong in ("notalogger", 3):  # named whole, not as its letters
+        with pytest.raises(TypeError, match=f"got {wrong!r}.$"):
+            monitor.log(0, wrong)
     assert monitor.batches_in_window == 1
     assert monitor.log(0)[f"{PREFIX}rollout_sequences"] == 3
 

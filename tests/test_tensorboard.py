@@ -6,6 +6,7 @@ and compared with NumPy references computed from the batches of each window.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import sys
@@ -38,6 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_rollout_debug import RolloutDebugCallback, RolloutDebugMonitor
+from lightning_rollout_debug.alerts import enabled_metric_names
 from lightning_rollout_debug.bins import (
     HISTOGRAMS,
     LOG_RATIO_BINS,
@@ -326,6 +328,56 @@ def test_layout_written_once_and_matches_logged_tags(run: dict[str, Any]) -> Non
                 charted.update(matches)
     # Every metric is on the dashboard (token-id charts only appear with token ids).
     assert charted == {tag for tag in scalars if tag.startswith(PREFIX)}
+
+
+def served_layout(root: Path) -> list[str]:
+    """The category titles TensorBoard's custom-scalars page serves for the runs under ``root``."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.custom_scalar import custom_scalars_plugin
+
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(root))
+    multiplexer.Reload()
+    provider = data_provider.MultiplexerDataProvider(multiplexer, str(root))
+    plugin = custom_scalars_plugin.CustomScalarsPlugin(
+        base_plugin.TBContext(logdir=str(root), multiplexer=multiplexer, data_provider=provider)
+    )
+    layout = json.loads(plugin.layout_impl(context.RequestContext(), ""))  # the JSON it serves
+    return [category["title"] for category in layout["category"]]
+
+
+def test_callbacks_with_different_prefixes_each_keep_their_dashboard(tmp_path: Path) -> None:
+    callbacks = [
+        RolloutDebugCallback(prefix="a/", worst_tokens_k=0),
+        RolloutDebugCallback(prefix="b/", groups=["seed", "kl"], worst_tokens_k=0),
+    ]
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    options = {**TRAINER_DEFAULTS, "max_steps": 4, "log_every_n_steps": 2}
+    trainer = pl.Trainer(**options, logger=logger, callbacks=callbacks)
+    trainer.fit(RolloutModule([batch(seed) for seed in range(4)]))
+    want = [
+        title
+        for callback in callbacks
+        for title in dashboard_layout(callback.prefix, enabled_metric_names(callback.groups))
+    ]
+    assert served_layout(tmp_path / "tb") == want
+
+
+def test_a_callback_fitted_again_draws_and_warns_in_its_new_run(tmp_path: Path) -> None:
+    batches = [batch(seed) for seed in range(4)]
+    for data in batches:
+        del data["response_mask"], data["responses"]  # every position counts: one warning
+    callback = RolloutDebugCallback(worst_tokens_k=0)
+    for version in range(2):
+        logger = TensorBoardLogger(tmp_path, name="tb", version=version)
+        with pytest.warns(UserWarning) as caught:
+            fit(batches, callback, logger)
+        fallbacks = [w for w in caught if "response positions counts" in str(w.message)]
+        assert len(fallbacks) == 1, (version, [str(w.message) for w in caught])
+        images = accumulator(logger.log_dir).Tags()["images"]
+        assert f"{PREFIX}rollout_profile/joint" in images, version
 
 
 def test_layout_follows_groups_and_prefix() -> None:
