@@ -78,6 +78,10 @@ _MOMENTS = ("num", "min", "max", "sum", "sum_squares")
 _PLACEHOLDER = (-math.inf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0)
 """A candidate that loses against any token (no token id)."""
 
+WORST_TIES = ("batch", "rank", "row", "position")
+"""Of tokens of equal ``abs(r)`` the earlier one in the window ranks first: the earlier
+batch, then (in distributed runs) the lower rank, row and position."""
+
 
 MAX_WORST_TOKENS_K = 1000
 """The most worst tokens a table lists: each row's candidates are kept on the device."""
@@ -99,6 +103,21 @@ def extras_problems(*, histograms: Any, worst_tokens_k: Any, dashboard_layout: A
             f"got {worst_tokens_k!r}."
         )
     return problems
+
+
+def _earliest_top(key: Tensor, k: int) -> Tensor:
+    """The indices of the ``k`` largest of ``key`` (1-D), of equal ones the lowest.
+
+    ``topk`` alone leaves ties at the k-th value to chance; a second ``topk`` ranks the
+    tokens above the k-th value first (all of them are kept) and those equal to it by
+    index. No host synchronisation.
+    """
+    if k == 0:
+        return torch.zeros(0, dtype=torch.int64, device=key.device)
+    kth = torch.topk(key, k).values[-1]
+    index = torch.arange(key.numel(), device=key.device, dtype=torch.float64)
+    score = torch.where(key > kth, math.inf, torch.where(key == kth, -index, -math.inf))
+    return torch.topk(score, k).indices
 
 
 # ------------------------------------------------------------------------ summaries
@@ -423,17 +442,17 @@ class TokenExtras(ThreadSafeWindow):
         width = r.shape[1]
         key = torch.where(counting, r.abs(), -math.inf).flatten()
         k = min(self.worst_tokens_k, key.numel())
-        top = torch.topk(key, k)
-        index = top.indices
+        index = _earliest_top(key, k)
+        keys = key.index_select(0, index)
 
         def pick(values: Tensor) -> Tensor:
             # A picked token that does not count (fewer counting tokens than k) may hold
             # NaN or inf in `a`: zero it, its key of -inf drops it anyway.
             picked = values.flatten().index_select(0, index).to(f64)
-            return torch.where(torch.isfinite(top.values), picked, 0.0)
+            return torch.where(torch.isfinite(keys), picked, 0.0)
 
         return self._candidate_rows(
-            top.values,
+            keys,
             (pick(r), pick(a), pick(b)),
             (batch_index.expand(k), index // width + first_row, index % width, rank.expand(k)),
             None if token_ids is None else pick(token_ids),
@@ -506,6 +525,7 @@ class TokenExtras(ThreadSafeWindow):
                     rank=int(row["rank"]),
                 )
             )
+        worst.sort(key=lambda t: (-abs(t.log_ratio), t.batch, t.rank, t.row, t.position))
         profile = read_profile(block[self._profile_at :]) if self.profile else None
         return ExtrasSummary(histograms, worst, profile)
 
@@ -574,7 +594,9 @@ def extras_layout(
             Block("sum", (f"{name}.sum", f"{name}.sum_squares")),
         ]
     if worst_tokens_k:
-        blocks.append(Block("top", WORST_FIELDS, k=worst_tokens_k, empty=_PLACEHOLDER))
+        blocks.append(
+            Block("top", WORST_FIELDS, k=worst_tokens_k, empty=_PLACEHOLDER, ties=WORST_TIES)
+        )
     if profile:
         blocks += profile_blocks()
     return Layout(blocks)

@@ -56,6 +56,8 @@ class Block:
         k: for ``"top"``: how many candidates are kept.
         empty: for ``"top"``: the fields of a placeholder candidate (its first field must
             lose against any real one).
+        ties: for ``"top"``: the fields that order candidates of equal first field, most
+            significant first; the smaller value wins.
     """
 
     rule: str
@@ -63,11 +65,24 @@ class Block:
     whole: bool = False
     k: int = 0
     empty: tuple[float, ...] = ()
+    ties: tuple[str, ...] = ()
 
     @property
     def size(self) -> int:
         """How many slots the block takes."""
         return len(self.names) * (self.k if self.rule == "top" else 1)
+
+
+def _ranked(candidates: Tensor, ties: Sequence[int]) -> Tensor:
+    """The order of ``candidates`` (rows), best first.
+
+    The largest first field first; of equal ones the smallest ``ties`` columns, most
+    significant first. Stable sorts, no host synchronisation.
+    """
+    order = torch.arange(len(candidates), device=candidates.device)
+    for column in reversed(ties):
+        order = order[torch.sort(candidates[order, column], stable=True).indices]
+    return order[torch.sort(candidates[order, 0], descending=True, stable=True).indices]
 
 
 class Layout:
@@ -188,10 +203,9 @@ class Layout:
                 )
                 parts.append((where.start, states[:, where].sum(0) + spread.sum(0)))
             elif block.rule == "top":
-                fields = len(block.names)
-                candidates = states[:, where].reshape(-1, fields)
-                best = torch.topk(candidates[:, 0], block.k).indices
-                parts.append((where.start, candidates.index_select(0, best).flatten()))
+                candidates = states[:, where].reshape(-1, len(block.names))
+                best = _ranked(candidates, [block.names.index(name) for name in block.ties])
+                parts.append((where.start, candidates.index_select(0, best[: block.k]).flatten()))
         if not parts:
             return merged
         return torch.cat([part for _, part in sorted(parts, key=lambda item: item[0])])

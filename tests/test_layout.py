@@ -74,6 +74,18 @@ def test_the_identity_changes_nothing_and_merges_with_itself() -> None:
         assert layout.problems(empty) == []
 
 
+def test_a_top_block_breaks_ties_by_its_tie_fields_in_order() -> None:
+    fields = ("key", "batch", "rank", "row", "position")
+    empty = (-math.inf, 0.0, 0.0, 0.0, 0.0)
+    layout = Layout([Block("top", fields, k=4, empty=empty, ties=fields[1:])])
+    # Two states (say two ranks) of four candidates each, most of them tied at key 3.
+    first = [(3, 1, 0, 0, 0), (3, 0, 0, 2, 9), (5, 7, 0, 0, 0), (-math.inf, 0, 0, 0, 0)]
+    second = [(3, 0, 1, 0, 0), (3, 0, 0, 2, 8), (3, 0, 0, 1, 9), (1, 0, 0, 0, 0)]
+    states = torch.tensor([sum(first, ()), sum(second, ())], dtype=torch.float64)
+    merged = layout.merge(states).reshape(4, len(fields)).tolist()
+    assert merged == [[5, 7, 0, 0, 0], [3, 0, 0, 1, 9], [3, 0, 0, 2, 8], [3, 0, 0, 2, 9]]
+
+
 def test_checks_name_the_slot_and_the_problem() -> None:
     layout = moments_layout()
     state = layout.identity()

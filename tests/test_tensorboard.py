@@ -297,6 +297,36 @@ def test_worst_tokens_match_numpy(
             assert float(got["r = log(actor/rollout)"]) == pytest.approx(expected["r"], rel=1e-5)
 
 
+def tied_batch(tokens: Sequence[tuple[int, int, float]]) -> dict[str, torch.Tensor]:
+    """A [3, 8] batch whose tokens at ``(row, position)`` have ``r`` as given, the rest 2^-10."""
+    rollout = torch.full((3, 8), -1.0)
+    old = rollout + 2.0**-10
+    for row, position, r in tokens:
+        rollout[row, position] = -10.0
+        old[row, position] = -10.0 + r
+    return {"rollout_log_probs": rollout, "old_log_probs": old, "response_mask": torch.ones(3, 8)}
+
+
+@pytest.mark.parametrize("compile", [None, False], ids=["native", "torch"])
+def test_of_tied_worst_tokens_the_earliest_in_the_window_win(
+    tmp_path: Path, compile: bool | None
+) -> None:
+    """Eight tokens of |r| = 3 in two batches, k = 6: the six earliest, in window order."""
+    batches = [
+        tied_batch([(0, 5, 3.0), (1, 6, -3.0), (2, 0, 3.0), (2, 7, 3.0)]),
+        tied_batch([(0, 0, -3.0), (0, 1, 3.0), (1, 2, 3.0), (2, 0, -3.0)]),
+    ]
+    monitor = RolloutDebugMonitor(worst_tokens_k=6, alert_ranges={}, compile=compile)
+    for data in batches:
+        monitor.update(data)
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    monitor.log(0, [logger])
+    (event,) = accumulator(logger.log_dir).Tensors(TEXT_TAG)
+    rows = parse_table(event.tensor_proto.string_val[0].decode())
+    kept = [(int(row["batch"]), int(row["row"]), int(row["position"])) for row in rows]
+    assert kept == [(0, 0, 5), (0, 1, 6), (0, 2, 0), (0, 2, 7), (1, 0, 0), (1, 0, 1)]
+
+
 def test_worst_tokens_without_ids_have_no_token_column(tmp_path: Path) -> None:
     batches = [batch(seed) for seed in range(2)]
     for data in batches:
