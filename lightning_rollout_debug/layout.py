@@ -80,9 +80,11 @@ def _ranked(candidates: Tensor, ties: Sequence[int]) -> Tensor:
     significant first. Stable sorts, no host synchronisation.
     """
     order = torch.arange(len(candidates), device=candidates.device)
-    for column in reversed(ties):
-        order = order[torch.sort(candidates[order, column], stable=True).indices]
-    return order[torch.sort(candidates[order, 0], descending=True, stable=True).indices]
+    for column, descending in [*((column, False) for column in reversed(ties)), (0, True)]:
+        keys = candidates[:, column].index_select(0, order)
+        by_key = torch.sort(keys, descending=descending, stable=True).indices
+        order = order.index_select(0, by_key)
+    return order
 
 
 class Layout:

@@ -273,7 +273,7 @@ def oracle(batch: Any, *, direct: bool = False) -> Verdict:
             and responses.dim() == 2
             and mask.shape[1] > responses.shape[1]
         ):
-            mask = mask[:, -responses.shape[1] :]
+            mask = mask[:, mask.shape[1] - responses.shape[1] :]  # the last T: none for 0
     fallback = False
     if mask is None and not direct:
         fallback, mask_name = True, MASK
