@@ -43,7 +43,7 @@ What it shows:
   step 20 and keeps rising as the engine falls behind; the fixed ranges and the drift
   alert both name it at that step.
 
-Besides the scalars, TensorBoard's IMAGES tab shows, at every logged step, where the
+Besides the scalars, TensorBoard's IMAGES tab shows, every 10 steps, where the
 mismatch lives: along the response (``rollout_profile/by_position``), by the trainer's
 token probability (``rollout_profile/by_probability``), and the joint histogram of the
 two log-probs (``rollout_profile/joint``); the quantile charts (p50 ... p99.9) are in

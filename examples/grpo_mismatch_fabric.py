@@ -6,8 +6,9 @@ each batch's ``rollout_log_probs``, ``old_log_probs`` and ``response_mask`` to a
 :class:`~lightning_rollout_debug.RolloutDebugMonitor` and calls ``monitor.log(step,
 fabric=fabric)`` every ``--log-every`` steps. The monitor merges the window of every
 process, logs the ``training/*`` scalars to the Fabric's TensorBoard logger, writes the
-histograms, the worst tokens and the dashboard layout there, and checks the alerts. With
-``on_alert="stop"`` the loop also stops when a metric leaves its range.
+histograms, the worst tokens and the dashboard layout there, and checks the alerts (here
+they warn; built with ``RolloutDebugMonitor(on_alert="stop")`` the loop would also stop
+when a metric leaves its range).
 
 Run it, then open TensorBoard::
 
