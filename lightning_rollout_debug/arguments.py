@@ -182,8 +182,8 @@ def checked_step(step: Any) -> int:
 
 def checked_loggers(loggers: Any) -> list[Any]:
     """``loggers`` as a list, every one with ``log_metrics``; checked before any collective."""
-    single = hasattr(loggers, "log_metrics") or not isinstance(loggers, Iterable)
-    listed = [loggers] if single or isinstance(loggers, (str, bytes)) else list(loggers)
+    single = hasattr(loggers, "log_metrics") or isinstance(loggers, str | bytes)
+    listed = [loggers] if single or not isinstance(loggers, Iterable) else list(loggers)
     wrong = [repr(logger) for logger in listed if not callable(getattr(logger, "log_metrics", 0))]
     if wrong:
         raise TypeError(

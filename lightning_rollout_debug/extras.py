@@ -82,9 +82,9 @@ WORST_TIES = ("batch", "rank", "row", "position")
 """Of tokens of equal ``abs(r)`` the earlier one in the window ranks first: the earlier
 batch, then (in distributed runs) the lower rank, row and position."""
 
-
 MAX_WORST_TOKENS_K = 1000
-"""The most worst tokens a table lists: each row's candidates are kept on the device."""
+"""The most worst tokens a table lists: every batch's ``k`` candidates wait on the device
+until the window merges them."""
 
 
 def extras_problems(*, histograms: Any, worst_tokens_k: Any, dashboard_layout: Any) -> list[str]:

@@ -249,11 +249,11 @@ def worst_tokens_markdown(tokens: Sequence[WorstToken], *, show_rank: bool = Fal
     return "\n".join(lines)
 
 
-Layout = dict[str, dict[str, list[Any]]]
+DashboardLayout = dict[str, dict[str, list[Any]]]
 """A custom-scalars layout as ``SummaryWriter.add_custom_scalars`` takes it."""
 
 
-def dashboard_layout(prefix: str, names: Collection[str]) -> Layout:
+def dashboard_layout(prefix: str, names: Collection[str]) -> DashboardLayout:
     """The custom-scalars layout of :data:`DASHBOARD` for ``SummaryWriter.add_custom_scalars``.
 
     Only metrics in ``names`` (un-prefixed) appear; empty charts and categories are left
@@ -263,7 +263,7 @@ def dashboard_layout(prefix: str, names: Collection[str]) -> Layout:
         >>> dashboard_layout("training/", ["rollout_actor_kl_k1", "rollout_actor_kl_k3"])
         {'training/divergence': {'KL(rollout || actor): k1, k3': ['Multiline', ['^training/rollout_actor_kl_k1$', '^training/rollout_actor_kl_k3$']]}}
     """  # noqa: E501
-    layout: Layout = {}
+    layout: DashboardLayout = {}
     for category, charts in DASHBOARD:
         content = {
             title: ["Multiline", [f"^{re.escape(prefix + name)}$" for name in chart]]
@@ -275,10 +275,10 @@ def dashboard_layout(prefix: str, names: Collection[str]) -> Layout:
     return layout
 
 
-_WRITTEN_LAYOUTS: weakref.WeakKeyDictionary[Any, Layout] = weakref.WeakKeyDictionary()
+_WRITTEN_LAYOUTS: weakref.WeakKeyDictionary[Any, DashboardLayout] = weakref.WeakKeyDictionary()
 
 
-def write_layout(writer: Any, layout: Layout) -> None:
+def write_layout(writer: Any, layout: DashboardLayout) -> None:
     """Write ``layout`` to ``writer``'s run, with what this process wrote there before.
 
     TensorBoard's custom-scalars page reads one layout per run, the last one written: so
