@@ -1,7 +1,7 @@
 """Fixed histogram bins read off a float's bits: exact, mergeable, and cheap.
 
-The histograms of :mod:`.extras` (and of the native kernel, which computes the same bin
-indices from the same bits) use these bins. Fixed edges make windows and ranks merge
+The histograms of :mod:`.histograms` (and of the native kernel, which computes the same
+bin indices from the same bits) use these bins. Fixed edges make windows and ranks merge
 exactly: bin counts simply add.
 """
 

@@ -1,18 +1,21 @@
-"""Device-side histograms and worst tokens of a window: :class:`TokenExtras`.
+"""Device-side histograms, worst tokens and profile of a window: :class:`TokenExtras`.
 
 Next to the statistics, :class:`TokenExtras` keeps one packed float64 vector on the
 batch's device, laid out by a :class:`~lightning_rollout_debug.layout.Layout`:
 
-* two histograms with FIXED bins, of the log ratio ``r = a - b`` and of
-  ``abs(exp(a) - exp(b))`` over the counting tokens, each with its count, minimum,
-  maximum, sum and sum of squares (what ``SummaryWriter.add_histogram_raw`` takes);
-* the ``k`` counting tokens with the largest ``abs(r)``, with where they came from.
+* two histograms with FIXED bins (:mod:`.histograms`), of the log ratio ``r = a - b``
+  and of ``abs(exp(a) - exp(b))`` over the counting tokens;
+* the ``k`` counting tokens with the largest ``abs(r)``, with where they came from
+  (:mod:`.worst_tokens`);
+* the window's :mod:`.profile`: quantile bins, position and probability buckets, the
+  joint histogram.
 
 An update is masked arithmetic (a bin index from each value's bits, ``scatter_add_``
-into a fixed-size tensor, ``topk``) with no host synchronisation. Because the bins are
-fixed, windows and ranks merge exactly: bin counts, counts and sums add, extremes fold,
-and the best ``k`` of all candidates are kept. :meth:`TokenExtras.summary` reads a
-merged vector, copied to the host once; the writers of :mod:`.tensorboard` draw it.
+into a fixed-size tensor, ``topk``) with no host synchronisation, one pass of the native
+kernel on CPUs. Because the bins are fixed, windows and ranks merge exactly: bin counts,
+counts and sums add, extremes fold, and the best ``k`` of all candidates are kept.
+:meth:`TokenExtras.summary` reads a merged vector, copied to the host once; the writers
+of :mod:`.tensorboard` draw it.
 
 Tokens count exactly as in the statistics: log-probs are floored at
 :data:`~lightning_rollout_debug.rows.LOG_PROB_FLOOR` first, and a token counts where
@@ -22,8 +25,6 @@ the mask is non-zero and both log-probs are finite.
 from __future__ import annotations
 
 import functools
-import math
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,11 +51,15 @@ from lightning_rollout_debug.bins import (
     HISTOGRAMS,
     LOG_RATIO_BINS,
     PROBS_DIFF_BINS,
-    LogBins,
     QuarterOctaveBins,
 )
-from lightning_rollout_debug.layout import Block, Layout
-from lightning_rollout_debug.native import WORST_FIELDS
+from lightning_rollout_debug.histograms import (
+    Histogram,
+    histogram_blocks,
+    histogram_state,
+    read_histograms,
+)
+from lightning_rollout_debug.layout import Layout
 from lightning_rollout_debug.profile import (
     PROFILE_SIZE,
     QUANTILE_BINS,
@@ -72,19 +77,14 @@ from lightning_rollout_debug.rows import (
     rows_for,
 )
 from lightning_rollout_debug.stats import MismatchStats, ThreadSafeWindow
-
-_F = len(WORST_FIELDS)
-_MOMENTS = ("num", "min", "max", "sum", "sum_squares")
-_PLACEHOLDER = (-math.inf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0)
-"""A candidate that loses against any token (no token id)."""
-
-WORST_TIES = ("batch", "rank", "row", "position")
-"""Of tokens of equal ``abs(r)`` the earlier one in the window ranks first: the earlier
-batch, then (in distributed runs) the lower rank, row and position."""
-
-MAX_WORST_TOKENS_K = 1000
-"""The most worst tokens a table lists: every batch's ``k`` candidates wait on the device
-until the window merges them."""
+from lightning_rollout_debug.worst_tokens import (
+    FIELDS,
+    MAX_WORST_TOKENS_K,
+    WorstToken,
+    candidates,
+    read_worst_tokens,
+    worst_tokens_block,
+)
 
 
 def extras_problems(*, histograms: Any, worst_tokens_k: Any, dashboard_layout: Any) -> list[str]:
@@ -105,67 +105,7 @@ def extras_problems(*, histograms: Any, worst_tokens_k: Any, dashboard_layout: A
     return problems
 
 
-def _earliest_top(key: Tensor, k: int) -> Tensor:
-    """The indices of the ``k`` largest of ``key`` (1-D), of equal ones the lowest.
-
-    ``topk`` alone leaves ties at the k-th value to chance; a second ``topk`` ranks the
-    tokens above the k-th value first (all of them are kept) and those equal to it by
-    index. No host synchronisation.
-    """
-    if k == 0:
-        return torch.zeros(0, dtype=torch.int64, device=key.device)
-    kth = torch.topk(key, k).values[-1]
-    index = torch.arange(key.numel(), device=key.device, dtype=torch.float64)
-    score = torch.where(key > kth, math.inf, torch.where(key == kth, -index, -math.inf))
-    return torch.topk(score, k).indices
-
-
 # ------------------------------------------------------------------------ summaries
-@dataclass(frozen=True)
-class Histogram:
-    """A merged fixed-bin histogram, on the host.
-
-    ``counts[i]`` is the number of values in bin ``i`` of ``edges`` (see
-    :data:`HISTOGRAMS` for the convention); ``num`` is their total.
-    """
-
-    edges: tuple[float, ...]
-    counts: tuple[float, ...]
-    num: float
-    min: float
-    max: float
-    sum: float
-    sum_squares: float
-
-    def bucket_limits(self) -> list[float]:
-        """Upper limit of every bin, as TensorBoard wants it (the last is ``DBL_MAX``)."""
-        return [*self.edges, sys.float_info.max]
-
-    def support(self) -> slice:
-        """The bins from the first to the last non-empty one (empty if there is none)."""
-        filled = [i for i, count in enumerate(self.counts) if count > 0]
-        return slice(filled[0], filled[-1] + 1) if filled else slice(0, 0)
-
-
-@dataclass(frozen=True)
-class WorstToken:
-    """One of the tokens with the largest ``abs(r)`` of a window.
-
-    ``batch`` is the index of the training batch within the window (0 for the first
-    batch after the previous logged step), ``row`` and ``position`` locate the token in
-    that batch's ``[B, T]`` tensors, ``token_id`` is ``None`` when the batch had no ids.
-    """
-
-    log_ratio: float
-    actor_prob: float
-    rollout_prob: float
-    batch: int
-    row: int
-    position: int
-    token_id: int | None
-    rank: int
-
-
 @dataclass(frozen=True)
 class ExtrasSummary:
     """What a window's extras show: histograms by tag, worst tokens, profile.
@@ -245,7 +185,7 @@ class TokenExtras(ThreadSafeWindow):
         sum_squares]``, then ``k`` candidates of :data:`WORST_FIELDS`, then the profile
         block (:data:`~lightning_rollout_debug.profile.PROFILE_SIZE` values)."""
         self._profile_at = self.layout.size - (PROFILE_SIZE if profile else 0)
-        self._worst_at = self._profile_at - worst_tokens_k * _F
+        self._worst_at = self._profile_at - worst_tokens_k * FIELDS
         self.size = self.layout.size
         self._state: Tensor | None = None
         self._pending: list[Tensor] = []
@@ -416,77 +356,14 @@ class TokenExtras(ThreadSafeWindow):
                 finer["rollout_probs_diff_hist"] = (fine, profile[: len(fine.edges) + 1])
             for name, spec in self._histograms:
                 parts.append(
-                    _histogram_state(values[name].flatten(), keep, weight, spec, finer.get(name))
+                    histogram_state(values[name].flatten(), keep, weight, spec, finer.get(name))
                 )
         if self.worst_tokens_k:
-            parts.append(
-                self._candidates(a, b, r, counting, token_ids, first_row, batch_index, rank)
-            )
+            origin = (first_row, batch_index, rank)
+            parts.append(candidates(a, b, r, counting, token_ids, origin, k=self.worst_tokens_k))
         if profile is not None:
             parts.append(profile)
         return torch.cat(parts)
-
-    def _candidates(
-        self,
-        a: Tensor,
-        b: Tensor,
-        r: Tensor,
-        counting: Tensor,
-        token_ids: Tensor | None,
-        first_row: int,
-        batch_index: Tensor,
-        rank: Tensor,
-    ) -> Tensor:
-        """The chunk's ``k`` tokens with the largest ``abs(r)``, as ``[k * F]`` (no sync)."""
-        f64 = torch.float64
-        width = r.shape[1]
-        key = torch.where(counting, r.abs(), -math.inf).flatten()
-        k = min(self.worst_tokens_k, key.numel())
-        index = _earliest_top(key, k)
-        keys = key.index_select(0, index)
-
-        def pick(values: Tensor) -> Tensor:
-            # A picked token that does not count (fewer counting tokens than k) may hold
-            # NaN or inf in `a`: zero it, its key of -inf drops it anyway.
-            picked = values.flatten().index_select(0, index).to(f64)
-            return torch.where(torch.isfinite(keys), picked, 0.0)
-
-        return self._candidate_rows(
-            keys,
-            (pick(r), pick(a), pick(b)),
-            (batch_index.expand(k), index // width + first_row, index % width, rank.expand(k)),
-            None if token_ids is None else pick(token_ids),
-        )
-
-    def _candidate_rows(
-        self,
-        keys: Tensor,
-        values: tuple[Tensor, Tensor, Tensor],
-        places: tuple[Tensor, Tensor, Tensor, Tensor],
-        token_ids: Tensor | None,
-    ) -> Tensor:
-        """``[k * F]`` candidates of :data:`WORST_FIELDS`, placeholders after the found ones.
-
-        ``values`` are ``(r, a, b)`` (zero for no token), ``places`` ``(batch, row,
-        position, rank)``.
-        """
-        f64 = torch.float64
-        r, a, b = values
-        options: dict[str, Any] = {"dtype": f64, "device": keys.device}
-        count = len(keys)
-        ids = torch.full((count,), -1.0, **options) if token_ids is None else token_ids
-        batch, row, position, rank = (place.to(f64) for place in places)
-        columns = [keys.to(f64), r, torch.exp(a), torch.exp(b), batch, row, position, ids, rank]
-        found = torch.stack(columns, dim=1)
-        if count < self.worst_tokens_k:
-            placeholders = self._empty_candidates(self.worst_tokens_k - count, options)
-            found = torch.cat([found, placeholders])
-        return found.flatten()
-
-    @staticmethod
-    def _empty_candidates(count: int, options: dict[str, Any]) -> Tensor:
-        """``count`` placeholder candidates that lose against any token."""
-        return torch.tensor(_PLACEHOLDER, **options).repeat(count, 1)
 
     # --------------------------------------------------------------- summary
     def summary(self, state: Tensor | Sequence[float]) -> ExtrasSummary:
@@ -500,77 +377,10 @@ class TokenExtras(ThreadSafeWindow):
         if block.shape != (self.size,):
             raise ValueError(f"A packed extras state has {self.size} values; got {block.size}.")
         values = block[: self._profile_at].tolist()  # the profile's block stays an array
-        histograms = {}
-        offset = 0
-        for name, spec in self._histograms:
-            edges = spec.edges
-            bins = len(edges) + 1
-            moments = values[offset + bins : offset + bins + len(_MOMENTS)]
-            histograms[name] = Histogram(edges, tuple(values[offset : offset + bins]), *moments)
-            offset += bins + len(_MOMENTS)
-        worst = []
-        for start in range(self._worst_at, self._profile_at, _F):
-            row = dict(zip(WORST_FIELDS, values[start : start + _F], strict=True))
-            if row["abs_log_ratio"] == -math.inf:
-                continue
-            worst.append(
-                WorstToken(
-                    log_ratio=row["log_ratio"],
-                    actor_prob=row["actor_prob"],
-                    rollout_prob=row["rollout_prob"],
-                    batch=int(row["batch"]),
-                    row=int(row["row"]),
-                    position=int(row["position"]),
-                    token_id=None if row["token_id"] < 0 else int(row["token_id"]),
-                    rank=int(row["rank"]),
-                )
-            )
-        worst.sort(key=lambda t: (-abs(t.log_ratio), t.batch, t.rank, t.row, t.position))
+        histograms = read_histograms(values, self._histograms)
+        worst = read_worst_tokens(values[self._worst_at :])
         profile = read_profile(block[self._profile_at :]) if self.profile else None
         return ExtrasSummary(histograms, worst, profile)
-
-
-def _histogram_state(
-    values: Tensor,
-    keep: Tensor,
-    weight: Tensor,
-    bins: QuarterOctaveBins,
-    finer: tuple[LogBins, Tensor] | None = None,
-) -> Tensor:
-    """``[bin counts..., num, min, max, sum, sum_squares]`` of ``values`` where ``keep``.
-
-    ``values`` (float32 or float64) must be zero where ``keep`` is false, so plain sums
-    skip those tokens; ``weight`` is ``keep`` as float64. ``finer`` is ``(fine, counts)``:
-    the counts of the same values in finer bins. Where each bin is a union of fine bins
-    (both unsigned, the fine bins spanning these bins' range), the counts are added up
-    from them: the same whole numbers as counting the values.
-    """
-    counts = torch.zeros(len(bins.edges) + 1, dtype=torch.float64, device=values.device)
-    fine = None if finer is None else finer[0]
-    if (
-        fine is not None
-        and not (fine.signed or bins.signed)
-        and fine.bits >= bins.bits
-        and fine.low <= bins.low
-        and bins.low + bins.octaves <= fine.low + fine.octaves
-    ):
-        # Fine bin i holds the values whose fine steps above 2**fine.low are i - 1 (-1:
-        # below, clamped); their steps here are those shifted right, less the steps
-        # between the two lowest edges, clamped alike.
-        steps = torch.arange(-1, len(fine.edges), device=values.device)
-        steps = (steps >> (fine.bits - bins.bits)) - bins.steps * (bins.low - fine.low)
-        counts.index_add_(0, steps.clamp_(-1, bins.top).add_(1), finer[1])
-    else:
-        counts.scatter_add_(0, bins.index(values), weight)
-    exact = values.to(torch.float64)
-    moments = [
-        weight.sum(),
-        torch.where(keep, values, math.inf).amin().to(torch.float64),
-        torch.where(keep, values, -math.inf).amax().to(torch.float64),
-        exact.sum(),
-        torch.dot(exact, exact),
-    ]
-    return torch.cat([counts, torch.stack(moments)])
 
 
 @functools.lru_cache(maxsize=32)
@@ -584,19 +394,9 @@ def extras_layout(
     Built once per configuration (the profile alone has thousands of named slots) and
     shared: a layout is not changed after it is built.
     """
-    blocks = []
-    for name, spec in histograms:
-        bins = tuple(f"{name}[{i}]" for i in range(len(spec.edges) + 1))
-        blocks += [
-            Block("sum", (*bins, f"{name}.num"), whole=True),
-            Block("min", (f"{name}.min",)),
-            Block("max", (f"{name}.max",)),
-            Block("sum", (f"{name}.sum", f"{name}.sum_squares")),
-        ]
+    blocks = [block for name, bins in histograms for block in histogram_blocks(name, bins)]
     if worst_tokens_k:
-        blocks.append(
-            Block("top", WORST_FIELDS, k=worst_tokens_k, empty=_PLACEHOLDER, ties=WORST_TIES)
-        )
+        blocks.append(worst_tokens_block(worst_tokens_k))
     if profile:
         blocks += profile_blocks()
     return Layout(blocks)

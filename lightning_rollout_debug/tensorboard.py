@@ -21,9 +21,10 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from lightning_rollout_debug.catalog import DASHBOARD
-from lightning_rollout_debug.extras import ExtrasSummary, WorstToken
+from lightning_rollout_debug.extras import ExtrasSummary
 from lightning_rollout_debug.pictures import HEIGHT, PICTURES, WIDTH, profile_pictures, profile_pngs
 from lightning_rollout_debug.profile import Profile
+from lightning_rollout_debug.worst_tokens import WorstToken
 
 WORST_TOKENS_TAG = "rollout_worst_tokens"
 """Un-prefixed TensorBoard tag of the worst-tokens table."""

@@ -24,7 +24,7 @@ from lightning_rollout_debug import (
 )
 from lightning_rollout_debug.batch import check_inputs
 from lightning_rollout_debug.bins import LOG_RATIO_BINS, PROBS_DIFF_BINS
-from lightning_rollout_debug.extras import TokenExtras, WorstToken
+from lightning_rollout_debug.extras import TokenExtras
 from lightning_rollout_debug.layout import Block
 from lightning_rollout_debug.profile import (
     POSITION_BUCKETS,
@@ -34,6 +34,7 @@ from lightning_rollout_debug.profile import (
     profile_blocks,
 )
 from lightning_rollout_debug.rows import ROW_FIELDS, row_sums, rows_for
+from lightning_rollout_debug.worst_tokens import WorstToken
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler here")
 

@@ -49,10 +49,11 @@ from lightning_rollout_debug.bins import (
     QuarterOctaveBins,
 )
 from lightning_rollout_debug.catalog import DASHBOARD
-from lightning_rollout_debug.extras import WORST_FIELDS, TokenExtras
+from lightning_rollout_debug.extras import TokenExtras
 from lightning_rollout_debug.ranks import Ranks
 from lightning_rollout_debug.rows import LOG_PROB_FLOOR
 from lightning_rollout_debug.tensorboard import dashboard_layout, use_fast_event_checksums
+from lightning_rollout_debug.worst_tokens import WORST_FIELDS
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),
