@@ -24,6 +24,27 @@ from hypothesis import strategies as st
 from reference import Reference, reference_metrics
 from torch import Tensor
 
+
+# ----------------------------------------------------------------------------- the kernel
+def kernel_skip_reason() -> str | None:
+    """Why the native kernel's own tests cannot run here; ``None``: they must run.
+
+    Only a missing compiler, or the kernel turned off on purpose, skips them: where a
+    compiler is found, a kernel that fails to build or load fails the tests.
+    """
+    from lightning_rollout_debug.native import SWITCH_ENV
+    from lightning_rollout_debug.native.cache import KernelUnavailable, _compiler
+
+    switch = os.environ.get(SWITCH_ENV, "").strip().lower()
+    if switch in ("0", "false", "off", "no"):
+        return f"the native kernel is turned off ({SWITCH_ENV}={os.environ[SWITCH_ENV]})"
+    try:
+        _compiler()
+    except KernelUnavailable as error:
+        return f"no C++ compiler here ({error})"
+    return None
+
+
 # ----------------------------------------------------------------------------- slow tests
 SLOW_MODULES: dict[str, str] = {
     "test_distributed.py": "spawns process groups of several ranks",

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import REGIMES, Batch, make_batch, reference_for
+from conftest import REGIMES, Batch, kernel_skip_reason, make_batch, reference_for
 from lightning_helpers import TRAINER_DEFAULTS, MemoryLogger, RolloutModule, make_batches
 from reference import assert_metrics_close, reference_metrics
 
@@ -36,7 +36,14 @@ from lightning_rollout_debug.profile import (
 from lightning_rollout_debug.rows import ROW_FIELDS, row_sums, rows_for
 from lightning_rollout_debug.worst_tokens import WorstToken
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler here")
+KERNEL_SKIP = kernel_skip_reason()
+pytestmark = pytest.mark.skipif(KERNEL_SKIP is not None, reason=str(KERNEL_SKIP))
+
+
+def test_the_kernel_builds_and_loads_where_a_compiler_is() -> None:
+    # Only a missing compiler skips this module: a kernel refused here fails, with why.
+    assert native.available(), native._kernel["problem"]
+
 
 ALL = frozenset(GROUPS)
 # Fields that are selections or counts of float32 values both sides compute alike.

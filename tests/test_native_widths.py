@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REGIMES, make_batch, reference_for
+from conftest import REGIMES, kernel_skip_reason, make_batch, reference_for
 from reference import assert_metrics_close
 from test_native import EXACT, _assert_same_extras, _assert_same_profile, _profile_of
 
@@ -26,7 +26,8 @@ from lightning_rollout_debug.extras import TokenExtras
 from lightning_rollout_debug.profile import POSITION_BUCKETS
 from lightning_rollout_debug.rows import ROW_FIELDS, row_sums, rows_for
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler here")
+KERNEL_SKIP = kernel_skip_reason()
+pytestmark = pytest.mark.skipif(KERNEL_SKIP is not None, reason=str(KERNEL_SKIP))
 
 # Widths below, at and above every lane count, rows of one token, and rows that span
 # several position buckets and several of the kernel's 512-token blocks.
