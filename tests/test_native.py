@@ -653,3 +653,27 @@ def test_histogram_bins_beyond_the_kernel_slots_are_refused(
     assert native.states(*arguments, extras=dataclasses.replace(fits, profile=False)) is not None
     with pytest.warns(RuntimeWarning, match="rejected its arguments"):
         assert native.states(*arguments, extras=too_many) is None
+
+
+def test_probabilities_stay_finite_up_to_float32s_own_limit() -> None:
+    # e^x overflows float32 above ln(FLT_MAX) = 88.7228; the kernel's exponential must
+    # not overflow sooner (2^128 does not fit the exponent: 88.38 was its limit).
+    old = torch.tensor([[88.0, 88.38, 88.5, 88.6, 88.72, -1.0, -0.3]])
+    rollout = torch.full_like(old, -0.5)
+    mask = torch.ones_like(old)
+    want = np.abs(np.exp(old.double().numpy()) - np.exp(-0.5))
+    assert np.isfinite(want).all()
+    found = {}
+    for compile in (None, False):
+        stats = MismatchStats(compile=compile)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # positive log-probs
+            stats.update(rollout, old, mask)
+            found[compile] = stats.compute()
+    assert math.isclose(found[None]["rollout_probs_diff_mean"], want.mean(), rel_tol=1e-5)
+    assert math.isclose(found[None]["rollout_probs_diff_max"], want.max(), rel_tol=1e-5)
+    for name, value in found[False].items():
+        other = found[None][name]
+        assert (math.isnan(value) and math.isnan(other)) or math.isclose(
+            other, value, rel_tol=1e-5, abs_tol=1e-12
+        ), (name, other, value)

@@ -244,22 +244,24 @@ inline T shifted(T before, T x) {
 
 // e^x as 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by its Taylor series to
 // f^7 (truncation below 1e-8 relative). Rounding x log2 e costs |x| * 6e-8 relative, as
-// in the compiled path. For x >= -87 (log-probs are floored at -20); the result
-// overflows to +inf above about 88.7.
+// in the compiled path. The series is that of 2 * 2^f (each coefficient doubled, which
+// is exact) times 2^(n - 1): 2^128 would not fit in the exponent, so e^x stays finite up
+// to float32's own limit, about 88.72, and overflows to +inf above it. For x >= -87
+// (log-probs are floored at -20).
 inline f32 exp(f32 x) {
   f32 t = x * kLog2E;
   t = t < 128.0f ? t : splat<f32>(128.0f);
   const f32 n = (t + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23
   const f32 f = t - n;
-  f32 p = splat<f32>(1.5252733804059838e-05f);  // ln2^7 / 7!, then down to ln2^0 / 0!
-  p = p * f + 1.5403530393381606e-04f;
-  p = p * f + 1.3333558146428441e-03f;
-  p = p * f + 9.618129107628477e-03f;
-  p = p * f + 5.5504108664821576e-02f;
-  p = p * f + 2.402265069591007e-01f;
-  p = p * f + 6.931471805599453e-01f;
-  p = p * f + 1.0f;
-  const i32 exponent = (__builtin_convertvector(n, i32) + 127) << 23;
+  f32 p = splat<f32>(3.0505467608119676e-05f);  // 2 ln2^7 / 7!, then down to 2 ln2^0 / 0!
+  p = p * f + 3.0807060786763212e-04f;
+  p = p * f + 2.6667116292856882e-03f;
+  p = p * f + 1.9236258215256954e-02f;
+  p = p * f + 1.1100821732964315e-01f;
+  p = p * f + 4.804530139182014e-01f;
+  p = p * f + 1.3862943611198906e+00f;
+  p = p * f + 2.0f;
+  const i32 exponent = (__builtin_convertvector(n, i32) + 126) << 23;
   return p * reinterpret_cast<f32>(exponent);
 }
 
