@@ -82,6 +82,14 @@ ROW_FIELDS: tuple[str, ...] = (
 """The per-row reductions of an update, in the column order of the native CPU kernel."""
 
 
+TOKEN_ID_SLOTS = ("id_updates", "id_rows", "id_diff", "id_diff_rows")
+"""The state slots of the token-id comparison (:func:`token_id_slots`)."""
+PAD_SLOTS = ("pad_updates", "pad_in_mask")
+"""The state slots of the padding check (:func:`pad_slots`)."""
+CHECK_SLOTS = (*TOKEN_ID_SLOTS, *PAD_SLOTS)
+"""The slots torch writes on every path, the kernel included: those of the two checks
+of token ids, which read ids rather than log-probs."""
+
 _ALWAYS = ("count", "nonfinite", "max_actor_log_prob", "max_rollout_log_prob")
 _PROBS = ("prob_actor", "prob_rollout", "prob_diff")
 _RATIO_EXTREMES = ("max_log_ratio", "max_neg_log_ratio")
@@ -333,12 +341,13 @@ def token_id_slots(
     f64 = torch.float64
     masked = mask != 0
     differs = masked & (rollout_token_ids != trainer_token_ids)
-    return {
-        "id_updates": torch.ones((), dtype=f64, device=mask.device),
-        "id_rows": masked.any(1).sum(dtype=f64),
-        "id_diff": differs.sum(1, dtype=torch.int32).to(f64).sum(),
-        "id_diff_rows": differs.any(1).sum(dtype=f64),
-    }
+    values = (
+        torch.ones((), dtype=f64, device=mask.device),
+        masked.any(1).sum(dtype=f64),
+        differs.sum(1, dtype=torch.int32).to(f64).sum(),
+        differs.any(1).sum(dtype=f64),
+    )
+    return dict(zip(TOKEN_ID_SLOTS, values, strict=True))
 
 
 def counting_tokens(
@@ -389,10 +398,11 @@ def kl_k3_tokens(prob_actor: Tensor, prob_rollout: Tensor, r: Tensor) -> Tensor:
 def pad_slots(mask: Tensor, token_ids: Tensor, pad_token_id: int) -> dict[str, Tensor]:
     """The slots of the padding check of a block: pad ids inside the mask."""
     f64 = torch.float64
-    return {
-        "pad_updates": torch.ones((), dtype=f64, device=mask.device),
-        "pad_in_mask": ((mask != 0) & (token_ids == pad_token_id)).sum(dtype=f64),
-    }
+    values = (
+        torch.ones((), dtype=f64, device=mask.device),
+        ((mask != 0) & (token_ids == pad_token_id)).sum(dtype=f64),
+    )
+    return dict(zip(PAD_SLOTS, values, strict=True))
 
 
 def _neighbour_sums(a: Tensor, b: Tensor, counting: Tensor) -> dict[str, Tensor]:

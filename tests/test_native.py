@@ -5,7 +5,9 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
+import subprocess
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -545,6 +547,25 @@ def test_a_kernel_built_for_another_profile_is_not_loaded(
     monkeypatch.setattr(native, "profile_blocks", lambda: [*blocks[:-1], renamed])
     with pytest.raises(native.KernelUnavailable, match="names the parts of the profile block"):
         native._bind(library, path, ROW_FIELDS)
+
+
+def test_a_kernel_that_forgets_a_slot_is_not_loaded(tmp_path: Path) -> None:
+    """The loader runs the finishing step once: a slot it leaves unwritten (here the sum of
+    k3, dropped from ``StateOf::write``) would read as an empty window at every step."""
+    source = native.SOURCE.read_text()
+    entry = "{c_k3, s_k3},"
+    assert source.count(entry) == 1
+    code = tmp_path / "forgetful.cpp"
+    code.write_text(source.replace(entry, ""))
+    library = tmp_path / "forgetful.so"
+    subprocess.run(
+        [*native.cache._compiler(), "-O1", "-shared", "-fPIC", "-o", str(library), str(code)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    forgetful = ctypes.CDLL(str(library))
+    with pytest.raises(native.KernelUnavailable, match=r"leaves the slots \['kl_k3'\] unwritten"):
+        native._bind(forgetful, library, ROW_FIELDS)
+    native._bind(ctypes.CDLL(str(native.build())), native.SOURCE, ROW_FIELDS)  # the real one
 
 
 def _edge_batch(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -9,8 +9,9 @@ the system C++ compiler (``$CXX``, else ``c++``, ``g++`` or ``clang++``) and loa
 
 The build lives in the user's own cache (:mod:`.cache`: :func:`cache_folder`, checked
 before anything is loaded from it). Once loaded, the library must name its output
-columns exactly as the Python side does, and lay out the profile block with the sizes
-and constants of :mod:`..profile`; one build per process, other threads wait for it.
+columns and state slots exactly as the Python side does, write every slot of the state
+it finishes, and lay out the profile block with the sizes and constants of
+:mod:`..profile`; one build per process, other threads wait for it.
 
 ``LIGHTNING_ROLLOUT_DEBUG_NATIVE=0`` turns the kernel off. ``python -m
 lightning_rollout_debug.native`` builds it ahead of time (for a container image) and
@@ -51,7 +52,7 @@ from lightning_rollout_debug.profile import (
     profile_blocks,
     profile_parts,
 )
-from lightning_rollout_debug.rows import ROW_FIELDS, ROWS_OF_GROUP
+from lightning_rollout_debug.rows import CHECK_SLOTS, ROW_FIELDS, ROWS_OF_GROUP
 
 VECTOR_LANES = (4, 8, 16)
 """The vector widths the kernel is built with, in float32 lanes (``ROLLOUT_LANES``)."""
@@ -528,7 +529,30 @@ def _bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[An
                          *(pointer,) * 3, ctypes.c_double, ctypes.c_double, pointer]),
     ):  # fmt: skip
         entry.restype, entry.argtypes = ctypes.c_int, arguments
+    _check_finishing(finish_state, path, fields)
     return function, (finish_state, finish_extras), lanes()
+
+
+def _check_finishing(finish_state: Any, path: Path, fields: tuple[str, ...]) -> None:
+    """Raise unless the kernel's finishing step writes every slot but the id checks'.
+
+    With every column computed and every group on, a row table of ones leaves no slot as
+    it was (NaN here), apart from :data:`~lightning_rollout_debug.rows.CHECK_SLOTS`.
+    """
+    table = torch.ones(1, len(fields), dtype=torch.float64)
+    state = torch.full((STATE.size,), float("nan"), dtype=torch.float64)
+    everything = (1 << len(fields)) - 1, (1 << len(_GROUP_ORDER)) - 1
+    finish_state(table.data_ptr(), 1, *everything, 0.5, 2.0, state.data_ptr())
+    slots = (slot for block in STATE.blocks for slot in block.names)
+    unwritten = {slot for slot, kept in zip(slots, state.isnan().tolist(), strict=True) if kept}
+    if unwritten != set(CHECK_SLOTS):
+        forgotten = sorted(unwritten - set(CHECK_SLOTS))
+        taken = sorted(set(CHECK_SLOTS) - unwritten)
+        raise KernelUnavailable(
+            f"{path} finishes the state otherwise than this package: its `StateOf::write` "
+            f"leaves the slots {forgotten} unwritten and writes {taken}; it should write "
+            f"every slot but {list(CHECK_SLOTS)}"
+        )
 
 
 def _profile_constants() -> dict[str, float]:
