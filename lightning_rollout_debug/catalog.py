@@ -118,18 +118,33 @@ def _clamp(value: float, low: float, high: float) -> float:
 
 
 def pearson_from_moments(
-    n: float, mean_x: float, mean_y: float, m_xx: float, m_yy: float, m_xy: float
+    n: float,
+    mean_x: float,
+    mean_y: float,
+    m_xx: float,
+    m_yy: float,
+    m_xy: float,
+    *,
+    resolution: float = _CONSTANT_RELATIVE_STD,
 ) -> float:
     """Pearson correlation from a count, two means and the centred co-moments.
 
-    NaN when ``n < 2`` or when either side is constant: its standard deviation is
-    below what float32 arithmetic resolves relative to its mean.
+    NaN when ``n < 2`` or when either side is constant: its standard deviation is at
+    most ``resolution`` times its mean (by default what float32 arithmetic resolves,
+    that of the probabilities of the catalog).
     """
-    root = _pearson_root(n, mean_x, mean_y, m_xx, m_yy)
+    root = _pearson_root(n, mean_x, mean_y, m_xx, m_yy, resolution)
     return math.nan if root is None else _clamp(m_xy / root, -1.0, 1.0)
 
 
-def _pearson_root(n: float, mean_x: float, mean_y: float, m_xx: float, m_yy: float) -> float | None:
+def _pearson_root(
+    n: float,
+    mean_x: float,
+    mean_y: float,
+    m_xx: float,
+    m_yy: float,
+    resolution: float = _CONSTANT_RELATIVE_STD,
+) -> float | None:
     """``sqrt(M_xx) sqrt(M_yy)``, or ``None`` where the correlation is undefined.
 
     The roots are taken apart so that the product of the co-moments cannot overflow
@@ -139,7 +154,7 @@ def _pearson_root(n: float, mean_x: float, mean_y: float, m_xx: float, m_yy: flo
     if n < 2:
         return None
     for m_self, center in ((m_xx, mean_x), (m_yy, mean_y)):
-        if math.sqrt(max(m_self, 0.0) / n) <= _CONSTANT_RELATIVE_STD * abs(center):
+        if math.sqrt(max(m_self, 0.0) / n) <= resolution * abs(center):
             return None
         if not 0.0 < m_self < math.inf:
             return None

@@ -37,6 +37,9 @@ __all__ = [
 ]
 
 DEFAULT_PREFIX = "training/"
+_FLOAT64_RESOLUTION = 8 * torch.finfo(torch.float64).eps
+"""A side of :func:`pearson_correlation_coefficient` spread less than this relative to
+its mean is constant."""
 
 
 def calculate_token_list_diff(tensor1: Tensor, tensor2: Tensor, mask: Tensor) -> Tensor:
@@ -58,8 +61,10 @@ def calculate_token_list_diff(tensor1: Tensor, tensor2: Tensor, mask: Tensor) ->
 def pearson_correlation_coefficient(tensor1: Tensor, tensor2: Tensor, mask: Tensor) -> float:
     """Pearson correlation of ``tensor1`` and ``tensor2`` over the masked positions.
 
-    Positions where either value is NaN or infinite are left out. Returns NaN when
-    fewer than two positions count or when either side is constant.
+    Positions where either value is NaN or infinite are left out. Computed in float64
+    about the means, so an offset far larger than the spread costs no digits. Returns
+    NaN when fewer than two positions count or when either side is constant (its
+    spread within float64 rounding of its mean).
 
     Example:
         >>> import torch
@@ -69,7 +74,8 @@ def pearson_correlation_coefficient(tensor1: Tensor, tensor2: Tensor, mask: Tens
     """
     check_inputs(tensor1, tensor2, mask, names=("tensor1", "tensor2", "mask"))
     keep = (mask != 0) & torch.isfinite(tensor1) & torch.isfinite(tensor2)
-    return pearson_from_moments(*paired_moments(tensor1, tensor2, keep).tolist())
+    moments = paired_moments(tensor1, tensor2, keep).tolist()
+    return pearson_from_moments(*moments, resolution=_FLOAT64_RESOLUTION)
 
 
 def calculate_log_prob_diff(log_probs1: Tensor, log_probs2: Tensor, mask: Tensor) -> Tensor:

@@ -505,16 +505,22 @@ def _expm1_near_zero(x: Tensor) -> Tensor:
 def paired_moments(x: Tensor, y: Tensor, keep: Tensor) -> Tensor:
     """``[n, mean_x, mean_y, M_xx, M_yy, M_xy]`` of the pairs where ``keep`` holds, in float64.
 
-    The same masked power-sum arithmetic as the window statistics; no host
-    synchronisation.
+    The co-moments are sums of products of deviations from the means, taken in a second
+    pass: a mean far larger than the spread costs no digits. No host synchronisation.
+
+    Example:
+        >>> x = torch.tensor([1e8 + 1.0, 1e8 + 2.0, 1e8 + 3.0], dtype=torch.float64)
+        >>> paired_moments(x, -x, torch.ones(3, dtype=torch.bool))[3:].tolist()
+        [2.0, 2.0, -2.0]
     """
     f64 = torch.float64
-    x = torch.where(keep, x, 0).to(f64)
-    y = torch.where(keep, y, 0).to(f64)
     count = keep.sum(dtype=f64)
-    pairs = (("x", "x"), ("y", "y"), ("x", "y"))
-    values = {"x": x, "y": y}
-    power = {name: value.sum() for name, value in values.items()}
-    cross = {(left, right): (values[left] * values[right]).sum() for left, right in pairs}
-    means, comoments = _centre(count, power, cross)
-    return torch.stack([count, means["x"], means["y"], *(comoments[pair] for pair in pairs)])
+    scale = 1.0 / count.clamp(min=1.0)
+    means, deviations = [], []
+    for values in (x, y):
+        values = torch.where(keep, values.to(f64), 0.0)
+        mean = values.sum() * scale
+        means.append(mean)
+        deviations.append(torch.where(keep, values - mean, 0.0))
+    dx, dy = deviations
+    return torch.stack([count, *means, (dx * dx).sum(), (dy * dy).sum(), (dx * dy).sum()])

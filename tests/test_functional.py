@@ -517,6 +517,22 @@ def test_pearson_special_cases() -> None:
         pearson_correlation_coefficient(x, torch.zeros(1, 3), ones)
 
 
+@pytest.mark.parametrize(
+    ("offset", "scale"), [(1e3, 1e-3), (1e6, 1.0), (1e8, 1.0), (1.0, 1e-7), (-5e7, 0.5)]
+)
+def test_pearson_of_float64_values_far_from_zero_keeps_its_digits(
+    offset: float, scale: float
+) -> None:
+    """A mean many spreads away from zero: float64 holds the values, and the correlation
+    keeps the digits float64 gives it (one-pass power sums lost 4 to all of them)."""
+    rng = np.random.default_rng(48)
+    z = rng.normal(size=(4, 500))
+    xs, ys = offset + scale * z, z + 0.1 * rng.normal(size=z.shape)
+    got = pearson_correlation_coefficient(torch.from_numpy(xs), torch.from_numpy(ys),
+                                          torch.ones(4, 500))  # fmt: skip
+    assert got == pytest.approx(pearson(xs.ravel(), ys.ravel()), abs=1e-12)
+
+
 # ------------------------------------------------------------ calculate_log_prob_diff
 @settings(max_examples=examples(100), deadline=None)
 @given(batch=batches(with_ids=False))
