@@ -346,9 +346,9 @@ class DriftMonitor:
     """Checks each logged window's metrics against a multiple of their own baseline.
 
     A metric's baseline is the median of its first ``baseline_windows`` logged values
-    (NaN, an undefined value, is not counted). After that, a value above ``factor x
-    baseline`` is a crossing, in episodes as :class:`AlertMonitor` has them; a baseline of
-    0 (or below) never alerts.
+    (NaN, an undefined value, is not counted, nor is an infinite one). After that, a value
+    above ``factor x baseline`` is a crossing, in episodes as :class:`AlertMonitor` has
+    them; a baseline of 0 (or below) never alerts.
 
     Args:
         factors: the factor per un-prefixed metric name (see :func:`resolve_drift_factors`).
@@ -418,7 +418,8 @@ class DriftMonitor:
                 continue
             first = self._first[name]
             if len(first) < self.baseline_windows:
-                first.append(value)
+                if math.isfinite(value):
+                    first.append(value)
                 continue
             baseline = statistics.median(first)
             drifted = baseline > 0 and value > factor * baseline
@@ -458,13 +459,13 @@ class DriftMonitor:
                 not isinstance(first, (list, tuple))
                 or len(first) > windows
                 or not all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
                     for v in first
                 )
             ):
                 problems.append(
                     f"the drift baseline of `{name}` is {first!r}; expected a list of at most "
-                    f"{windows} numbers"
+                    f"{windows} finite numbers"
                 )
         return problems
 

@@ -315,7 +315,7 @@ class RolloutDebugCallback(Callback):
     # --------------------------------------------------------------- helpers
     def _update(self, outputs: Any, batch: Any) -> None:
         """The work of ``on_train_batch_end`` on the window, without logging."""
-        self.monitor._update((outputs, batch), self.monitor.batches_in_window - 1)
+        self.monitor.update(outputs, batch)
 
     def _should_log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
         if pl_module.automatic_optimization and trainer.fit_loop._should_accumulate():

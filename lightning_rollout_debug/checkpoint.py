@@ -1,12 +1,12 @@
 """The checkpoint state of a monitor's window: the saved dict, its checks, and its restore.
 
 A state holds the window merged over the ranks (the packed statistics and extras, on the
-CPU), its batch count, the configuration it was written with and the drift baselines
-(:func:`saved_state`). :class:`StateReader` reads one back into a
-:class:`~lightning_rollout_debug.RolloutDebugMonitor`'s window: every part is checked
-first, a damaged part starts empty with a warning (an error with ``strict=True``),
-another configuration warns, and the first rank of the process group alone carries the
-merged window on.
+CPU), its batch count, the configuration it was written with, the settings the extras
+were laid out by and the drift baselines (:func:`saved_state`). :class:`StateReader`
+reads one back into a :class:`~lightning_rollout_debug.RolloutDebugMonitor`'s window:
+every part is checked first, a damaged part starts empty with a warning (an error with
+``strict=True``), another configuration warns (extras kept with other settings start
+empty), and the first rank of the process group alone carries the merged window on.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def saved_state(
     batches_in_window: int,
     config: Mapping[str, Any],
     drift: DriftMonitor,
+    extras_settings: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A checkpoint state of the window ``stats`` and ``extras``, on the CPU.
 
@@ -41,11 +42,13 @@ def saved_state(
         batches_in_window: the updates since the window began.
         config: the configuration the state is written with.
         drift: the drift baselines, kept with the window.
+        extras_settings: what ``extras`` is laid out by (``TokenExtras.settings``).
     """
     return {
         "window": stats.state.detach().cpu().clone(),
         "batches_in_window": batches_in_window,
         "extras_window": None if extras is None else extras.detach().cpu().clone(),
+        "extras_settings": None if extras is None else dict(extras_settings or {}),
         "config": dict(config),
         "drift": drift.state(),
     }
@@ -99,11 +102,18 @@ class StateReader:
             config: the configuration the window continues with; another saved one warns.
         """
         problems = checkpoint_problems(state_dict) or state_problems(state_dict["window"])
+        window_tokens = 0.0 if problems else float(state_dict["window"][0])  # count first
+        batches_in_window = 0 if problems else state_dict.get("batches_in_window", 0)
+        if window_tokens > 0 and batches_in_window == 0:
+            problems = [
+                f"its window holds {window_tokens:g} tokens, but `batches_in_window` is 0; "
+                "expected at least 1"
+            ]
         if problems:
             self._reject(problems, "the window starts empty")
             return None
         saved = state_dict.get("config", {})
-        changed = [key for key in config if saved and saved.get(key) != config[key]]
+        changed = [key for key in config if saved and _plain(saved.get(key)) != _plain(config[key])]
         if changed:
             differences = "; ".join(
                 f"`{key}` {saved.get(key)!r}, now {config[key]!r}" for key in changed
@@ -112,16 +122,8 @@ class StateReader:
                 f"{self.name}: the checkpoint was written with another configuration "
                 f"({differences}); continuing with the constructor's."
             )
-        extras = state_dict.get("extras_window")
-        if self.extras is None or extras is None:
-            extras = None
-        elif problems := self.extras.state_problems(extras):
-            if not isinstance(extras, Tensor) or extras.shape == (self.extras.size,):
-                self._reject(problems, "the histograms and worst tokens start empty")
-            extras = None  # else saved with other histograms or another k: those start empty
+        extras = self._extras(state_dict, window_tokens)
         self._load_drift(state_dict.get("drift"))
-        batches_in_window = state_dict.get("batches_in_window", 0)
-        window_tokens = float(state_dict["window"][0])  # the count slot comes first
         profiled = self.extras is not None and self.extras.profile
         partial_profile = profiled and extras is None and window_tokens > 0
         if rank_in(self.process_group, global_rank()) == 0:
@@ -131,6 +133,40 @@ class StateReader:
             if self.extras is not None and extras is not None:
                 self.extras.load_state(extras)
         return Restored(batches_in_window, partial_profile)
+
+    def _extras(self, state_dict: Mapping[str, Any], window_tokens: float) -> Tensor | None:
+        """The checkpoint's extras window, if it is one of this monitor's layout.
+
+        Kept with other settings (or none kept) they start empty, with a warning when the
+        window holds tokens: its first log has extras of part of its tokens. Kept with
+        these settings but damaged, they are rejected. A checkpoint that names no
+        settings (an older version) is read by the shape of its extras.
+        """
+        if self.extras is None:
+            return None
+        extras, now = state_dict.get("extras_window"), self.extras.settings()
+        kept = state_dict.get("extras_settings", _UNNAMED)
+        laid_out = isinstance(extras, Tensor) and extras.shape == (self.extras.size,)
+        if extras is not None and (_plain(kept) == now or (kept is _UNNAMED and laid_out)):
+            if problems := self.extras.state_problems(extras):
+                self._reject(problems, "the histograms and worst tokens start empty")
+                return None
+            return extras
+        if extras is None or kept is None:
+            before = "no histograms, worst tokens or profile"
+        elif isinstance(kept, Mapping):
+            before = _described(kept)
+        else:
+            size = extras.numel() if isinstance(extras, Tensor) else type(extras).__name__
+            before = f"extras of another layout ({size} values)"
+        if window_tokens > 0:
+            self._warn_on_rank_zero(
+                f"{self.name}: the checkpoint's window kept {before}, this one keeps "
+                f"{_described(now)}: its extras start empty, so the first window logged "
+                "after the resume has histograms and worst tokens of its new tokens only, "
+                "and no quantiles or pictures."
+            )
+        return None
 
     def _load_drift(self, state: Any) -> None:
         """Continue the drift baselines of a checkpoint (none saved: they are collected)."""
@@ -159,3 +195,25 @@ class StateReader:
     def _warn_on_rank_zero(self, message: str) -> None:
         if global_rank() == 0:
             warnings.warn(message, self.category, stacklevel=5)
+
+
+_UNNAMED = object()
+"""The extras settings of a checkpoint of a version that did not keep them."""
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with its lists as tuples, as a configuration holds them.
+
+    A checkpoint converted through another format may hold lists.
+    """
+    if isinstance(value, list | tuple):
+        return tuple(_plain(item) for item in value)
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
+
+
+def _described(settings: Mapping[str, Any]) -> str:
+    """The settings of a window's extras, for a message."""
+    names = ("histograms", "worst_tokens_k", "profile")
+    return ", ".join(f"{name}={settings.get(name)!r}" for name in names)

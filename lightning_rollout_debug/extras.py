@@ -192,6 +192,20 @@ class TokenExtras(ThreadSafeWindow):
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ state
+    def settings(self) -> dict[str, Any]:
+        """What the packed state is laid out by, as plain values (a checkpoint keeps them).
+
+        Example:
+            >>> TokenExtras(worst_tokens_k=3).settings()["worst_tokens_k"]
+            3
+        """
+        return {
+            "histograms": self.histograms,
+            "worst_tokens_k": self.worst_tokens_k,
+            "profile": self.profile,
+            "size": self.size,
+        }
+
     def identity_state(self, device: torch.device | str | None = None) -> Tensor:
         """The packed state of an empty window, built with fill kernels on ``device``."""
         return self.layout.identity(device)

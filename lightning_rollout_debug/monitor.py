@@ -672,7 +672,8 @@ class RolloutDebugMonitor:
         self, stats: MismatchStats, extras: Tensor | None, config: Mapping[str, Any]
     ) -> dict[str, Any]:
         """A checkpoint state of the window ``stats`` and ``extras``."""
-        return saved_state(stats, extras, self.batches_in_window, config, self._drift)
+        settings = None if self._extras is None else self._extras.settings()
+        return saved_state(stats, extras, self.batches_in_window, config, self._drift, settings)
 
     def _load(self, state_dict: Any, config: Mapping[str, Any]) -> bool:
         """Restore a window of :meth:`_saved` (see :meth:`load_state_dict`); whether it was."""

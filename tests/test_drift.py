@@ -128,6 +128,7 @@ def test_nan_is_not_collected_and_each_metric_has_its_own_baseline() -> None:
     monitor = DriftMonitor({"x": 2.0, "y": 4.0}, baseline_windows=2)
     monitor.check({"x": 1.0, "y": math.nan})
     monitor.check({"x": math.nan, "y": 1.0})
+    monitor.check({"x": math.inf, "y": -math.inf})  # nor infinity: no baseline of inf
     assert monitor.baselines() == {}
     assert monitor.state()["values"] == {"x": [1.0], "y": [1.0]}
     assert monitor.check({"x": 3.0, "y": 3.0}).outside == []  # the second values
@@ -174,8 +175,10 @@ def test_state_round_trip_and_another_baseline_count() -> None:
         ({"values": {}}, "`baseline_windows` is None"),
         ({"baseline_windows": True, "values": {}}, "`baseline_windows` is True"),
         ({"baseline_windows": 2}, "`values` is NoneType"),
-        ({"baseline_windows": 2, "values": {"x": [1.0, 2.0, 3.0]}}, "at most 2 numbers"),
+        ({"baseline_windows": 2, "values": {"x": [1.0, 2.0, 3.0]}}, "at most 2 finite numbers"),
         ({"baseline_windows": 2, "values": {"x": [math.nan]}}, "of `x` is [nan]"),
+        ({"baseline_windows": 2, "values": {"x": [math.inf]}}, "at most 2 finite numbers"),
+        ({"baseline_windows": 2, "values": {"x": [0.1, -math.inf]}}, "of `x` is [0.1, -inf]"),
         ({"baseline_windows": 2, "values": {"x": ["0.1"]}}, "of `x` is ['0.1']"),
         ({"baseline_windows": 2, "values": {"x": 0.1}}, "of `x` is 0.1"),
     ],

@@ -331,7 +331,7 @@ def test_state_dict_round_trip_continues_the_window(tmp_path: Path) -> None:
     (histogram,) = tensorboard(logger.log_dir).Histograms(HISTOGRAM)
     assert histogram.histogram_value.num == logged[f"{PREFIX}rollout_tokens"]
 
-    other = RolloutDebugMonitor(token_ids_keys=IDS, is_threshold=3.0)
+    other = RolloutDebugMonitor(token_ids_keys=IDS, worst_tokens_k=3, is_threshold=3.0)
     with pytest.warns(RolloutDebugWarning, match="checkpoint was written with"):
         other.load_state_dict(state)
 
@@ -352,6 +352,84 @@ def test_a_damaged_state_starts_an_empty_window(strict: bool) -> None:
         restored.load_state_dict(state)
     assert restored.batches_in_window == 0
     assert restored.log(0)[f"{PREFIX}rollout_probs_diff_valid"] == 0
+
+
+@pytest.mark.parametrize(
+    ("saved", "now", "kept"),
+    [
+        ({"worst_tokens_k": 3}, {"worst_tokens_k": 5}, "worst_tokens_k=3, profile=True"),
+        ({"histograms": False, "worst_tokens_k": 0}, {}, "histograms=False, worst_tokens_k=0"),
+        (
+            {"histograms": False, "worst_tokens_k": 0, "profile_images": False},
+            {},
+            "kept no histograms, worst tokens or profile",
+        ),
+    ],
+    ids=["another-k", "no-histograms", "no-extras"],
+)
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_extras_kept_with_other_settings_start_empty_with_a_warning(
+    tmp_path: Path, saved: dict[str, Any], now: dict[str, Any], kept: str, strict: bool
+) -> None:
+    """The statistics carry on; the histograms, worst tokens and profile of the restored
+    window cannot, and the warning says the first log after the resume shows part of them
+    (another configuration, not damage: ``strict`` warns too)."""
+    batches = make_batches(2, seed=44)
+    groups = ["seed", "kl"]
+    saver = RolloutDebugMonitor(groups=groups, alert_ranges={}, **saved)
+    saver.update(batches[0])
+    state = saver.state_dict()
+    restored = RolloutDebugMonitor(groups=groups, alert_ranges={}, strict=strict, **now)
+    with pytest.warns(RolloutDebugWarning, match="its extras start empty") as caught:
+        restored.load_state_dict(state)
+    (message,) = [str(w.message) for w in caught]
+    assert kept in message and "new tokens only, and no quantiles or pictures" in message
+    assert restored.batches_in_window == 1
+    restored.update(batches[1])
+    logger = PYTORCH_LIGHTNING.fabric.loggers.TensorBoardLogger(tmp_path, name="tb", version=0)
+    logged = restored.log(1, logger)
+    logger.finalize("success")
+    assert_metrics_close(unprefixed(logged), expected(window_reference(batches), groups))
+    (histogram,) = tensorboard(logger.log_dir).Histograms(HISTOGRAM)
+    assert histogram.histogram_value.num == window_reference(batches[1:])["rollout_tokens"]
+    assert restored.profile is None  # a profile of part of the window: not shown
+
+
+def test_a_state_that_names_no_extras_settings_is_read_by_its_shape() -> None:
+    """A state of an earlier version: extras of this layout carry on, others start empty."""
+    batches = make_batches(2, seed=46)
+    saver = RolloutDebugMonitor(worst_tokens_k=3, alert_ranges={})
+    saver.update(batches[0])
+    state = saver.state_dict()
+    del state["extras_settings"]
+    same = RolloutDebugMonitor(worst_tokens_k=3, alert_ranges={})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RolloutDebugWarning)
+        same.load_state_dict(state)
+    same.update(batches[1])
+    same.log(1)
+    assert same.profile is not None
+    assert same.profile.tokens == window_reference(batches)["rollout_tokens"]
+    other = RolloutDebugMonitor(worst_tokens_k=4, alert_ranges={})
+    size = state["extras_window"].numel()
+    with pytest.warns(RolloutDebugWarning, match=rf"another layout \({size} values\)"):
+        other.load_state_dict(state)
+
+
+def test_a_configuration_read_back_with_lists_is_the_same(tmp_path: Path) -> None:
+    """A state converted through a format without tuples (JSON, say) restores silently."""
+    monitor = RolloutDebugMonitor(token_ids_keys=IDS, seq_ratio_bounds=(0.9, 1.1))
+    monitor.update(make_batches(1, seed=45, token_ids=True)[0])
+    state = monitor.state_dict()
+    listed = {key: list(value) if isinstance(value, tuple) else value
+              for key, value in state["config"].items()}  # fmt: skip
+    assert listed != state["config"]
+    state = {**state, "config": listed}
+    restored = RolloutDebugMonitor(token_ids_keys=IDS, seq_ratio_bounds=(0.9, 1.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RolloutDebugWarning)
+        restored.load_state_dict(state)
+    assert restored.batches_in_window == 1
 
 
 # ---------------------------------------------------------------------- Fabric

@@ -759,6 +759,16 @@ DAMAGED_STATES: dict[str, tuple[Damage, str, str]] = {
         "window",
     ),
     "not-a-dict": (lambda s: list(s.values()), "not a dict", "window"),
+    "zero-batch-count": (
+        lambda s: _with(s, batches_in_window=0),
+        "tokens, but `batches_in_window` is 0; expected at least 1",
+        "window",
+    ),
+    "short-extras": (
+        lambda s: _with(s, extras_window=s["extras_window"][:-1]),
+        "the extras window has shape",
+        "extras",
+    ),
     "nan-extras": (
         lambda s: _with(s, extras_window=torch.full_like(s["extras_window"], math.nan)),
         "the count `rollout_log_ratio_hist[0]` of the extras window is nan",
