@@ -103,10 +103,14 @@ def _is_lookup(obj: Any) -> bool:
 
 
 def lookup(sources: Sequence[Any], key: str) -> Any | None:
-    """Return the value of ``key`` in the first source that holds it, else ``None``."""
+    """Return the value of ``key`` in the first source that holds one, else ``None``.
+
+    A source whose ``key`` is ``None`` (a ``training_step`` output that leaves it unset,
+    say) does not hold one: the next source is searched.
+    """
     for source in sources:
-        if key in source:
-            return source[key]
+        if key in source and (value := source[key]) is not None:
+            return value
     return None
 
 
@@ -115,9 +119,12 @@ def require(sources: Sequence[Any], key: str) -> Any:
     value = lookup(sources, key)
     if value is None:
         # `.keys()`: iterating a TensorDict yields its rows, not its keys.
-        keys = {str(k): source[k] for source in sources for k in source.keys()}  # noqa: SIM118
-        found = sorted(name for name, held in keys.items() if held is not None)
-        empty = sorted(name for name, held in keys.items() if held is None)
+        held: dict[str, bool] = {}
+        for source in sources:
+            for name in source.keys():  # noqa: SIM118
+                held[str(name)] = held.get(str(name), False) or source[name] is not None
+        found = sorted(name for name, value in held.items() if value)
+        empty = sorted(name for name, value in held.items() if not value)
         said = f"Keys present: {found or 'none'}."
         if empty:
             said += f" Keys holding None: {empty}."

@@ -97,6 +97,20 @@ def test_a_key_holding_none_is_not_listed_as_present() -> None:
     assert "Keys holding None: ['old_log_probs']." in message
 
 
+def test_a_key_left_none_in_the_outputs_is_taken_from_the_batch() -> None:
+    """``training_step`` returning ``{"old_log_probs": None}`` leaves the batch's tensor in
+    use; a key that is None everywhere is named as holding None, never as present."""
+    outputs = {"loss": t(1, 1), "old_log_probs": None}
+    batch = {"old_log_probs": t(2, 2), "rollout_log_probs": None}
+    assert lookup([outputs, batch], "old_log_probs") is batch["old_log_probs"]
+    assert require([outputs, batch], "old_log_probs") is batch["old_log_probs"]
+    with pytest.raises(BatchError) as info:
+        require([outputs, batch], "rollout_log_probs")
+    message = str(info.value)
+    assert "Keys present: ['loss', 'old_log_probs']." in message
+    assert "Keys holding None: ['rollout_log_probs']." in message
+
+
 # -------------------------------------------------------------------------- masks
 def test_select_mask_prefers_the_response_mask() -> None:
     response, attention = t(2, 3), torch.ones(2, 3)
