@@ -30,7 +30,11 @@ from lightning_rollout_debug.packages import Callback
 from lightning_rollout_debug.ranks import Ranks, rank_in
 from lightning_rollout_debug.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS
 
-CALLBACK_DOOR = FrontDoor("RolloutDebugCallback", "the output of `training_step`")
+CALLBACK_DOOR = FrontDoor(
+    "RolloutDebugCallback",
+    "the output of `training_step`",
+    "Pass warn_dropout=False if the recompute already runs in eval mode.",
+)
 
 
 class _OfTheMonitor:

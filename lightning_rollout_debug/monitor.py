@@ -89,13 +89,21 @@ class RolloutDebugWarning(UserWarning):
 
 @dataclass(frozen=True)
 class FrontDoor:
-    """How messages name the front door in use, and what it searches before the batch."""
+    """How messages name a front door.
+
+    Its name, what it searches before the batch, and how its dropout check is turned off.
+    """
 
     name: str
     before_batch: str
+    dropout_off: str
 
 
-MONITOR_DOOR = FrontDoor("RolloutDebugMonitor", "what was given before it")
+MONITOR_DOOR = FrontDoor(
+    "RolloutDebugMonitor",
+    "what was given before it",
+    "Leave out the check_dropout call if the recompute already runs in eval mode.",
+)
 
 
 class RolloutDebugMonitor:
@@ -472,8 +480,7 @@ class RolloutDebugMonitor:
                     f"{len(active)} dropout module(s) of the model are active in training mode "
                     f"({shown}). Log-probs recomputed with dropout carry its noise, which reads "
                     "as mismatch: recompute old_log_probs in eval mode (model.eval()), or set "
-                    "the dropout to 0. Pass warn_dropout=False if the recompute already runs "
-                    "in eval mode.",
+                    f"the dropout to 0. {self._door.dropout_off}",
                 ),
                 rank_zero=global_rank() == 0,
             )

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from lightning_rollout_debug import (
     MismatchStats,
     RolloutDebugCallback,
+    RolloutDebugMonitor,
     RolloutDebugWarning,
     response_log_probs,
 )
@@ -552,6 +553,20 @@ def test_active_dropout_is_named_once_at_train_start() -> None:
     assert "eval mode" in message and "warn_dropout=False" in message
     assert len(run.diagnoses()) == 1
     assert run.callback.monitor.diagnosed == {"dropout"}
+
+
+def test_the_monitors_dropout_check_names_its_own_way_out() -> None:
+    """The monitor has no ``warn_dropout``: its message says to leave the call out."""
+    monitor = RolloutDebugMonitor()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
+    with pytest.warns(RolloutDiagnosisWarning) as caught:
+        monitor.check_dropout(model)
+    (message,) = [str(w.message) for w in caught]
+    assert message.startswith("RolloutDebugMonitor: 1 dropout module(s)")
+    assert "Leave out the check_dropout call" in message and "warn_dropout" not in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RolloutDebugMonitor().check_dropout(model.eval())  # in eval mode: nothing to say
 
 
 def test_a_gpt2_with_its_default_dropout_is_named() -> None:
