@@ -412,6 +412,8 @@ def main(argv: list[str] | None = None) -> Path:
     pl.seed_everything(args.seed, verbose=False)
     # The prompts are generated in memory; worker processes would only add start-up time.
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    # Lightning's own use of a torch API that newer torch deprecates: nothing to act on.
+    warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\)` is deprecated")
 
     module = GRPOModule(
         rollout_dtype=DTYPES[args.rollout_dtype],
