@@ -188,8 +188,11 @@ def encode_png(image: Image.Image) -> bytes:
 # ---------------------------------------------------------------------- text
 @functools.lru_cache(maxsize=8)
 def _font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
-    """Pillow's built-in font at ``size`` pixels (its bitmap font without FreeType)."""
-    return ImageFont.load_default(size=size)
+    """Pillow's built-in font at ``size`` pixels; its one bitmap font without FreeType."""
+    try:
+        return ImageFont.load_default(size=size)
+    except ImportError:  # a Pillow built without FreeType: a size needs it
+        return ImageFont.load_default()
 
 
 @functools.lru_cache(maxsize=8)

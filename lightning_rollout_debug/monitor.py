@@ -594,21 +594,48 @@ class RolloutDebugMonitor:
     def _write_tensorboard(
         self, loggers: Sequence[Any], extras: ExtrasSummary | None, step: int, *, show_rank: bool
     ) -> None:
-        """Histograms, worst tokens, pictures and (once per log directory) the layout."""
+        """Histograms, worst tokens, pictures and (once per log directory) the layout.
+
+        A logger whose extras fail to be written warns once per kind of error (raises
+        with ``strict=True``); the scalars are logged already, and training goes on.
+        """
         # An empty window draws nothing and leaves its span to the next logged step.
         pictures = self.profile is not None and self.profile.tokens > 0 and self._pictures_due(step)
         for logger in loggers:
             if not isinstance(logger, TENSORBOARD_LOGGERS):
                 continue
-            writer = logger.experiment
-            if self.dashboard_layout and logger.log_dir not in self._layouts_written:
-                self._layouts_written.add(logger.log_dir)
-                names = enabled_metric_names(self.groups)
-                write_layout(writer, dashboard_layout(self.prefix, names))
-            if extras is not None:
-                write_extras(writer, self.prefix, extras, step, show_rank=show_rank)
-            if pictures:
-                write_profile(writer, self.prefix, self.profile, step)
+            try:
+                self._write_extras_to(logger, extras, step, pictures, show_rank=show_rank)
+            except Exception as error:
+                if self.strict:
+                    raise
+                self._warn_once(
+                    f"tensorboard:{type(error).__name__}",
+                    f"could not write the TensorBoard extras (histograms, worst tokens, "
+                    f"pictures, layout) at step {step} ({error!r}); the scalars are logged "
+                    "and training goes on. profile_images=False, histograms=False, "
+                    "worst_tokens_k=0 or dashboard_layout=False turns a part off.",
+                )
+
+    def _write_extras_to(
+        self,
+        logger: Any,
+        extras: ExtrasSummary | None,
+        step: int,
+        pictures: bool,
+        *,
+        show_rank: bool,
+    ) -> None:
+        """The extras of one logged step, written to one TensorBoard logger."""
+        writer = logger.experiment
+        if self.dashboard_layout and logger.log_dir not in self._layouts_written:
+            self._layouts_written.add(logger.log_dir)
+            names = enabled_metric_names(self.groups)
+            write_layout(writer, dashboard_layout(self.prefix, names))
+        if extras is not None:
+            write_extras(writer, self.prefix, extras, step, show_rank=show_rank)
+        if pictures:
+            write_profile(writer, self.prefix, self.profile, step)
 
     def _pictures_due(self, step: int) -> bool:
         """Whether ``step`` is the first logged step of its span of steps to draw in."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 import io
 import itertools
 import math
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -177,6 +179,37 @@ def test_a_picture_does_not_carry_over_into_the_next_on_the_same_axes() -> None:
         np.testing.assert_array_equal(after[name], picture, err_msg=name)
     drawn_first = profile_pictures(first)
     assert not any(np.array_equal(drawn_first[name], picture) for name, picture in alone.items())
+
+
+def test_pictures_are_drawn_by_a_pillow_without_freetype() -> None:
+    """A Pillow built without FreeType has no font of a chosen size: the pictures use its
+    bitmap font rather than fail (in a fresh process, where the FreeType module is absent)."""
+    script = """
+import sys
+sys.modules["PIL._imagingft"] = None  # as a Pillow built without libfreetype has it
+import torch
+from PIL import Image, ImageFont
+from lightning_rollout_debug import RolloutDebugMonitor
+from lightning_rollout_debug.pictures import profile_pngs
+try:
+    ImageFont.load_default(size=12)
+    raise SystemExit("FreeType still loads")
+except ImportError:
+    pass
+monitor = RolloutDebugMonitor(alert_ranges={})
+old = -torch.rand(4, 64) * 3
+monitor.update({"rollout_log_probs": old - 0.01, "old_log_probs": old,
+                "response_mask": torch.ones(4, 64)})
+monitor.log(0)
+for name, png in profile_pngs(monitor.profile).items():
+    print(name, Image.open(__import__("io").BytesIO(png)).size)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    drawn = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert sorted(drawn) == sorted(name for name, _ in PICTURES)
+    assert len(set(drawn.values())) == 1  # each of the picture size
 
 
 def test_an_empty_profile_has_no_picture() -> None:

@@ -38,7 +38,7 @@ from tensorboard.summary.writer import record_writer
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_rollout_debug import RolloutDebugCallback, RolloutDebugMonitor
+from lightning_rollout_debug import RolloutDebugCallback, RolloutDebugMonitor, RolloutDebugWarning
 from lightning_rollout_debug.alerts import enabled_metric_names
 from lightning_rollout_debug.bins import (
     HISTOGRAMS,
@@ -736,3 +736,31 @@ def test_two_ranks_histograms_and_worst_tokens_cover_both(tmp_path: Path) -> Non
         assert rows_match(rows, places, (0, 1)) != rows_match(rows, places, (1, 0))
         ranks_seen |= {int(row["rank"]) for row in rows}
     assert ranks_seen == {0, 1}
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_extras_that_fail_to_be_written_never_stop_the_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strict: bool
+) -> None:
+    """Drawing fails at every logged step (as a Pillow without a usable font would): one
+    warning, every scalar still logged and the histograms written; ``strict`` raises."""
+
+    def failing(*args: Any, **kwargs: Any) -> None:
+        raise ValueError("no picture today")
+
+    monkeypatch.setattr("lightning_rollout_debug.monitor.write_profile", failing)
+    batches = [batch(seed) for seed in range(4)]
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    callback = RolloutDebugCallback(profile_images_every_n_steps=1, strict=strict)
+    if strict:
+        with pytest.raises(ValueError, match="no picture today"):
+            fit(batches, callback, logger)
+        return
+    with pytest.warns(RolloutDebugWarning, match="could not write the TensorBoard extras") as got:
+        fit(batches, callback, logger)
+    failed = [w for w in got if "TensorBoard extras" in str(w.message)]
+    assert len(failed) == 1 and "no picture today" in str(failed[0].message)
+    ea = accumulator(logger.log_dir)
+    assert [event.step for event in ea.Scalars("training/rollout_tokens")] == [1, 3]
+    assert [event.step for event in ea.Histograms("training/rollout_log_ratio_hist")] == [1, 3]
+    assert ea.Tags()["images"] == []
