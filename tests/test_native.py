@@ -676,6 +676,31 @@ def test_histogram_bins_beyond_the_kernel_slots_are_refused(
         assert native.states(*arguments, extras=too_many) is None
 
 
+def test_a_finishing_step_that_fails_falls_back_to_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An error in the kernel's finishing calls gives the kernel up with one warning: the
+    batch and every later one go to the torch path, none is skipped."""
+    assert native.available()
+    monkeypatch.setattr(native, "_kernel", dict(native._kernel))  # this test's give-up only
+
+    def failing(*args: object) -> int:
+        raise ctypes.ArgumentError("argument 3: wrong type")
+
+    monkeypatch.setitem(native._kernel, "finish", (failing, failing))
+    rng = np.random.default_rng(49)
+    batches = [make_batch(rng, (4, 90), regime="mixed", mask_kind="prefix") for _ in range(2)]
+    stats = MismatchStats()
+    with pytest.warns(RuntimeWarning, match="finishing step failed"):
+        stats.update(batches[0].rollout, batches[0].old, batches[0].mask)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        stats.update(batches[1].rollout, batches[1].old, batches[1].mask)
+    keys = ("rollout", "old", "mask")
+    want = reference_metrics(*([getattr(batch, key) for batch in batches] for key in keys))
+    assert_metrics_close(stats.compute(), want)
+
+
 def test_probabilities_stay_finite_up_to_float32s_own_limit() -> None:
     # e^x overflows float32 above ln(FLT_MAX) = 88.7228; the kernel's exponential must
     # not overflow sooner (2^128 does not fit the exponent: 88.38 was its limit).

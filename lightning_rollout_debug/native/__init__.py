@@ -249,6 +249,24 @@ def states(
     done = _pass(rollout_log_probs, old_log_probs, mask, needed, is_threshold, fields, extras)
     if done is None:
         return None
+    try:
+        return _finish(done, needed, fields, statistics, extras, token_ids, batch_index, rank)
+    except Exception as error:  # ctypes refusing the arguments: the torch path takes over
+        _give_up(f"the kernel's finishing step failed ({error!r})")
+        return None
+
+
+def _finish(
+    done: _Pass,
+    needed: frozenset[str],
+    fields: tuple[str, ...],
+    statistics: StateRequest | None,
+    extras: ExtrasRequest | None,
+    token_ids: Tensor | None,
+    batch_index: int,
+    rank: int,
+) -> tuple[Tensor | None, Tensor | None] | None:
+    """The packed states of a pass (see :func:`states`); ``None`` if the kernel refused."""
     finish_state, finish_extras = _kernel["finish"]
     rows, width = done.mask.shape
     statistics_state = extras_state = None
