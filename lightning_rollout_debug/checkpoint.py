@@ -42,13 +42,14 @@ def saved_state(
         batches_in_window: the updates since the window began.
         config: the configuration the state is written with.
         drift: the drift baselines, kept with the window.
-        extras_settings: what ``extras`` is laid out by (``TokenExtras.settings``).
+        extras_settings: what ``extras`` is laid out by (``TokenExtras.settings``), or
+            ``None`` without extras.
     """
     return {
         "window": stats.state.detach().cpu().clone(),
         "batches_in_window": batches_in_window,
         "extras_window": None if extras is None else extras.detach().cpu().clone(),
-        "extras_settings": None if extras is None else dict(extras_settings or {}),
+        "extras_settings": None if extras_settings is None else dict(extras_settings),
         "config": dict(config),
         "drift": drift.state(),
     }
