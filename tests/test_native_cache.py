@@ -15,6 +15,8 @@ import hashlib
 import json
 import os
 import pickle
+import re
+import shlex
 import shutil
 import stat
 import subprocess
@@ -775,6 +777,188 @@ def test_missing_folders_of_the_cache_are_made_private(tmp_path: Path, built: Pa
     assert result.returncode == 0, result.stderr
     for folder in (home / ".cache", home / ".cache" / "lightning-rollout-debug"):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+
+
+@pytest.mark.parametrize("owner", ["open-to-others", "another-user"])
+def test_nothing_is_made_inside_a_folder_that_is_not_the_users(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, owner: str
+) -> None:
+    """A home folder that another user owns or can write (``sudo -E``, a shared home) is
+    refused before anything is made in it: no ``.cache`` of the wrong owner is left."""
+    if owner == "another-user" and os.geteuid() != 0:
+        pytest.skip("a folder of another user needs root")
+    home = tmp_path / "home"
+    home.mkdir()
+    if owner == "another-user":
+        os.chown(home, 65534, 65534)
+        home.chmod(0o755)
+        problem = "belongs to user 65534, not to you"
+    else:
+        home.chmod(0o777)
+        problem = "is open to other users"
+    for name in SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    wanted = re.escape(f"{home}, above the cache folder, {problem}")
+    with pytest.raises(native.KernelUnavailable, match=wanted):
+        native.cache.verified_build()
+    assert list(home.iterdir()) == []
+
+
+def test_a_relative_home_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", "relative-home")
+    with pytest.raises(native.KernelUnavailable, match="'relative-home' is not an absolute path"):
+        native.cache.verified_build()
+    assert not os.path.lexists("relative-home")
+
+
+@pytest.mark.parametrize(
+    "words",
+    [["-B{shared}"], ["@{shared}/options"], ["-specs={shared}/specs"], ["-Bhere"]],
+    ids=["B", "file", "specs", "relative"],
+)
+def test_options_in_cxx_are_refused(
+    tmp_path: Path, shared_toolchain: Path, words: list[str]
+) -> None:
+    """``$CXX`` names programs only: an option could send the compiler to programs,
+    options or files another user can write (here a planted ``as``)."""
+    (shared_toolchain / "options").write_text(f"-B{shared_toolchain}\n")
+    (shared_toolchain / "specs").write_text("")
+    options = [word.format(shared=shared_toolchain) for word in words]
+    compiler = shutil.which("c++") or "g++"
+    report = run_probe(tmp_path / "cache", CXX=shlex.join([compiler, *options]))
+    (message,) = kernel_warnings(report)
+    assert f"{options[0]!r} is not a program" in message, message
+    assert not report["native"] and not list(tmp_path.rglob("*.marker"))
+    assert_reference(report)
+
+
+def test_a_wrapper_that_sets_variables_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", "env LD_PRELOAD=/tmp/planted.so c++")
+    with pytest.raises(native.KernelUnavailable, match=r"'LD_PRELOAD=/tmp/planted\.so' is not a"):
+        native.cache._compiler()
+
+
+def test_a_cxx_that_cannot_be_read_is_named(tmp_path: Path) -> None:
+    result = prebuild(tmp_path / "cache", CXX="g++ -DX='1")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert 'CXX="g++ -DX=\'1" cannot be read (No closing quotation)' in result.stderr
+
+
+def test_a_script_compiler_needs_a_trusted_interpreter(tmp_path: Path) -> None:
+    """A compiler script in a folder of the user's own runs only if its ``#!``
+    interpreter (and that one's) is closed to others too."""
+    open_folder = tmp_path / "open"
+    open_folder.mkdir()
+    open_folder.chmod(0o777)
+    shutil.copy(shutil.which("sh") or "/bin/sh", open_folder / "sh")
+    tools = private_folder(tmp_path / "tools")
+    compiler = shutil.which("c++") or shutil.which("g++")
+    planted, system = tools / "planted-c++", tools / "system-c++"
+    planted.write_text(f'#!{open_folder / "sh"}\nexec {compiler} "$@"\n')
+    system.write_text(f'#!{shutil.which("sh")}\nexec {compiler} "$@"\n')
+    inner = tools / "inner-c++"  # a script whose interpreter is the planted script
+    inner.write_text(f"#!{planted}\n")
+    for script in (planted, system, inner):
+        script.chmod(0o755)
+    assert native.cache._trusted_program(str(system)) == str(system)
+    assert native.cache._trusted_program(str(planted)) is None
+    assert native.cache._trusted_program(str(inner)) is None
+
+
+def test_the_compiler_reads_the_source_the_key_was_made_from(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The source is read once: an edit between the key and the compile cannot reach the
+    library stored under the unedited source's key."""
+    source = tmp_path / "row_sums.cpp"
+    source.write_bytes(native.cache.SOURCE.read_bytes())
+    monkeypatch.setattr(native.cache, "SOURCE", source)
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.delenv("CXX", raising=False)
+    original = native.cache._private_folder
+
+    def edit_then_continue() -> Path:  # after the source was read for the key
+        with open(source, "a") as handle:
+            handle.write('\n#error "edited after the key was made"\n')
+        return original()
+
+    monkeypatch.setattr(native.cache, "_private_folder", edit_then_continue)
+    built = native.cache.verified_build()
+    assert built.exists() and built.with_suffix(".sha256").exists()
+
+
+def test_a_cpu_that_cannot_be_told_gets_no_native_build_and_failures_say_why(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without the CPU's model and flags no ``-march=native`` build is tried (its library
+    would be keyed like any other CPU's); when no build works the message ends with what
+    the compiler said; and partial files of builds killed long ago are removed."""
+    cache = private_folder(tmp_path / "cache")
+    old, recent = cache / ".partial-old.so", cache / ".partial-recent.so"
+    stale = cache / ".compiler-old"
+    for path in (old, recent):
+        path.write_bytes(b"partial")
+    stale.mkdir()
+    (stale / "cc1plus.s").write_text("")
+    long_ago = time.time() - native.cache._LEFTOVER_AGE_S - 60
+    for path in (old, stale):
+        os.utime(path, (long_ago, long_ago))
+    commands: list[list[str]] = []
+
+    def failing(command: list[str], folder: Path, stdin: bytes | None = None) -> Any:
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 1, "", "c++: error: some reason\n")
+
+    monkeypatch.setenv(native.CACHE_ENV, str(cache))
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(native.cache, "_cpu_signature", lambda: b"")
+    monkeypatch.setattr(native.cache, "_run", failing)
+    with pytest.raises(native.KernelUnavailable, match=r"here \(c\+\+: error: some reason\)"):
+        native.cache.verified_build()
+    assert len(commands) == 2 and all("-march=native" not in c for c in commands), commands
+    assert not old.exists() and not stale.exists() and recent.exists()
+
+
+def test_an_upgraded_compiler_builds_anew(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The key holds what the compiler command's files are, not only their names."""
+    tools = private_folder(tmp_path / "tools")
+    compiler = tools / "c++"
+    names: list[list[str]] = []
+
+    def names_of(targets: list[Path]) -> None:
+        names.append([target.name for target in targets])
+        raise native.KernelUnavailable("stop before building")
+
+    monkeypatch.setenv(native.CACHE_ENV, str(private_folder(tmp_path / "cache")))
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setattr(native.cache, "_first_verified", names_of)
+    for version in ("12", "13.1"):
+        compiler.write_text(f'#!/bin/sh\n# version {version}\nexec c++ "$@"\n')
+        compiler.chmod(0o755)
+        with pytest.raises(native.KernelUnavailable, match="stop before building"):
+            native.cache.verified_build()
+    assert len(names) == 2 and not set(names[0]) & set(names[1])
+
+
+def test_the_compiler_runs_in_a_private_folder_with_trusted_libraries(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Of ``LD_LIBRARY_PATH`` (a compiler module's) only absolute folders closed to others
+    reach the compiler, and relative names it is given resolve in its private folder."""
+    cache = private_folder(tmp_path / "cache")
+    mine = private_folder(tmp_path / "lib")
+    open_folder = tmp_path / "open-lib"
+    open_folder.mkdir()
+    open_folder.chmod(0o777)
+    monkeypatch.setenv("LD_LIBRARY_PATH", os.pathsep.join(["", str(open_folder), str(mine)]))
+    env = shutil.which("env") or "/usr/bin/env"
+    result = native.cache._run([env, "sh", "-c", 'pwd; echo "[$LD_LIBRARY_PATH]"'], cache)
+    where, libraries = result.stdout.split()
+    assert Path(where).parent == cache and Path(where).name.startswith(".compiler-")
+    assert libraries == f"[{mine}]"
 
 
 def test_a_kernel_that_rejects_its_arguments_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:

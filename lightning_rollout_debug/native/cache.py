@@ -11,15 +11,18 @@ The cache is the user's own:
   ``/tmp`` is);
 * a library is loaded only when its bytes match the SHA-256 digest written beside it
   after a successful build; anything else is rebuilt, never loaded;
-* the compiler comes only from folders no other user can write, and runs with a
-  ``PATH`` of such folders only;
+* the compiler (and any wrapper named before it, as ``ccache``) comes only from
+  folders no other user can write, as does a script's interpreter, and runs with a
+  ``PATH`` of such folders only, on the very source bytes the key was made from;
 * one build at a time (a lock in the folder, waited for at most ``_LOCK_WAIT_S``), into
   a unique temporary name that is renamed into place; a compiler that hangs is killed
   with everything it started.
 
-A build's name is keyed by the source, the compiler command, the flags and the CPU
-(``-march=native`` depends on it). :func:`verified_build` returns the path of a verified
-library, found or built; :mod:`lightning_rollout_debug.native` loads and checks it.
+A build's name is keyed by the source, the compiler command and the files it names
+(an upgraded compiler builds anew), the flags and the CPU (``-march=native`` depends on
+it, and is left out where the CPU cannot be told). :func:`verified_build` returns the
+path of a verified library, found or built; :mod:`lightning_rollout_debug.native` loads
+and checks it.
 
 Example:
     >>> cache_folder().is_absolute()
@@ -69,10 +72,12 @@ _FLAG_SETS = (
     _FLAGS,
 )
 _PROBE_SOURCE = 'extern "C" int rollout_probe() { return 0; }\n'
-_PROBE_BYTES = 1 << 20  # more than a built kernel takes (about 200 KB)
+_PROBE_BYTES = 8 << 20  # more than a build's temporary files and library (about 2.5 MB)
 _RECORD_BYTES = 128  # a digest record is 65 bytes; more is not a record
 _COMPILE_TIMEOUT_S = 300.0
 _LOCK_WAIT_S = 600.0  # longer than any build takes: a lock held longer is stuck
+_LEFTOVER_AGE_S = _LOCK_WAIT_S + _COMPILE_TIMEOUT_S  # older partial files: a killed build
+_SCRIPT_DEPTH = 4  # interpreters of interpreters followed (as the kernel's own limit)
 
 _LOG = logging.getLogger(__package__)  # the package's logger: lightning_rollout_debug.native
 _LOG.setLevel(logging.INFO)
@@ -100,8 +105,12 @@ def cache_folder() -> Path:
     if chosen:
         return Path(chosen).expanduser().absolute()
     xdg = os.environ.get("XDG_CACHE_HOME", "")
-    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "lightning-rollout-debug"
+    if os.path.isabs(xdg):
+        return Path(xdg) / "lightning-rollout-debug"
+    home = Path.home()
+    if not home.is_absolute():  # a relative HOME would put the cache wherever one runs
+        raise RuntimeError(f"the home folder {str(home)!r} is not an absolute path")
+    return home / ".cache" / "lightning-rollout-debug"
 
 
 # ----------------------------------------------------------------- building
@@ -122,9 +131,16 @@ def verified_build() -> Path:
 
 def _find_or_build() -> Path:
     compiler = _compiler()
-    source = SOURCE.read_bytes()
+    source = SOURCE.read_bytes()  # read once: the key and the compiler see these bytes
     folder = _private_folder()
-    targets = [folder / f"row_sums_{_key(source, compiler, flags)}.so" for flags in _FLAG_SETS]
+    cpu = _cpu_signature()
+    # A CPU that cannot be told apart from others gets no -march=native build.
+    flag_sets = [flags for flags in _FLAG_SETS if cpu or "-march=native" not in flags]
+    compiled_by = _identity(compiler)
+    targets = [
+        folder / f"row_sums_{_key(source, compiler, compiled_by, flags, cpu)}.so"
+        for flags in flag_sets
+    ]
     found = _first_verified(targets)
     if found is not None:
         return found
@@ -132,11 +148,14 @@ def _find_or_build() -> Path:
         found = _first_verified(targets)
         if found is not None:
             return found
+        _remove_leftovers(folder)
         _check_writable(folder)
-        for flags, target in zip(_FLAG_SETS, targets, strict=True):
-            if _compiles(compiler, flags, folder):
-                return _compile(compiler, flags, folder, target)
-    raise KernelUnavailable(f"{shlex.join(compiler)} builds no shared library here")
+        problem = ""
+        for flags, target in zip(flag_sets, targets, strict=True):
+            problem = _probe_problem(compiler, flags, folder)
+            if not problem:
+                return _compile(compiler, flags, folder, target, source)
+    raise KernelUnavailable(f"{shlex.join(compiler)} builds no shared library here ({problem})")
 
 
 def _first_verified(targets: Sequence[Path]) -> Path | None:
@@ -170,11 +189,15 @@ def _record(target: Path) -> Path:
     return target.with_suffix(".sha256")
 
 
-def _compile(compiler: list[str], flags: Sequence[str], folder: Path, target: Path) -> Path:
+def _compile(
+    compiler: list[str], flags: Sequence[str], folder: Path, target: Path, source: bytes
+) -> Path:
+    """Build ``source`` (handed to the compiler on its input) into ``target``."""
     _LOG.info("lightning_rollout_debug: building the native CPU kernel into %s", folder)
     started = time.perf_counter()
     with _temporary(folder, ".so") as partial:
-        result = _run([*compiler, *flags, str(SOURCE), "-o", str(partial)], folder)
+        command = [*compiler, *flags, "-x", "c++", "-", "-o", str(partial)]
+        result = _run(command, folder, source)
         if result.returncode != 0:
             raise KernelUnavailable(
                 f"{shlex.join(compiler)} failed: {result.stderr.strip()[-2000:]}"
@@ -195,32 +218,41 @@ def _compile(compiler: list[str], flags: Sequence[str], folder: Path, target: Pa
     return target
 
 
-def _compiles(compiler: list[str], flags: Sequence[str], folder: Path) -> bool:
-    """Whether ``compiler`` links a trivial library with ``flags`` (a fraction of a second)."""
+def _probe_problem(compiler: list[str], flags: Sequence[str], folder: Path) -> str:
+    """Why ``compiler`` links no trivial library with ``flags``: ``""`` if it does.
+
+    A fraction of a second; the problem is the end of what the compiler said.
+    """
     with _temporary(folder, ".so") as probe:
         command = [*compiler, *flags, "-x", "c++", "-", "-o", str(probe)]
-        result = _run(command, folder, _PROBE_SOURCE)
-    return result.returncode == 0
+        result = _run(command, folder, _PROBE_SOURCE.encode())
+    if result.returncode == 0:
+        return ""
+    said = " ".join(result.stderr.split())
+    return said[-500:] or f"exit status {result.returncode}"
 
 
 def _run(
-    command: list[str], folder: Path, stdin: str | None = None
+    command: list[str], folder: Path, stdin: bytes | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run the compiler in a session of its own, in an environment of its own.
 
-    Of the user's environment only ``HOME`` reaches it: its ``PATH`` holds trusted
-    folders only, its temporary files go to a private folder inside the checked cache
-    ``folder``, and no variable names headers, programs or a compiler cache (``CPATH``,
-    ``COMPILER_PATH``, ``CCACHE_DIR``, ...) that another user could write. On a timeout
-    the whole session is killed, the programs the compiler started too.
+    Of the user's environment only ``HOME`` reaches it: its ``PATH`` (and
+    ``LD_LIBRARY_PATH``, where a compiler module needs one) holds trusted folders only,
+    it runs in a private folder inside the checked cache ``folder``, where its
+    temporary files go too, and no variable names headers, programs or a compiler cache
+    (``CPATH``, ``COMPILER_PATH``, ``CCACHE_DIR``, ...) that another user could write. On
+    a timeout the whole session is killed, the programs the compiler started too.
     """
     with tempfile.TemporaryDirectory(prefix=".compiler-", dir=folder) as scratch:  # 0700
+        libraries = _trusted_path("LD_LIBRARY_PATH", "")
         env = {
             "PATH": os.pathsep.join(_trusted_path()),
             "TMPDIR": scratch,
             "LC_ALL": "C",
             "CCACHE_DISABLE": "1",  # a wrapper such as ccache compiles, reads no cache
             **({"HOME": os.environ["HOME"]} if "HOME" in os.environ else {}),
+            **({"LD_LIBRARY_PATH": os.pathsep.join(libraries)} if libraries else {}),
         }
         try:
             process = subprocess.Popen(
@@ -228,7 +260,7 @@ def _run(
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                text=True,
+                cwd=scratch,  # a relative name in what it is given means nothing outside
                 env=env,
                 start_new_session=True,
             )
@@ -244,7 +276,8 @@ def _run(
             raise KernelUnavailable(
                 f"{shlex.join(command[:2])} did not finish in {_COMPILE_TIMEOUT_S:.0f} s"
             ) from error
-    return subprocess.CompletedProcess(command, process.returncode, out, err)
+    said = [part.decode(errors="replace") for part in (out, err)]
+    return subprocess.CompletedProcess(command, process.returncode, *said)
 
 
 @contextmanager
@@ -298,6 +331,20 @@ def _folder_lock(folder: Path) -> Iterator[None]:
         os.close(handle)  # releases the lock
 
 
+def _remove_leftovers(folder: Path) -> None:
+    """Remove the partial files and compiler folders of builds killed long ago."""
+    old = time.time() - _LEFTOVER_AGE_S
+    for path in folder.glob(".*"):
+        with suppress(OSError):
+            info = path.lstat()
+            if info.st_mtime > old:
+                continue
+            if path.name.startswith(".partial-") and stat.S_ISREG(info.st_mode):
+                path.unlink()
+            elif path.name.startswith(".compiler-") and stat.S_ISDIR(info.st_mode):
+                shutil.rmtree(path)
+
+
 def _check_writable(folder: Path) -> None:
     """Write (and remove) a file of a kernel's size first: a full disk fails here, at once."""
     try:
@@ -313,57 +360,94 @@ def _check_writable(folder: Path) -> None:
 
 
 def _compiler() -> list[str]:
-    """The compiler command: ``$CXX`` (words, as in ``ccache g++``), else the first found.
+    """The compiler command: ``$CXX`` (programs, as in ``ccache g++``), else the first found.
 
-    A program is looked up only in the ``PATH`` folders that no other user can write
+    Each program is looked up only in the ``PATH`` folders that no other user can write
     (:func:`_trusted_path`), and must itself be writable by nobody but its owner, the
-    user or root.
+    user or root (:func:`_trusted_program`). ``$CXX`` holds no options: the kernel's
+    flags are its own, and an option such as ``-B`` or ``@file`` could name a folder
+    that another user can write.
     """
-    path = os.pathsep.join(_trusted_path())
     chosen = os.environ.get("CXX", "").strip()
-    if chosen:
+    if not chosen:
+        for name in ("c++", "g++", "clang++"):
+            found = _program(name)
+            if found:
+                return [found]
+        raise KernelUnavailable(
+            "no C++ compiler found in a folder of the PATH that only you or root can "
+            "write; install one or set CXX"
+        )
+    fix = "set CXX to a C++ compiler command such as 'g++' or 'ccache g++'"
+    try:
         words = shlex.split(chosen)
-        program = words[0]
-        if os.sep in program:
-            found = _trusted_program(program)
-            where = f"{program} is missing, or other users can change it or a folder on its way"
-        else:
-            which = shutil.which(program, path=path)
-            found = which and _trusted_program(which)
-            where = f"no {program} is in a folder of the PATH that only you or root can write"
-        if not found:
+    except ValueError as error:
+        raise KernelUnavailable(f"CXX={chosen!r} cannot be read ({error}); {fix}") from None
+    command: list[str] = []
+    for word in words:
+        if word.startswith(("-", "@")) or "=" in word:
             raise KernelUnavailable(
-                f"CXX={chosen!r}: {where}; set CXX to a C++ compiler command such as 'g++' "
-                "or 'ccache g++'"
+                f"CXX={chosen!r}: {word!r} is not a program; CXX names the compiler and "
+                f"any wrappers before it, without options (the kernel's flags are its own); "
+                f"{fix}"
             )
-        return [found, *words[1:]]
-    for name in ("c++", "g++", "clang++"):
-        found = shutil.which(name, path=path)
-        trusted = found and _trusted_program(found)
-        if trusted:
-            return [trusted]
-    raise KernelUnavailable(
-        "no C++ compiler found in a folder of the PATH that only you or root can write; "
-        "install one or set CXX"
-    )
+        found = _program(word)
+        if not found:
+            where = (
+                f"{word} is missing, or other users can change it or a folder on its way"
+                if os.sep in word
+                else f"no {word} is in a folder of the PATH that only you or root can write"
+            )
+            raise KernelUnavailable(f"CXX={chosen!r}: {where}; {fix}")
+        # The program itself, then as written: a wrapper finds the compiler it names.
+        command.append(found if not command or os.sep in word else word)
+    return command
 
 
-def _trusted_path() -> list[str]:
-    """The folders of ``$PATH`` a program may come from: absolute, closed to other users."""
+def _program(word: str) -> str | None:
+    """The trusted program a command's ``word`` runs (a path, or a name on the PATH)."""
+    if os.sep in word:
+        return _trusted_program(word)
+    found = shutil.which(word, path=os.pathsep.join(_trusted_path()))
+    return found and _trusted_program(found)
+
+
+def _identity(command: Sequence[str]) -> list[bytes]:
+    """What the programs of ``command`` are: each file's real path, size and time.
+
+    An upgraded compiler (or a link pointed at another one) changes it.
+    """
+    parts = []
+    for word in command:
+        found = _program(word)
+        real = os.path.realpath(found) if found else word
+        with suppress(OSError):
+            info = os.stat(real)
+            real = f"{real}:{info.st_size}:{info.st_mtime_ns}"
+        parts.append(real.encode())
+    return parts
+
+
+def _trusted_path(variable: str = "PATH", default: str = os.defpath) -> list[str]:
+    """The folders of ``$variable`` to take programs (or libraries) from.
+
+    Those that are absolute and closed to other users (:func:`_closed_folder`).
+    """
     entries = []
-    for entry in os.environ.get("PATH", os.defpath).split(os.pathsep):
+    for entry in os.environ.get(variable, default).split(os.pathsep):
         if os.path.isabs(entry) and entry not in entries and _closed_folder(Path(entry)):
             entries.append(entry)
     return entries
 
 
-def _trusted_program(program: str) -> str | None:
+def _trusted_program(program: str, depth: int = 0) -> str | None:
     """``program``'s absolute path if nobody but the user or root can change what it runs.
 
     The file it names and every link on the way there must sit in folders closed to
-    others (:func:`_closed_folder`), and the file must be writable by its owner alone.
-    The path itself is returned, links and all: a compiler wrapper such as ccache tells
-    by the name it was called with which compiler it stands for.
+    others (:func:`_closed_folder`), and the file must be writable by its owner alone; a
+    script's interpreter (its ``#!`` line) must be trusted in the same way. The path
+    itself is returned, links and all: a compiler wrapper such as ccache tells by the
+    name it was called with which compiler it stands for.
     """
     current = Path(program).absolute()
     for _ in range(40):  # as the kernel's own limit on links followed
@@ -384,7 +468,25 @@ def _trusted_program(program: str) -> str | None:
         or _open_to_others(current, info)
     ):
         return None
+    interpreter = _interpreter(current)
+    if interpreter is not None and (
+        depth >= _SCRIPT_DEPTH or not _trusted_program(interpreter, depth + 1)
+    ):
+        return None
     return str(Path(program).absolute())
+
+
+def _interpreter(path: Path) -> str | None:
+    """The program a script's ``#!`` line names; ``None`` for a binary."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(256)
+    except OSError:  # not readable: no interpreter could read it either
+        return None
+    if not head.startswith(b"#!"):
+        return None
+    words = head[2:].split(b"\n", 1)[0].split()
+    return os.fsdecode(words[0]) if words else ""
 
 
 def _closed_folder(folder: Path) -> bool:
@@ -404,19 +506,29 @@ def _closed_folder(folder: Path) -> bool:
     return True
 
 
-def _key(source: bytes, compiler: list[str], flags: Sequence[str]) -> str:
-    parts = [source, *map(str.encode, compiler), *map(str.encode, flags), _cpu_signature()]
+def _key(
+    source: bytes,
+    compiler: Sequence[str],
+    compiled_by: Sequence[bytes],
+    flags: Sequence[str],
+    cpu: bytes,
+) -> str:
+    words = [*map(str.encode, compiler), *compiled_by, *map(str.encode, flags)]
+    parts = [source, *words, cpu, platform.machine().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:24]
 
 
 def _cpu_signature() -> bytes:
-    """What ``-march=native`` depends on: the CPU's model and feature flags."""
+    """What ``-march=native`` depends on: the CPU's model and feature flags.
+
+    Empty where ``/proc/cpuinfo`` cannot tell them (macOS, a container that hides it).
+    """
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         lines = []
     wanted = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
-    return "\n".join(sorted(set(wanted)) or [platform.processor(), platform.machine()]).encode()
+    return "\n".join(sorted(set(wanted))).encode()
 
 
 # ------------------------------------------------------------------ trust
@@ -427,6 +539,12 @@ def _private_folder() -> Path:
     except RuntimeError as error:  # no home folder to be found
         raise KernelUnavailable(f"{error}; set {CACHE_ENV} to a folder of your own") from error
     try:
+        # Nothing is made inside a folder that is not the user's or root's alone.
+        existing = next(path for path in [folder, *folder.parents] if os.path.lexists(path))
+        if existing != folder:
+            real = Path(os.path.realpath(existing))
+            for above in (real, *real.parents):
+                _check_above(above)
         # Each missing folder with mode 0700, as XDG asks (a parent made by mkdir's
         # `parents` would take the umask's mode, 0777 under umask 000).
         for missing in reversed([folder, *folder.parents]):
@@ -478,17 +596,27 @@ def _check_parents(path: Path) -> None:
 
     A folder above may be open to others when sticky: they cannot rename what is in it.
     """
-    user = os.geteuid()
     for parent in path.parents:
-        info = os.stat(parent)
-        open_to_others = _open_to_others(parent, info)
-        if info.st_uid not in (0, user) or (open_to_others and not info.st_mode & stat.S_ISVTX):
-            raise KernelUnavailable(
-                f"{parent}, above the cache folder, is open to other users (owner "
-                f"{info.st_uid}, group {info.st_gid}, mode {stat.filemode(info.st_mode)}"
-                f"{', an access control list' if _has_acl(parent) else ''}); set "
-                f"{CACHE_ENV} to a folder of your own"
-            )
+        _check_above(parent)
+
+
+def _check_above(folder: Path) -> None:
+    """Raise unless ``folder``, above the cache, is the user's or root's, closed to others."""
+    user = os.geteuid()
+    info = os.stat(folder)
+    if info.st_uid not in (0, user):
+        problem = f"belongs to user {info.st_uid}, not to you ({user}) or root"
+    elif _open_to_others(folder, info) and not info.st_mode & stat.S_ISVTX:
+        problem = (
+            f"is open to other users (group {info.st_gid}, mode "
+            f"{stat.filemode(info.st_mode)}"
+            f"{', an access control list' if _has_acl(folder) else ''})"
+        )
+    else:
+        return
+    raise KernelUnavailable(
+        f"{folder}, above the cache folder, {problem}; set {CACHE_ENV} to a folder of your own"
+    )
 
 
 def _open_to_others(path: Path, info: os.stat_result) -> bool:
