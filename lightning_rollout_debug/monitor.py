@@ -573,22 +573,23 @@ class RolloutDebugMonitor:
         # no quantiles and no pictures for it.
         partial = self._partial_profile
         self._empty_window()
-        self._check_log_prob_signs(stats, step)
         self.profile = None if extras is None or partial else extras.profile
         metrics = stats.compute(self.profile)
-        self._diagnose(stats, metrics, ranks.is_global_zero)
         scalars = {
             f"{self.prefix}{name}": value
             for name, value in metrics.items()
             if not math.isnan(value)
         }
-        if ranks.is_global_zero:
+        if ranks.is_global_zero:  # the merged window: said and written once
+            self._check_log_prob_signs(stats, step)
             if any(isinstance(logger, TENSORBOARD_LOGGERS) for logger in loggers):
                 use_fast_event_checksums()
             if scalars:
                 for logger in loggers:
                     logger.log_metrics(dict(scalars), step=step)
             self._write_tensorboard(loggers, extras, step, show_rank=ranks.world_size > 1)
+        # After the writes: with strict=True the window a mistake is named from is logged.
+        self._diagnose(stats, metrics, ranks.is_global_zero)
         return scalars, metrics
 
     def _write_tensorboard(

@@ -500,9 +500,27 @@ def _fabric_rank(
         restored.update(mine[3])
         second = restored.log(3)  # over the default process group, to no logger
         profiles.append(restored.profile.as_dict())  # type: ignore[union-attr]
+        # A log-prob above 0 on rank 0 alone: the merged window is warned about once.
+        positive = {key: value.clone() for key, value in mine[0].items()}
+        if rank == 0:
+            positive["old_log_probs"][0, 0] = 0.5
+            positive["response_mask"][0, 0] = 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            restored.update(positive)
+            restored.log(5)
+        signs = sum("holds values up to 0.5" in str(warning.message) for warning in caught)
         logger.finalize("success")
         Path(out, f"rank{rank}.json").write_text(
-            json.dumps({"first": first, "second": second, "carried": carried, "profiles": profiles})
+            json.dumps(
+                {
+                    "first": first,
+                    "second": second,
+                    "carried": carried,
+                    "profiles": profiles,
+                    "signs": signs,
+                }
+            )
         )
     finally:
         torch.distributed.destroy_process_group()  # see ReleaseProcessGroups
@@ -533,6 +551,7 @@ def test_two_fabric_processes_merge_exactly(tmp_path: Path, package: str) -> Non
             assert_profile(result["profiles"][index], reference_profile(window))
         assert results[0][name] == results[1][name]
     assert [result["carried"] for result in results] == [1, 1]
+    assert [result["signs"] for result in results] == [1, 0]  # rank 0 alone warns
     log_dir = tmp_path / "tb" / "version_0"
     series = read_scalars(log_dir)
     assert sorted(series[f"{PREFIX}rollout_tokens"]) == [1]
