@@ -38,6 +38,12 @@ TRUNCATION_K1 = 0.01
 """k1 above this, and above :data:`TRUNCATION_FACTOR` times k3 by three standard errors
 of k1, looks like engine-side truncation (top-k / top-p) with renormalised log-probs."""
 TRUNCATION_FACTOR = 8.0
+TRUNCATION_SHARE = 0.2
+"""Strong truncation: the ratios' deficit ``1 - mean(rho) = k1 - k3`` at least this share
+of k1 and :data:`TRUNCATION_ERRORS` standard errors of ``mean(rho)`` above 0. An engine
+that keeps the mass ``Z`` of each step gives a share of ``(1 - Z) / -log(Z)``: 0.87 at
+``Z = 0.75``, 0.39 at ``Z = 0.1``, where :data:`TRUNCATION_FACTOR` asks for 0.875."""
+TRUNCATION_ERRORS = 4.0
 MIN_TOKENS = 256
 """Tokens a window needs before its k1 and k3 are compared."""
 
@@ -121,12 +127,31 @@ def _padding(window: Window) -> Diagnosis | None:
             "trainer's is not (what an engine writes for padding)"
         )
     if pads > 0:
-        seen.append(f"{pads:.0f} pad tokens inside the response mask")
+        seen.append(
+            f"{pads:.0f} pad tokens inside the response mask (after the first pad id of their "
+            "row, which is taken for the EOS)"
+        )
     return Diagnosis(
         "padding",
         f"The response mask looks like it includes padding: {' and '.join(seen)}. Mask out "
-        "every position after the first EOS (and the pad tokens) in response_mask.",
+        "every position after the first EOS (and the pad tokens) in response_mask. If the "
+        "tokens sit before the response instead, the mask (an attention_mask?) covers the "
+        "prompt's columns: take the response's columns only.",
     )
+
+
+def _ratio_error(window: Window, k3: float) -> float:
+    """The standard error of ``mean(rho)``, ``sqrt(var(rho) / n)``.
+
+    From the importance-ratio group's sums; without them as that of k1 (the same for
+    small ``r``).
+    """
+    n = window.n
+    squares = window["ratio_sq_m1"] - 2.0 * window["ratio_m1"]  # sum (rho - 1)^2
+    if squares <= 0:
+        return _k1_error(window, k3)
+    variance = squares / n - (window["ratio_m1"] / n) ** 2
+    return math.sqrt(max(variance, 0.0) / n)
 
 
 def _truncated(window: Window, metrics: Mapping[str, float]) -> Diagnosis | None:
@@ -134,11 +159,18 @@ def _truncated(window: Window, metrics: Mapping[str, float]) -> Diagnosis | None
     k3 = metrics.get("rollout_actor_kl_k3", math.nan)
     if window.n < MIN_TOKENS or not k1 > TRUNCATION_K1:
         return None
-    if not k1 > TRUNCATION_FACTOR * k3 + 3.0 * _k1_error(window, k3):
+    deficit = k1 - k3  # 1 - mean(rho), in every window
+    light = k1 > TRUNCATION_FACTOR * k3 + 3.0 * _k1_error(window, k3)
+    strong = deficit > TRUNCATION_SHARE * k1 and deficit > TRUNCATION_ERRORS * _ratio_error(
+        window, k3
+    )
+    if not (light or strong):
         return None
     return Diagnosis(
         "truncated",
-        f"KL k1 = {k1:.4g} is far above k3 = {k3:.4g}: the rollout log-probs look "
-        "renormalised after top-k / top-p truncated sampling in the engine, which biases k3 "
-        "low. Trust k1 here, or have the engine return log-probs of the full distribution.",
+        f"The importance ratios average {1.0 - deficit:.4g}, clearly below 1 (KL k1 = "
+        f"{k1:.4g}, k3 = {k3:.4g}): the rollout log-probs look renormalised after top-k / "
+        "top-p truncated sampling in the engine, which keeps about that share of the "
+        "trainer's probability mass and biases k3 low. Trust k1 here, or have the engine "
+        "return log-probs of the full distribution.",
     )

@@ -396,11 +396,18 @@ def kl_k3_tokens(prob_actor: Tensor, prob_rollout: Tensor, r: Tensor) -> Tensor:
 
 
 def pad_slots(mask: Tensor, token_ids: Tensor, pad_token_id: int) -> dict[str, Tensor]:
-    """The slots of the padding check of a block: pad ids inside the mask."""
+    """The slots of the padding check of a block: pad ids inside the mask.
+
+    The first pad id of a row is taken for its EOS, which counts: many tokenizers (Llama,
+    Qwen, GPT-2) end a response with the id they pad with. Every later one inside the
+    mask is padding.
+    """
     f64 = torch.float64
+    is_pad = token_ids == pad_token_id
+    after_first = (is_pad.cumsum(1, dtype=torch.int32) - is_pad.int()) > 0
     values = (
         torch.ones((), dtype=f64, device=mask.device),
-        ((mask != 0) & (token_ids == pad_token_id)).sum(dtype=f64),
+        ((mask != 0) & is_pad & after_first).sum(dtype=f64),
     )
     return dict(zip(PAD_SLOTS, values, strict=True))
 

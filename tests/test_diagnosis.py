@@ -491,7 +491,8 @@ def test_pad_ids_in_the_mask_are_named_with_pad_token_id(
     for i, r in enumerate(rollouts[:2]):
         sequences, after = padded(gpt2, r, seed=i)
         rollout, old = gpt2.forward_log_probs(sequences)
-        pads += int((sequences[:, PROMPT:] == gpt2.pad).sum())
+        # Every pad id of a row but its first, taken for the EOS (the mask holds them all).
+        pads += int(((sequences[:, PROMPT:] == gpt2.pad).sum(1) - 1).clamp(min=0).sum())
         mask = torch.ones_like(after)
         batches.append(batch_of(rollout, old, mask, seed=i, responses=sequences[:, PROMPT:]))
     run = fit(batches, pad_token_id=None if pad_token_id is None else gpt2.pad)
@@ -502,6 +503,36 @@ def test_pad_ids_in_the_mask_are_named_with_pad_token_id(
     message = one_with(run.diagnoses(), "padding")
     assert f"{pads} pad tokens inside the response mask" in message
     assert "exactly 0.0" not in message
+
+
+@pytest.mark.parametrize("extra", [0, 1, 3], ids=["correct-mask", "one-more", "three-more"])
+def test_a_pad_id_that_is_also_the_eos_counts_once_per_row(extra: int) -> None:
+    """Tokenizers that pad with their EOS id (Llama, Qwen, GPT-2): the mask that keeps the
+    first EOS is correct; each masked position after it is padding."""
+    eos = 7
+    generator = torch.Generator().manual_seed(3)
+    lengths = torch.arange(8) * 4 + 20  # each response ends with its EOS at lengths - 1
+    ids = torch.randint(8, 50, (8, 64), generator=generator)
+    columns = torch.arange(64)[None, :]
+    ids[columns >= lengths[:, None] - 1] = eos
+    mask = columns < lengths[:, None] + extra
+    rollout = torch.log(torch.rand(8, 64, generator=generator) * 0.9 + 0.05)
+    old = rollout + 1e-3 * torch.randn(8, 64, generator=generator)
+    logger = MemoryLogger()
+    monitor = RolloutDebugMonitor(pad_token_id=eos, alert_ranges={}, drift_factors={})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor.update(
+            {"rollout_log_probs": rollout, "old_log_probs": old},
+            {"response_mask": mask, "responses": ids},
+        )
+        monitor.log(0, logger)
+    named = [str(w.message) for w in caught if issubclass(w.category, RolloutDiagnosisWarning)]
+    if extra == 0:
+        assert named == [] and monitor.diagnosed == set()
+    else:
+        (message,) = named
+        assert f"{8 * extra} pad tokens inside the response mask" in message
 
 
 # ---------------------------------------------------------------------- prompt columns
@@ -542,6 +573,26 @@ def test_renormalised_top_k_log_probs_are_named_truncated() -> None:
     (k1,), (k3,) = run.logged(K1), run.logged(K3)
     assert k1 > 0.05 and k1 > 5 * k3
     assert run.callback.monitor.diagnosed == {"truncated"}
+
+
+@pytest.mark.parametrize("top_k", [2, 3, 4])
+def test_strong_truncation_is_named_with_the_mass_it_keeps(top_k: int) -> None:
+    """An engine that keeps little of the mass makes k3 large too (k1 / k3 under 8): the
+    mean importance ratio, clearly below 1, still names it, and the message gives it."""
+    batches = [sampled_batch(seed, top_k=top_k) for seed in range(2)]
+    ratios = np.concatenate(
+        [
+            np.exp(b["old_log_probs"].double().numpy() - b["rollout_log_probs"].double().numpy())[
+                b["response_mask"].numpy() != 0
+            ]
+            for b in batches
+        ]
+    )
+    run = fit(batches)
+    message = one_with(run.diagnoses(), "truncat")
+    assert f"The importance ratios average {ratios.mean():.4g}, clearly below 1" in message
+    (k1,), (k3,) = run.logged(K1), run.logged(K3)
+    assert k1 < 8 * k3  # beyond what the k1-against-k3 rule sees
 
 
 # ---------------------------------------------------------------------- dropout
@@ -613,6 +664,16 @@ def test_strict_raises_each_mistake_out_of_fit(request: pytest.FixtureRequest, k
         module = DropoutModule([sampled_batch(0)], 0.1)
     with pytest.raises(RolloutDiagnosisError, match=kind[:7]):
         fit(module=module, strict=True)
+
+
+def test_strict_logs_the_window_before_it_raises() -> None:
+    """The window a mistake is named from reaches the loggers first: its evidence stays."""
+    logger = MemoryLogger()
+    monitor = RolloutDebugMonitor(strict=True, alert_ranges={}, drift_factors={})
+    monitor.update(zero_padded_batch())
+    with pytest.raises(RolloutDiagnosisError, match="padding"):
+        monitor.log(7, logger)
+    assert logger.steps[7][ZEROS] == 5.0 * 16
 
 
 # ---------------------------------------------------------------------- once per run
