@@ -44,6 +44,9 @@ of k1 and :data:`TRUNCATION_ERRORS` standard errors of ``mean(rho)`` above 0. An
 that keeps the mass ``Z`` of each step gives a share of ``(1 - Z) / -log(Z)``: 0.87 at
 ``Z = 0.75``, 0.39 at ``Z = 0.1``, where :data:`TRUNCATION_FACTOR` asks for 0.875."""
 TRUNCATION_ERRORS = 4.0
+TRUNCATION_STRONG_K1 = 0.1
+"""k1 above this for the strong-truncation form: the mass an engine cuts away then
+dwarfs what tokens it did not sample (padding scored by both sides) do to ``mean(rho)``."""
 MIN_TOKENS = 256
 """Tokens a window needs before its k1 and k3 are compared."""
 
@@ -161,8 +164,9 @@ def _truncated(window: Window, metrics: Mapping[str, float]) -> Diagnosis | None
         return None
     deficit = k1 - k3  # 1 - mean(rho), in every window
     light = k1 > TRUNCATION_FACTOR * k3 + 3.0 * _k1_error(window, k3)
-    strong = deficit > TRUNCATION_SHARE * k1 and deficit > TRUNCATION_ERRORS * _ratio_error(
-        window, k3
+    error = _ratio_error(window, k3)
+    strong = k1 > TRUNCATION_STRONG_K1 and deficit > max(
+        TRUNCATION_SHARE * k1, TRUNCATION_ERRORS * error
     )
     if not (light or strong):
         return None
