@@ -34,6 +34,10 @@ ALIGNMENT_MARGIN = 0.25
 """How much a shifted correlation must beat the unshifted one to call the log-probs
 misaligned; it must also reach :data:`ALIGNED_CORRELATION`."""
 ALIGNED_CORRELATION = 0.5
+ALIGNED_SPREAD = 0.25
+"""Or the shifted pairs' mean squared difference at most this share of the unshifted
+one: a window mixing confident and uncertain responses correlates well at every lag
+(its spread between sequences), but only the right lag pairs values that agree."""
 TRUNCATION_K1 = 0.01
 """k1 above this, and above :data:`TRUNCATION_FACTOR` times k3 by three standard errors
 of k1, looks like engine-side truncation (top-k / top-p) with renormalised log-probs."""
@@ -97,6 +101,24 @@ def _k1_error(window: Window, k3: float) -> float:
     return math.sqrt(max(mean_square, 0.0) / n)
 
 
+def lag_spreads(window: Window) -> dict[int, float]:
+    """Mean squared difference of ``a_t`` and ``b_(t+L)`` over the pairs of each lag.
+
+    The pairs of :func:`~lightning_rollout_debug.catalog.lag_correlations`; NaN without
+    pairs.
+    """
+    pairs = window["neighbour_pairs"]
+    sums = {
+        -1: (pairs, "minus_actor_sq", "minus_rollout_sq", "sum_next_actor_x_rollout"),
+        0: (window.n, "sum_actor_log_prob_sq", "sum_rollout_log_prob_sq", "sum_actor_x_rollout"),
+        1: (pairs, "plus_actor_sq", "plus_rollout_sq", "sum_actor_x_next_rollout"),
+    }
+    return {
+        lag: (window[xx] + window[yy] - 2.0 * window[xy]) / n if n > 0 else math.nan
+        for lag, (n, xx, yy, xy) in sums.items()
+    }
+
+
 def _misaligned(window: Window) -> Diagnosis | None:
     if window["neighbour_pairs"] < MIN_PAIRS:
         return None
@@ -105,14 +127,17 @@ def _misaligned(window: Window) -> Diagnosis | None:
     lag, best = max(((lag, c) for lag, c in correlations.items() if lag), key=lambda x: x[1])
     if math.isnan(best) or best < ALIGNED_CORRELATION:
         return None
-    if not math.isnan(unshifted) and best - unshifted < ALIGNMENT_MARGIN:
+    spreads = lag_spreads(window)
+    closer = spreads[lag] <= ALIGNED_SPREAD * spreads[0]
+    if not math.isnan(unshifted) and best - unshifted < ALIGNMENT_MARGIN and not closer:
         return None
     side = "early" if lag > 0 else "late"
     return Diagnosis(
         "misaligned",
         f"The log-probs look misaligned by one position: the trainer's old_log_probs "
         f"correlate {best:.3f} with the rollout's shifted by {lag:+d}, against "
-        f"{unshifted:.3f} unshifted (the trainer's are one token {side}). Causal-LM logits at "
+        f"{unshifted:.3f} unshifted, and differ by {spreads[lag]:.3g} (mean square) from "
+        f"them, against {spreads[0]:.3g} (the trainer's are one token {side}). Causal-LM logits at "
         "position t predict token t + 1: take the log-probs of the response from "
         "logits[:, P - 1 : -1] for a prompt of width P (see "
         "lightning_rollout_debug.response_log_probs).",

@@ -44,6 +44,7 @@ from lightning_rollout_debug.diagnosis import (
     RolloutDiagnosisError,
     RolloutDiagnosisWarning,
     diagnose,
+    lag_spreads,
 )
 from lightning_rollout_debug.layout import merge_states
 
@@ -425,6 +426,37 @@ def test_log_probs_shifted_by_one_are_misaligned(
     # Pairs (a_t, b_(t+L)), a the trainer's: old[t] = rollout[t + 1] peaks at L = +1.
     assert set(run.logged(LAG)) == {float(shift)}
     assert run.callback.monitor.diagnosed == {"misaligned"}
+
+
+def test_a_shift_in_a_window_of_confident_and_uncertain_responses_is_named() -> None:
+    """Confident responses (log-probs near 0) beside uncertain ones (near -3): every lag
+    correlates well through the spread between them, so the correlations alone miss the
+    shift; the pairs' mean squared differences (NumPy, below) name it."""
+    generator = torch.Generator().manual_seed(5)
+    rows, width = 16, 48
+    spread = torch.randn(rows, width, generator=generator).abs()
+    confident = torch.arange(rows)[:, None] < 10
+    rollout = torch.where(confident, -0.02 * spread, -3.0 - 0.6 * spread)
+    trainer = rollout + 1e-3 * torch.randn(rows, width, generator=generator)
+    old = torch.nn.functional.pad(trainer[:, 1:], (0, 1))  # lp[:, P:]: one token early
+    mask = torch.ones(rows, width, dtype=torch.bool)
+    mask[:, -1] = False  # the padded column
+    stats = MismatchStats()
+    stats.update(rollout, old, mask)
+    window = Window(stats.state.tolist())
+    correlations = lag_correlations(window)
+    assert correlations[1] - correlations[0] < 0.25, correlations  # the correlations' margin
+    a, b = old.double().numpy(), rollout.double().numpy()
+    pair = (mask[:, :-1] & mask[:, 1:]).numpy()
+    shifted = np.mean((a[:, :-1] - b[:, 1:])[pair] ** 2)
+    unshifted = np.mean((a - b)[mask.numpy()] ** 2)
+    spreads = lag_spreads(window)
+    assert spreads[1] == pytest.approx(shifted, rel=1e-9)
+    assert spreads[0] == pytest.approx(unshifted, rel=1e-9)
+    (found,) = diagnose(window, stats.compute())
+    assert found.kind == "misaligned" and "shifted by +1" in found.message
+    assert f"differ by {shifted:.3g} (mean square)" in found.message
+    assert f"against {unshifted:.3g} (the trainer's are one token early)" in found.message
 
 
 @pytest.mark.parametrize("shift", [1, -1])
