@@ -80,13 +80,32 @@ def diagnose(window: Window, metrics: Mapping[str, float]) -> list[Diagnosis]:
     return [diagnosis for diagnosis in found if diagnosis is not None]
 
 
+DROPOUT_ATTRIBUTES = ("dropout", "attention_dropout", "dropout_p")
+"""Attributes by which a module applies dropout itself (``nn.MultiheadAttention``'s
+``dropout``, Hugging Face attention's ``attention_dropout``), as a probability."""
+
+
 def active_dropout(model: torch.nn.Module) -> list[str]:
-    """The names of ``model``'s dropout modules with ``p > 0`` in training mode."""
+    """The names of ``model``'s modules in training mode that apply dropout with ``p > 0``.
+
+    Dropout modules, and modules whose :data:`DROPOUT_ATTRIBUTES` hold a probability
+    above 0 (attention that drops its weights inside the attention call).
+    """
     return [
         name or type(module).__name__
         for name, module in model.named_modules()
-        if isinstance(module, _DropoutNd) and module.p > 0 and module.training
+        if module.training and _dropout_p(module) > 0
     ]
+
+
+def _dropout_p(module: torch.nn.Module) -> float:
+    if isinstance(module, _DropoutNd):
+        return float(module.p)
+    values = [getattr(module, name, None) for name in DROPOUT_ATTRIBUTES]
+    return max(
+        (float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)),
+        default=0.0,
+    )
 
 
 def _k1_error(window: Window, k3: float) -> float:

@@ -43,6 +43,7 @@ from lightning_rollout_debug.catalog import Window, lag_correlations
 from lightning_rollout_debug.diagnosis import (
     RolloutDiagnosisError,
     RolloutDiagnosisWarning,
+    active_dropout,
     diagnose,
     lag_spreads,
 )
@@ -650,6 +651,35 @@ def test_the_monitors_dropout_check_names_its_own_way_out() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         RolloutDebugMonitor().check_dropout(model.eval())  # in eval mode: nothing to say
+
+
+@pytest.mark.parametrize("p", [0.3, 0.0])
+def test_dropout_inside_attention_is_named(p: float) -> None:
+    """Attention that drops its weights inside the call, without a dropout module."""
+    model = nn.MultiheadAttention(16, 2, dropout=p)
+    names = ["MultiheadAttention"] if p else []
+    assert active_dropout(model) == names
+    assert active_dropout(model.eval()) == []
+
+
+def test_a_llama_with_attention_dropout_is_named() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        attention_dropout=0.3,
+    )
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        noisy = [model(ids).logits for _ in range(2)]
+    assert not torch.equal(*noisy)  # it does drop: two forwards differ
+    names = active_dropout(model)
+    assert names == [f"model.layers.{i}.self_attn" for i in range(2)], names
+    assert active_dropout(model.eval()) == []
 
 
 def test_a_gpt2_with_its_default_dropout_is_named() -> None:
