@@ -134,8 +134,9 @@ class RolloutDebugCallback(Callback):
             recompute already runs in eval mode.
 
     Every logged window is checked for the usual pipeline mistakes (misaligned
-    log-probs, padding in the mask, truncated sampling; see ``docs/troubleshooting.md``),
-    each warned about once (raised with ``strict=True``).
+    log-probs, padding in the mask, truncated sampling, log-probs of another distribution
+    than the sampled one; see ``docs/troubleshooting.md``), each warned about once (raised
+    with ``strict=True``).
 
     It is a callback of both Lightning packages, ``pytorch_lightning`` and ``lightning``
     (``import lightning as L``; ``L.Trainer(callbacks=[RolloutDebugCallback()])``), and

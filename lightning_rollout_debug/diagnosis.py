@@ -54,7 +54,12 @@ dwarfs what tokens it did not sample (padding scored by both sides) do to ``mean
 MIN_TOKENS = 256
 """Tokens a window needs before its k1 and k3 are compared."""
 
-KINDS = ("misaligned", "padding", "truncated", "prompt", "dropout")
+ONE_SIDED_K1 = -0.01
+"""k1 below this, and below 0 by :data:`ONE_SIDED_ERRORS` standard errors, means the
+rollout log-probs are not those of the distribution that sampled the tokens."""
+ONE_SIDED_ERRORS = 4.0
+
+KINDS = ("misaligned", "padding", "truncated", "one_sided", "prompt", "dropout")
 """The kinds of diagnosis, each warned about once per run."""
 
 
@@ -76,7 +81,10 @@ class Diagnosis:
 
 def diagnose(window: Window, metrics: Mapping[str, float]) -> list[Diagnosis]:
     """The mistakes a merged window shows (``metrics``: its un-prefixed metrics)."""
-    found = [_misaligned(window), _padding(window), _truncated(window, metrics)]
+    misaligned = _misaligned(window)
+    found = [misaligned, _padding(window)]
+    if misaligned is None:  # log-probs of other tokens: their KL estimates mean nothing
+        found += [_truncated(window, metrics), _one_sided(window, metrics)]
     return [diagnosis for diagnosis in found if diagnosis is not None]
 
 
@@ -221,4 +229,27 @@ def _truncated(window: Window, metrics: Mapping[str, float]) -> Diagnosis | None
         "top-p truncated sampling in the engine, which keeps about that share of the "
         "trainer's probability mass and biases k3 low. Trust k1 here, or have the engine "
         "return log-probs of the full distribution.",
+    )
+
+
+def _one_sided(window: Window, metrics: Mapping[str, float]) -> Diagnosis | None:
+    """k1 clearly below 0, which no mismatch gives.
+
+    ``E_rollout[-r]`` is a KL, never negative, when the rollout log-probs are those of the
+    distribution the tokens were sampled from.
+    """
+    k1 = metrics.get("rollout_actor_kl_k1", math.nan)
+    k3 = metrics.get("rollout_actor_kl_k3", math.nan)
+    if window.n < MIN_TOKENS or not k1 < ONE_SIDED_K1:
+        return None
+    if not k1 < -ONE_SIDED_ERRORS * _k1_error(window, k3):
+        return None
+    return Diagnosis(
+        "one_sided",
+        f"KL k1 = {k1:.4g} is clearly below 0 (k3 = {k3:.4g}): the rollout log-probs are not "
+        "those of the distribution that sampled the tokens. The engine samples with a "
+        "temperature or top-p/top-k but records its log-probs before them (raw log-probs), "
+        "or the trainer applies a temperature or truncation the engine's log-probs lack. "
+        "Record the processed log-probs in the engine, or apply the same temperature (and "
+        "no truncation) to the trainer's logits.",
     )

@@ -172,7 +172,8 @@ class RolloutDebugMonitor:
 
     Every logged window is also checked for the usual pipeline mistakes
     (:mod:`~lightning_rollout_debug.diagnosis`: misaligned log-probs, padding in the mask,
-    truncated sampling), each warned about once (raised with ``strict=True``);
+    truncated sampling, log-probs of another distribution than the sampled one), each
+    warned about once (raised with ``strict=True``);
     :meth:`check_dropout` checks a model.
 
     Attributes:

@@ -628,6 +628,56 @@ def test_strong_truncation_is_named_with_the_mass_it_keeps(top_k: int) -> None:
     assert k1 < 8 * k3  # beyond what the k1-against-k3 rule sees
 
 
+def tempered_batch(seed: int, *, rollout_side: str, trainer_side: str) -> dict[str, Tensor]:
+    """The engine samples at temperature 0.7; each side reports the ``"raw"`` or the
+    ``"tempered"`` log-prob of the sampled token (a prefix mask of random length)."""
+    rows, width, vocab = 16, 32, 32
+    generator = torch.Generator().manual_seed(seed)
+    raw = (2.5 * torch.randn(rows, width, vocab, generator=generator)).log_softmax(-1)
+    sides = {"raw": raw, "tempered": (raw / 0.7).log_softmax(-1)}
+    choice = torch.multinomial(sides["tempered"].exp().reshape(-1, vocab), 1, generator=generator)
+    picked = {k: v.gather(-1, choice.reshape(rows, width, 1)).squeeze(-1) for k, v in sides.items()}
+    lengths = torch.randint(width // 2, width + 1, (rows, 1), generator=generator)
+    mask = torch.arange(width)[None, :] < lengths
+    return batch_of(picked[rollout_side], picked[trainer_side], mask, seed)
+
+
+@pytest.mark.parametrize(
+    ("rollout_side", "trainer_side", "named"),
+    [("raw", "tempered", True), ("tempered", "raw", False), ("tempered", "tempered", False)],
+    ids=["raw-engine", "raw-trainer", "both-tempered"],
+)
+def test_rollout_log_probs_of_another_distribution_are_named_one_sided(
+    rollout_side: str, trainer_side: str, named: bool
+) -> None:
+    """An engine that samples with a temperature but records raw log-probs (the trainer
+    applying the temperature) gives a k1 below 0, which no mismatch gives; the reverse
+    is a real difference of distributions (k1 above 0), and is not named."""
+    batches = [
+        tempered_batch(s, rollout_side=rollout_side, trainer_side=trainer_side) for s in (0, 1)
+    ]
+    k1 = np.mean(
+        np.concatenate(
+            [
+                (b["rollout_log_probs"].double() - b["old_log_probs"].double())[
+                    b["response_mask"]
+                ].numpy()
+                for b in batches
+            ]
+        )
+    )
+    run = fit(batches)
+    assert run.logged(K1) == [pytest.approx(k1, rel=1e-6, abs=1e-9)]
+    if not named:
+        assert "one_sided" not in run.callback.monitor.diagnosed, run.diagnoses()
+        return
+    assert k1 < -0.05
+    message = one_with(run.diagnoses(), "clearly below 0")
+    assert f"KL k1 = {k1:.4g} is clearly below 0" in message
+    assert "records its log-probs before them" in message
+    assert run.callback.monitor.diagnosed == {"one_sided"}
+
+
 # ---------------------------------------------------------------------- dropout
 def test_active_dropout_is_named_once_at_train_start() -> None:
     batches = [sampled_batch(seed) for seed in range(3)]
