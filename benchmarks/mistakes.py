@@ -33,6 +33,10 @@ fired during the run:
   tokens and records the renormalised log-prob (``generate``'s processed ``scores``); the
   trainer the full one. This policy keeps almost all its mass in its top 50 (the KL that
   truncation causes, which k1 estimates, is tiny there); top 5 drops a few percent.
+* ``raw rollout log-probs, temperature 0.7``: the engine samples at temperature 0.7 but
+  records the log-probs of its raw logits (``generate``'s ``logits``, as engines that
+  return log-probs before their sampling processors do); the trainer divides its logits
+  by the temperature.
 * ``dropout 0.1``: the trainer recomputes in training mode with GPT-2's default dropout.
 * ``correct, peaked (gain 12)``: a correct run of a more confident policy (largest
   logits ~30, like a trained LM's); shows whether healthy bf16 rounding of log p ~ 0 to
@@ -136,9 +140,17 @@ class Policy:
 
     @torch.no_grad()
     def sample(
-        self, top_k: int, generator: torch.Generator, trainer: torch.nn.Module | None = None
+        self,
+        top_k: int,
+        generator: torch.Generator,
+        trainer: torch.nn.Module | None = None,
+        temperature: float = 1.0,
     ) -> Rollout:
-        """One window; ``top_k > 0``: the engine's log-probs are renormalised over the top k."""
+        """One window; ``top_k > 0``: the engine's log-probs are renormalised over the top k.
+
+        The engine samples at ``temperature`` and records raw log-probs (its logits before
+        the temperature); the trainer divides its logits by it.
+        """
         a = self.args
         seeds = torch.randint(2, self.vocab, (a.batch, 2), generator=generator)
         prompts = self.trainer.generate(
@@ -157,7 +169,7 @@ class Policy:
             do_sample=True,
             top_k=top_k,
             top_p=1.0,
-            temperature=1.0,
+            temperature=temperature,
             max_new_tokens=a.new_tokens,
             output_logits=True,
             output_scores=True,
@@ -171,7 +183,7 @@ class Policy:
         rollout, mask = response_log_probs(steps, sequences, a.prompt_len, **ids)
         model = self.trainer if trainer is None else trainer
         logits = model(sequences, attention_mask=torch.ones_like(sequences)).logits
-        old, _ = response_log_probs(logits, sequences, a.prompt_len, **ids)
+        old, _ = response_log_probs(logits / temperature, sequences, a.prompt_len, **ids)
         return Rollout(sequences, logits, rollout, mask, old)
 
 
@@ -207,6 +219,7 @@ class Scenario:
     batch: Callable[[Rollout, int], Batch]
     """The window's batch from a rollout and the prompt width."""
     top_k: int = 0
+    temperature: float = 1.0
     dropout: float = 0.0
     gain: float | None = None
     monitor: dict[str, object] = field(default_factory=dict)
@@ -248,6 +261,7 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
             lambda r, p: plain(r, p, with_prompt(r), prompts=r.sequences[:, :p]),
         ),
         *(Scenario(f"top-k {k} engine", plain, top_k=int(k)) for k in args.top_k.split(",")),
+        Scenario("raw rollout log-probs, temperature 0.7", plain, temperature=0.7),
         Scenario(f"dropout {args.dropout:g}", plain, dropout=args.dropout),
         Scenario("correct, peaked (gain 12)", plain, gain=12.0),
     ]
@@ -276,7 +290,7 @@ def run(args: argparse.Namespace, scenario: Scenario, policy: Policy) -> dict[st
         if trainer is not None:
             monitor.check_dropout(trainer)
         for step in range(args.windows):
-            rollout = policy.sample(scenario.top_k, generator, trainer)
+            rollout = policy.sample(scenario.top_k, generator, trainer, scenario.temperature)
             monitor.update(scenario.batch(rollout, args.prompt_len))
             logged = monitor.log(step)
             for column, name in COLUMNS.items():
