@@ -196,8 +196,7 @@ def _compile(
     _LOG.info("lightning_rollout_debug: building the native CPU kernel into %s", folder)
     started = time.perf_counter()
     with _temporary(folder, ".so") as partial:
-        command = [*compiler, *flags, "-x", "c++", "-", "-o", str(partial)]
-        result = _run(command, folder, source)
+        result = _link(compiler, flags, folder, source, partial)
         if result.returncode != 0:
             raise KernelUnavailable(
                 f"{shlex.join(compiler)} failed: {result.stderr.strip()[-2000:]}"
@@ -224,12 +223,18 @@ def _probe_problem(compiler: list[str], flags: Sequence[str], folder: Path) -> s
     A fraction of a second; the problem is the end of what the compiler said.
     """
     with _temporary(folder, ".so") as probe:
-        command = [*compiler, *flags, "-x", "c++", "-", "-o", str(probe)]
-        result = _run(command, folder, _PROBE_SOURCE.encode())
+        result = _link(compiler, flags, folder, _PROBE_SOURCE.encode(), probe)
     if result.returncode == 0:
         return ""
     said = " ".join(result.stderr.split())
     return said[-500:] or f"exit status {result.returncode}"
+
+
+def _link(
+    compiler: list[str], flags: Sequence[str], folder: Path, source: bytes, output: Path
+) -> subprocess.CompletedProcess[str]:
+    """Compile C++ ``source`` (given on the compiler's input) into the library ``output``."""
+    return _run([*compiler, *flags, "-x", "c++", "-", "-o", str(output)], folder, source)
 
 
 def _run(
