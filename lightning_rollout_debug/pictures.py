@@ -6,7 +6,7 @@ Three small pictures of a :class:`~lightning_rollout_debug.profile.Profile`, as
 * :func:`by_position_picture`: mean ``|pa - pb|`` and mean k3 of each position bucket
   ``[0, 1), [1, 2), [2, 4), ...`` (log y axis), above a strip of the token counts;
 * :func:`by_probability_picture`: mean ``|pa - pb|`` and mean ``|a - b|`` of each bucket
-  ``[p, 2p)`` of the trainer's probability ``pa``, above the token counts;
+  ``(p, 2p]`` of the trainer's probability ``pa``, above the token counts;
 * :func:`joint_picture` (:mod:`.heatmap`): a heatmap of ``log(1 + count)`` over (rollout
   probability, trainer probability) bins, ``p = 1`` at the top right, with the diagonal
   where the two agree.
@@ -381,7 +381,7 @@ def _by_probability(profile: Profile) -> Image.Image | None:
         ([b.probs_diff_mean for b in buckets], [b.log_probs_diff_mean for b in buckets]),
         [b.tokens for b in buckets],
         [(math.log2(p) + PROBABILITY_BUCKETS, probability_label(p)) for p in _PROBABILITY_TICKS],
-        "trainer probability pa (buckets [p, 2p))",
+        "trainer probability pa (buckets (p, 2p])",
     )
 
 
