@@ -124,9 +124,16 @@ def monitor_problems(
 
 
 def is_process_group(value: Any) -> bool:
-    """Whether ``value`` is a ``torch.distributed`` process group."""
+    """Whether ``value`` is a ``torch.distributed`` process group.
+
+    Or the marker ``torch.distributed.new_group`` returns to the ranks outside the group
+    it makes (every rank must call it): such a rank keeps its own window.
+    """
     distributed = torch.distributed
-    return distributed.is_available() and isinstance(value, distributed.ProcessGroup)
+    return distributed.is_available() and (
+        isinstance(value, distributed.ProcessGroup)
+        or value is distributed.GroupMember.NON_GROUP_MEMBER
+    )
 
 
 def process_group_problems(group: Any, *, trainer_callable: bool = False) -> list[str]:

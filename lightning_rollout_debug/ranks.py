@@ -42,20 +42,20 @@ def loop_ranks(fabric: Any | None, group: Any | None) -> Ranks:
 
     With a Fabric the window is gathered by ``fabric.all_gather``; without one, over
     ``group`` (``None``: all ranks) when ``torch.distributed`` is initialised. A rank
-    outside ``group`` gathers nothing.
+    outside ``group`` (given the marker ``new_group`` returns there) gathers nothing and
+    asks nothing of the group.
     """
     if fabric is not None:
         world, rank = fabric.world_size, fabric.global_rank
-        gather: Callable[[Tensor], Tensor] = partial(fabric.all_gather, group=group)
-        device = fabric.device
     elif distributed():
         world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-        gather = partial(_all_gather, group=group)
-        device = _collective_device(group)
     else:
         return Ranks()
-    together = world > 1 and rank_in(group, rank) >= 0
-    return Ranks(world, rank == 0, gather if together else None, device)
+    if world == 1 or rank_in(group, rank) < 0:  # alone, or outside the group: its own window
+        return Ranks(world, rank == 0)
+    if fabric is not None:
+        return Ranks(world, rank == 0, partial(fabric.all_gather, group=group), fabric.device)
+    return Ranks(world, rank == 0, partial(_all_gather, group=group), _collective_device(group))
 
 
 def distributed() -> bool:

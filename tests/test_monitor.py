@@ -560,6 +560,49 @@ def test_two_fabric_processes_merge_exactly(tmp_path: Path, package: str) -> Non
     assert "| rank |" in text.tensor_proto.string_val[0].decode()
 
 
+def _rank_outside_the_group(rank: int, port: int, out: str, batches: list[Any]) -> None:
+    """One of two plain gloo processes merging over a group of rank 0 alone."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        group = torch.distributed.new_group([0])  # every rank calls it; rank 1 is outside
+        monitor = RolloutDebugMonitor(process_group=group, alert_ranges={})
+        mine = batches[rank::2]
+        monitor.update(mine[0])
+        monitor.update(mine[1])
+        first = monitor.log(1)
+        monitor.update(mine[2])
+        saved = monitor.state_dict()["batches_in_window"]
+        second = monitor.log(2)
+        Path(out, f"rank{rank}.json").write_text(
+            json.dumps({"first": first, "second": second, "saved": saved})
+        )
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="needs torch.distributed with the gloo backend",
+)
+def test_a_rank_outside_the_process_group_keeps_its_own_window(tmp_path: Path) -> None:
+    batches = make_batches(6, batch_size=[3, 4] * 3, width=[5, 7, 6] * 2, seed=45)
+    torch.multiprocessing.spawn(
+        _rank_outside_the_group,
+        args=(_free_port(), str(tmp_path), batches),
+        nprocs=2,
+        join=True,
+    )
+    for rank in (0, 1):
+        result = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
+        mine = batches[rank::2]
+        for name, window in (("first", mine[:2]), ("second", mine[2:])):
+            want = expected(window_reference(window), default_groups())
+            assert_metrics_close(unprefixed(result[name]), want)
+        assert result["saved"] == 1
+
+
 # ---------------------------------------------------------------------- the example
 @pytest.mark.slow
 def test_the_fabric_example_writes_tensorboard_logs(
