@@ -114,9 +114,8 @@ ROWS_OF_GROUP: dict[str, tuple[str, ...]] = {
         "ratio_high",
         "ratio_low",
     ),
-    # The exact sums of the inputs, whereas a float32 r rounds by up to 1e-6 at |r| = 20
-    # and can move a sequence's ratio across a bound; they give sum(r) too.
-    "sequence": ("sum_actor_log_prob", "sum_rollout_log_prob"),
+    # The sums of the inputs (the perplexities) and of r (each sequence's mean log-ratio).
+    "sequence": ("sum_actor_log_prob", "sum_rollout_log_prob", "log_ratio"),
     # Rollout log-probs of exactly 0, and the log-probs' moments at neighbouring positions.
     "health": HEALTH_SUMS,
     "token_ids": (),
@@ -128,14 +127,8 @@ counts and the largest log-probs that every update keeps."""
 
 
 def rows_for(groups: frozenset[str]) -> frozenset[str]:
-    """The row quantities an update of ``groups`` computes.
-
-    With the sequence group, ``log_ratio`` comes from the sums of the inputs instead.
-    """
-    needed = set(_ALWAYS).union(*(ROWS_OF_GROUP[group] for group in groups))
-    if "sum_actor_log_prob" in needed:
-        needed.discard("log_ratio")
-    return frozenset(needed)
+    """The row quantities an update of ``groups`` computes."""
+    return frozenset(set(_ALWAYS).union(*(ROWS_OF_GROUP[group] for group in groups)))
 
 
 def batch_state(
@@ -231,7 +224,9 @@ def row_sums(
         if f"{left}*{right}" in needed:
             rows[f"{left}*{right}"] = (wide[left] * wide[right]).sum(1)
     if "log_ratio" in needed:
-        rows["log_ratio"] = row_sum(r)
+        # The float64 differences of the float32 values, exact: a float32 r rounds (by up
+        # to 1e-6 at |r| = 20), and a difference of the two sides' sums cancels.
+        rows["log_ratio"] = (a.to(f64) - b.to(f64)).sum(1)
     if needed & _RATIO_ROWS:
         # No exponential of its own: rho = pa / pb (clamped like r), and near r = 0 the
         # series of e^r - 1 - r (shared with prob_diff) keeps the digits rho - 1 would lose.
@@ -308,10 +303,8 @@ def state_from_rows(
         r_max, r_min = largest("max_log_ratio"), -largest("max_neg_log_ratio")
     if "log_diff" in needed:
         slots["max_log_diff"] = torch.maximum(r_max, -r_min)
-    if "sum_actor_log_prob" in needed:
-        sum_a, sum_b = rows["sum_actor_log_prob"], rows["sum_rollout_log_prob"]
     if {"kl", "importance_ratio"} & groups:
-        slots["log_ratio"] = total("log_ratio") if "log_ratio" in needed else (sum_a - sum_b).sum()
+        slots["log_ratio"] = total("log_ratio")
     for name in ("kl_k3", "mult_error_m1", "ratio_m1", "ratio_sq_m1", "ratio", "ratio_sq"):
         if name in needed:
             slots[name] = total(name)
@@ -326,7 +319,8 @@ def state_from_rows(
     if "health" in groups:
         slots.update({name: total(name) for name in HEALTH_SUMS})
     if "sequence" in groups:
-        slots.update(_sequence_sums(sum_a, sum_b, row_count, seq_ratio_bounds))
+        sides = (rows[name] for name in ("sum_actor_log_prob", "sum_rollout_log_prob", "log_ratio"))
+        slots.update(_sequence_sums(*sides, row_count, seq_ratio_bounds))
     if "token_ids" in groups:
         slots.update(token_id_slots(mask, rollout_token_ids, trainer_token_ids))
     return STATE.pack(slots)
@@ -457,13 +451,14 @@ def _centre(
 def _sequence_sums(
     sum_a: Tensor,
     sum_b: Tensor,
+    sum_r: Tensor,
     row_count: Tensor,
     bounds: tuple[float, float],
 ) -> dict[str, Tensor]:
-    """Sequence statistics from the float64 row sums of ``a`` and ``b``."""
+    """Sequence statistics from the float64 row sums of ``a``, ``b`` and ``r = a - b``."""
     has_tokens = row_count > 0
     per_row = row_count.clamp(min=1.0)
-    mean_r = (sum_a - sum_b) / per_row  # log of the geometric-mean ratio; zero for empty rows
+    mean_r = sum_r / per_row  # log of the geometric-mean ratio; zero for empty rows
     zero = torch.zeros((), dtype=mean_r.dtype, device=mean_r.device)
     geo = torch.exp(mean_r)
     outside = has_tokens & ((geo < bounds[0]) | (geo > bounds[1]))

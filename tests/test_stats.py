@@ -571,6 +571,46 @@ def test_sequence_ratio_on_a_tight_bound_is_not_moved_by_float32_rounding() -> N
     assert_metrics_close(stats.compute(), want.select(NAMES["sequence"]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("compile", [None, False], ids=["default", "eager"])
+def test_the_mean_log_ratio_keeps_its_digits_whatever_the_groups(
+    dtype: torch.dtype, compile: bool | None
+) -> None:
+    """k1 and the sequences' mean log-ratio are the exact sums of ``a - b``, in every group.
+
+    The log-probs are far larger than their differences (1e-9 nats in float64, one unit in
+    the last place in float32): a difference of the two sides' sums keeps none of it.
+    """
+    generator = torch.Generator().manual_seed(3)
+    # From 1e-12 to 12 nats: float32 values whose float64 sums round too.
+    span = torch.empty(6, 64, dtype=torch.float64)
+    span.uniform_(math.log(1e-12), math.log(12.0), generator=generator)
+    rollout = -span.exp().to(dtype)
+    if dtype == torch.float64:
+        shift = torch.randn(6, 64, dtype=dtype, generator=generator) * 1e-9
+        old = rollout + shift
+    else:
+        up = torch.rand(6, 64, generator=generator) < 0.7
+        old = torch.where(up, torch.nextafter(rollout, torch.zeros(())), rollout)
+    mask = torch.ones(6, 64)
+    mask[:, 50:] = 0
+    r = [
+        [float(x) - float(y) for x, y in zip(a_row, b_row, strict=True)]
+        for a_row, b_row in zip(old, rollout, strict=True)
+    ]
+    kept = [row[:50] for row in r]
+    k1 = -math.fsum(x for row in kept for x in row) / (6 * 50)
+    log_ppl = -math.fsum(math.fsum(row) / 50 for row in kept) / 6
+    for groups in (None, ["kl"], ["kl", "sequence"], ["sequence"], ["importance_ratio", "health"]):
+        stats = MismatchStats(groups=groups, compile=compile)
+        stats.update(rollout, old, mask)
+        got = stats.compute()
+        if "rollout_actor_kl_k1" in got:
+            assert got["rollout_actor_kl_k1"] == pytest.approx(k1, rel=1e-12, abs=0)
+        if "rollout_actor_log_ppl_diff" in got:
+            assert got["rollout_actor_log_ppl_diff"] == pytest.approx(log_ppl, rel=1e-12, abs=0)
+
+
 @settings(max_examples=examples(150), deadline=None)
 @given(st.lists(batches(), min_size=0, max_size=3), st.booleans())
 def test_every_real_window_passes_the_state_checks(items: list[Batch], fused: bool) -> None:

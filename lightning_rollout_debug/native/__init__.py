@@ -80,10 +80,11 @@ _ON = frozenset({"", "1", "true", "on", "yes"})
 _LOG_PROB_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 _MASK_KINDS = {torch.bool: 0, torch.uint8: 0, torch.int32: 1, torch.int64: 2, torch.float32: 3}
 # The columns the kernel computes only at its catalog level (bit 0 of `level`): those of
-# the groups beyond the seed group.
+# the groups beyond the seed group, but `log_ratio`, which the sums of the inputs (bit 1)
+# come with too.
 _CATALOG_COLUMNS = frozenset().union(
     *(ROWS_OF_GROUP[group] for group in ("log_space", "kl", "importance_ratio"))
-)
+) - {"log_ratio"}
 
 
 _kernel: dict[str, Any] = {

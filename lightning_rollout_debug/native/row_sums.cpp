@@ -203,6 +203,8 @@ struct Sum {
   void add(f32 x) { value += lower(x) + upper(x); }
   // Products of float32 values are exact in float64.
   void add_product(f32 x, f32 y) { value += lower(x) * lower(y) + upper(x) * upper(y); }
+  // So are their differences, at log-probs' magnitudes.
+  void add_difference(f32 x, f32 y) { value += (lower(x) - lower(y)) + (upper(x) - upper(y)); }
   double total() const {
     double out = 0;
     for (int k = 0; k < kLanes / 2; ++k) out += value[k];
@@ -347,6 +349,9 @@ struct RowSums {
     last_r = r_;
     last_diff = diff_;
     last_counting = counting;
+    // sum(r) from the float64 differences: a float32 r rounds (by up to 1e-6 at |r| = 20),
+    // and a difference of the two sides' sums cancels.
+    if constexpr (kCatalog || kInputSums) r.add_difference(a, b);
     max_a.add(select(counting, a, minus_inf));
     max_b.add(select(counting, b, minus_inf));
     max_diff.add(select(counting, diff_, minus_inf));
@@ -395,7 +400,6 @@ struct RowSums {
       const f32 abs_r_ = abs(r_);
       abs_r.add(abs_r_);
       r2.add_product(abs_r_, abs_r_);
-      if constexpr (!kInputSums) r.add(r_);  // otherwise from the sums of the inputs
       // Near r = 0: rho from the series, and e^|r| - 1 from the series at |r| (the
       // values of `row_sums` to float32 rounding). Farther out rho = pa / pb, clamped
       // like r, and e^|r| - 1 = |pa - pb| / min(pa, pb): divisions only for vectors with
@@ -1328,15 +1332,7 @@ struct StateOf {
     double r_max = -INFINITY, r_min = INFINITY;
     if (has(c_max_r)) r_max = largest(c_max_r), r_min = -largest(c_max_neg_r);
     if (has(c_abs_r)) state[s_max_abs_r] = std::max(r_max, -r_min);
-    if (on(g_kl) || on(g_ratio)) {
-      double sum = 0;
-      if (has(c_r)) {
-        sum = total(c_r);
-      } else {
-        for (int64_t row = 0; row < rows; ++row) sum += at(row, c_sum_a) - at(row, c_sum_b);
-      }
-      state[s_log_ratio] = sum;
-    }
+    if (on(g_kl) || on(g_ratio)) state[s_log_ratio] = total(c_r);
     const struct { Column column; Slot slot; } sums[] = {
         {c_k3, s_k3},       {c_mult, s_mult},   {c_rm1, s_rm1},     {c_rsqm1, s_rsqm1},
         {c_ratio, s_ratio}, {c_ratio2, s_ratio2}, {c_high, s_high}, {c_low, s_low}};
@@ -1365,14 +1361,14 @@ struct StateOf {
     if (on(g_sequence)) write_sequences(low_bound, high_bound, state);
   }
 
-  // Sequence statistics from the float64 row sums of a and b (`_sequence_sums`).
+  // Sequence statistics from the float64 row sums of a, b and r (`_sequence_sums`).
   void write_sequences(double low_bound, double high_bound, double* state) const {
     double ppl_a = 0, ppl_b = 0, log_ratio = 0, outside = 0;
     double max_abs = -INFINITY, max_r = -INFINITY, min_r = INFINITY;
     for (int64_t row = 0; row < rows; ++row) {
       const double count = at(row, c_count), sum_a = at(row, c_sum_a), sum_b = at(row, c_sum_b);
       const double per_row = std::max(count, 1.0);
-      const double mean_r = (sum_a - sum_b) / per_row;
+      const double mean_r = at(row, c_r) / per_row;
       log_ratio += mean_r;
       if (count <= 0) continue;
       const double geo = std::exp(mean_r);
