@@ -33,6 +33,10 @@ fired during the run:
   tokens and records the renormalised log-prob (``generate``'s processed ``scores``); the
   trainer the full one. This policy keeps almost all its mass in its top 50 (the KL that
   truncation causes, which k1 estimates, is tiny there); top 5 drops a few percent.
+* ``greedy decoding (top-k 1)``: the same engine at ``top_k=1``: it records 0.0 (the
+  renormalised one-token distribution) at every step but those of tied bf16 logits
+  (Hugging Face keeps the ties), where the trainer's log-prob of the argmax token is
+  below -1 at the uncertain steps: the zeros the padding rule counts.
 * ``raw rollout log-probs, temperature 0.7``: the engine samples at temperature 0.7 but
   records the log-probs of its raw logits (``generate``'s ``logits``, as engines that
   return log-probs before their sampling processors do); the trainer divides its logits
@@ -261,6 +265,7 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
             lambda r, p: plain(r, p, with_prompt(r), prompts=r.sequences[:, :p]),
         ),
         *(Scenario(f"top-k {k} engine", plain, top_k=int(k)) for k in args.top_k.split(",")),
+        Scenario("greedy decoding (top-k 1)", plain, top_k=1),
         Scenario("raw rollout log-probs, temperature 0.7", plain, temperature=0.7),
         Scenario(f"dropout {args.dropout:g}", plain, dropout=args.dropout),
         Scenario("correct, peaked (gain 12)", plain, gain=12.0),

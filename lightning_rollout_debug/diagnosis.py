@@ -53,6 +53,16 @@ TRUNCATION_STRONG_K1 = 0.1
 dwarfs what tokens it did not sample (padding scored by both sides) do to ``mean(rho)``."""
 MIN_TOKENS = 256
 """Tokens a window needs before its k1 and k3 are compared."""
+TRUNCATION_SLOPE = 1.1
+"""Where :func:`_truncated` holds and the window has rollout log-probs of exactly 0 with a
+trainer's below -1: the least-squares slope ``sum(a b) / sum(b^2)`` of the trainer's
+log-probs on the rollout's at least this means the zeros are steps where the engine kept
+one token, not padding (see :func:`kept_one_token`)."""
+ONE_TOKEN_NATS = 8.0
+"""The most ``b - a`` (``-log`` of the trainer's mass in what the engine kept) a truncating
+engine's zeros are read with: it keeps at least its most likely token, and a top token
+below ``e^-8`` needs thousands of near-equal candidates; padding's trainer log-probs sit
+far lower (-7 to -28 in ``benchmarks/mistakes.py``, at the -20 floor mostly)."""
 
 ONE_SIDED_K1 = -0.01
 """k1 below this, and below 0 by :data:`ONE_SIDED_ERRORS` standard errors, means the
@@ -82,9 +92,14 @@ class Diagnosis:
 def diagnose(window: Window, metrics: Mapping[str, float]) -> list[Diagnosis]:
     """The mistakes a merged window shows (``metrics``: its un-prefixed metrics)."""
     misaligned = _misaligned(window)
-    found = [misaligned, _padding(window)]
-    if misaligned is None:  # log-probs of other tokens: their KL estimates mean nothing
-        found += [_truncated(window, metrics), _one_sided(window, metrics)]
+    # Log-probs of other tokens (misaligned): their KL estimates mean nothing.
+    truncated = _truncated(window, metrics) if misaligned is None else None
+    # A greedy or strongly truncated engine records 0.0 (probability 1) for the steps where
+    # it kept one token, which the padding rule would count: those zeros are not padding.
+    one_token = truncated is not None and kept_one_token(window)
+    found = [misaligned, _padding(window, count_zeros=not one_token), truncated]
+    if misaligned is None:
+        found.append(_one_sided(window, metrics))
     return [diagnosis for diagnosis in found if diagnosis is not None]
 
 
@@ -171,8 +186,14 @@ def _misaligned(window: Window) -> Diagnosis | None:
     )
 
 
-def _padding(window: Window) -> Diagnosis | None:
-    zeros, pads = window["zero_rollout_log_prob"], window["pad_in_mask"]
+def _padding(window: Window, *, count_zeros: bool = True) -> Diagnosis | None:
+    """Padding inside the mask: pad ids, and rollout log-probs of 0 (with ``count_zeros``).
+
+    Pad ids after the first of their row; rollout log-probs of exactly 0 where the
+    trainer's is below -1.
+    """
+    zeros = window["zero_rollout_log_prob"] if count_zeros else 0.0
+    pads = window["pad_in_mask"]
     if zeros <= 0 and pads <= 0:
         return None
     seen = []
@@ -209,9 +230,54 @@ def _ratio_error(window: Window, k3: float) -> float:
     return math.sqrt(max(variance, 0.0) / n)
 
 
+def rollout_all_zero(window: Window) -> bool:
+    """Every counting rollout log-prob is exactly 0 while the trainer's are not all 0.
+
+    From the health group's sums of squares (float64 sums of float32 squares: any
+    ``b != 0`` leaves ``sum(b^2) > 0``); without that group both sums are 0 and this is
+    false.
+    """
+    return window["sum_actor_log_prob_sq"] > 0 and window["sum_rollout_log_prob_sq"] == 0
+
+
+def kept_one_token(window: Window) -> bool:
+    """Whether the window's zeros are steps where a truncating engine kept one token.
+
+    The rollout log-probs of exactly 0 where the trainer's is below -1 (greedy, top-k 1,
+    a small top-p), rather than padding.
+
+    Read only where :func:`_truncated` holds. Padding and the steps an engine keeps one
+    token alone both put ``b = 0`` on a token whose trainer's log-prob ``a`` is below -1,
+    and the window does not hold those tokens' ``a`` apart. The other tokens tell them
+    apart, and the sums over them are in the window: a token with ``b = 0`` adds nothing to
+    ``sum(b^2)`` or ``sum(a b)``. Where the zeros are padding, the other tokens were
+    sampled and scored alike (``a ~ b``): the slope ``sum(a b) / sum(b^2)`` is about 1
+    (0.99-1.07 in ``benchmarks/mistakes.py``, with a top-k 5 engine too). Where the engine
+    truncates hard enough to keep one token at many steps, it renormalises at the others
+    too, ``a = b + log Z`` with a small kept mass ``Z`` where ``b`` is low: the slope is
+    1.3 to 2.3 (top-k 2, top-k 1 with tied bf16 logits, top-p 0.3 to 0.5). An engine that
+    records 0.0 everywhere (greedy) leaves no other token: :func:`rollout_all_zero`.
+
+    And no token's ``b - a`` may exceed :data:`ONE_TOKEN_NATS` (``min_log_ratio``, kept by
+    the ``log_space`` and ``importance_ratio`` groups): a truncating engine keeps at least
+    its top token, while a pad scored by the trainer sits far lower. Zero-filled padding
+    whose trainer's log-probs lie between -8 and -1, behind an engine that keeps one token
+    often enough for the slope to pass, reads as truncation; the pad ids
+    (``pad_token_id``) still name that padding.
+    """
+    if window["zero_rollout_log_prob"] <= 0 or -window["min_log_ratio"] > ONE_TOKEN_NATS:
+        return False
+    if rollout_all_zero(window):
+        return True
+    squares = window["sum_rollout_log_prob_sq"]
+    return squares > 0 and window["sum_actor_x_rollout"] >= TRUNCATION_SLOPE * squares
+
+
 def _truncated(window: Window, metrics: Mapping[str, float]) -> Diagnosis | None:
     k1 = metrics.get("rollout_actor_kl_k1", math.nan)
     k3 = metrics.get("rollout_actor_kl_k3", math.nan)
+    if rollout_all_zero(window) and (window["zero_rollout_log_prob"] > 0 or k1 > TRUNCATION_K1):
+        return _greedy(window, k1)
     if window.n < MIN_TOKENS or not k1 > TRUNCATION_K1:
         return None
     deficit = k1 - k3  # 1 - mean(rho), in every window
@@ -222,13 +288,44 @@ def _truncated(window: Window, metrics: Mapping[str, float]) -> Diagnosis | None
     )
     if not (light or strong):
         return None
+    zeros = window["zero_rollout_log_prob"]
+    single = (
+        f" The {zeros:.0f} masked-in tokens whose rollout log-prob is exactly 0.0 while the "
+        "trainer's is below -1 are steps where the engine kept one token (the trainer's "
+        f"log-probs are {window['sum_actor_x_rollout'] / window['sum_rollout_log_prob_sq']:.3g} "
+        "times the rollout's elsewhere, where padding leaves them equal), not padding."
+        if kept_one_token(window)
+        else ""
+    )
     return Diagnosis(
         "truncated",
         f"The importance ratios average {1.0 - deficit:.4g}, clearly below 1 (KL k1 = "
         f"{k1:.4g}, k3 = {k3:.4g}): the rollout log-probs look renormalised after top-k / "
-        "top-p truncated sampling in the engine, which keeps about that share of the "
-        "trainer's probability mass and biases k3 low. Trust k1 here, or have the engine "
-        "return log-probs of the full distribution.",
+        "top-p truncated sampling in the engine (greedy decoding is top-k 1), which keeps "
+        f"about that share of the trainer's probability mass and biases k3 low.{single} Trust "
+        "k1 here, or have the engine return log-probs of the full distribution.",
+    )
+
+
+def _greedy(window: Window, k1: float) -> Diagnosis:
+    """Every rollout log-prob 0.0: the renormalised distribution of a greedy engine."""
+    zeros = window["zero_rollout_log_prob"]
+    padding = (
+        f"{zeros:.0f} of them where the trainer's is below -1: the greedy tokens of uncertain "
+        "steps, not padding"
+        if kept_one_token(window)
+        else "the trainer scores some of them below -8 nats, which no greedy step gives: "
+        "padding too, named apart"
+    )
+    return Diagnosis(
+        "truncated",
+        f"Every rollout log-prob is exactly 0.0 (probability 1) while the trainer's are not "
+        f"(KL k1 = {k1:.4g}, the trainer's mean negative log-prob; {padding}): truncated "
+        "sampling to one token. The engine decodes greedily (top-k 1, or temperature 0) and "
+        "records the log-prob of the renormalised one-token distribution, or it returns no "
+        "log-probs and zeros stand in for them. The importance ratios are then the trainer's "
+        "probabilities of the greedy tokens. Have the engine return log-probs of the full "
+        "distribution (and sample from it for on-policy RL).",
     )
 
 

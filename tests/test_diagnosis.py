@@ -156,6 +156,52 @@ class TinyGPT2:
 
     @torch.no_grad()
     @one_thread()
+    def one_token_rollout(self, engine: str) -> Rollout:
+        """A batch of an engine that keeps one token per step and renormalises over it.
+
+        ``"greedy"``: ``generate`` decodes greedily (the argmax of the bf16 logits) and
+        the engine records the log-prob of that one-token distribution: 0.0 everywhere.
+        ``"top-k 1"``: it samples with ``top_k=1`` and records ``generate``'s processed
+        ``scores`` (Hugging Face keeps the tokens tied with the k-th logit, so a step of
+        tied bf16 logits keeps two or three). The trainer scores the full distribution.
+        """
+        seeds = torch.randint(2, self.vocab, (ROWS, 2), generator=self.generator)
+        prompts = self.trainer.generate(
+            seeds,
+            attention_mask=torch.ones_like(seeds),
+            do_sample=True,
+            top_k=0,
+            max_new_tokens=PROMPT - 2,
+            min_new_tokens=PROMPT - 2,
+            eos_token_id=self.eos,
+            pad_token_id=self.pad,
+        )
+        sampling = {"do_sample": False} if engine == "greedy" else {"do_sample": True, "top_k": 1}
+        out = self.engine.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            top_p=1.0,
+            max_new_tokens=NEW_TOKENS,
+            output_logits=True,
+            output_scores=True,
+            return_dict_in_generate=True,
+            eos_token_id=self.eos,
+            pad_token_id=self.pad,
+            **sampling,
+        )
+        sequences = out.sequences
+        steps = torch.stack(out.scores if engine == "top-k 1" else out.logits, 1).float()
+        if engine == "greedy":  # the one-token distribution: the argmax alone
+            argmax = steps.argmax(-1, keepdim=True)
+            steps = torch.full_like(steps, -math.inf).scatter(-1, argmax, 0.0)
+        ids = {"eos_token_id": self.eos, "pad_token_id": self.pad}
+        rollout, mask = response_log_probs(steps, sequences, PROMPT, **ids)
+        logits = self.trainer(sequences, attention_mask=torch.ones_like(sequences)).logits
+        old, _ = response_log_probs(logits, sequences, PROMPT, **ids)
+        return Rollout(sequences, logits, rollout, old, mask)
+
+    @torch.no_grad()
+    @one_thread()
     def forward_log_probs(self, sequences: Tensor) -> tuple[Tensor, Tensor]:
         """``(engine, trainer)`` log-probs of the response of ``sequences``, full forwards."""
         sides = []
@@ -626,6 +672,34 @@ def test_strong_truncation_is_named_with_the_mass_it_keeps(top_k: int) -> None:
     assert f"The importance ratios average {ratios.mean():.4g}, clearly below 1" in message
     (k1,), (k3,) = run.logged(K1), run.logged(K3)
     assert k1 < 8 * k3  # beyond what the k1-against-k3 rule sees
+
+
+@pytest.mark.parametrize("engine", ["greedy", "top-k 1"])
+def test_a_greedy_engine_is_named_truncated_not_padding(gpt2: TinyGPT2, engine: str) -> None:
+    """An engine that keeps one token per step records 0.0 (probability 1) where the
+    trainer's log-prob is that of the argmax, below -1 at the uncertain steps: the zeros
+    the padding rule counts. They are truncated sampling, not padding in the mask."""
+    rollouts = [gpt2.one_token_rollout(engine) for _ in range(4)]
+    rollout = torch.cat([r.rollout[r.mask] for r in rollouts])
+    old = torch.cat([r.old[r.mask] for r in rollouts])
+    zeros = int(((rollout == 0) & (old < -1.0)).sum())
+    assert zeros > 0  # what the padding rule counted
+    if engine == "greedy":
+        assert torch.equal(rollout, torch.zeros_like(rollout))
+    else:  # tied bf16 logits: a few steps kept more than one token
+        assert 0 < int((rollout < 0).sum()) < 0.2 * rollout.numel()
+    batches = [
+        batch_of(r.rollout, r.old, r.mask, seed=i, responses=r.sequences[:, PROMPT:])
+        for i, r in enumerate(rollouts)
+    ]
+    run = fit(batches, pad_token_id=gpt2.pad)
+    assert run.logged(ZEROS) == [float(zeros)]
+    assert run.callback.monitor.diagnosed == {"truncated"}, run.diagnoses()
+    message = one_with(run.diagnoses(), "truncat")
+    assert "greedy" in message and "top-k 1" in message
+    assert "not padding" in message
+    if engine == "greedy":
+        assert "Every rollout log-prob is exactly 0.0" in message
 
 
 def tempered_batch(seed: int, *, rollout_side: str, trainer_side: str) -> dict[str, Tensor]:
