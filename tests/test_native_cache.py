@@ -19,6 +19,7 @@ import platform
 import re
 import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -945,6 +946,60 @@ def test_a_compiler_that_hangs_is_killed_with_what_it_started(
     with suppress(FileNotFoundError):
         state = (child / "stat").read_text().split()[2]
         assert state == "Z", f"the compiler's child {child.name} still runs ({state})"
+
+
+INTERRUPTED = """
+import signal, sys
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as a training script may
+from lightning_rollout_debug.native import cache
+cache.verified_build()
+"""
+
+
+def test_a_build_ended_by_a_signal_ends_its_compiler(tmp_path: Path) -> None:
+    """A build interrupted by an exception (here a SIGTERM handler's ``SystemExit``) kills
+    the compiler's session, which runs apart from the building process's own group."""
+    hanging = tmp_path / "hanging-c++"
+    hanging.write_text('#!/bin/sh\nsleep 1000 &\necho "$$ $!" > "$0.pids.partial"\n'
+                       'mv "$0.pids.partial" "$0.pids"\nwait\n')  # fmt: skip
+    hanging.chmod(0o755)
+    pids = Path(f"{hanging}.pids")
+    building = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTED],
+        env=child_env(tmp_path / "cache", CXX=str(hanging)),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not pids.exists() and building.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pids.exists(), "the compiler did not start"
+        started = [int(pid) for pid in pids.read_text().split()]
+        building.send_signal(signal.SIGTERM)
+        assert building.wait(timeout=60) == 143, building.stderr.read()
+        deadline = time.monotonic() + 5
+        running = started
+        while running and time.monotonic() < deadline:
+            time.sleep(0.05)  # killed, then reaped by whoever inherited them
+            running = [pid for pid in started if _runs(pid)]
+        assert not running, f"the compiler's processes {running} still run"
+    finally:
+        if building.poll() is None:
+            building.kill()
+            building.wait()
+        for pid in started:
+            if _runs(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _runs(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 @pytest.mark.parametrize("damage", ["binary", "oversized"])

@@ -15,8 +15,9 @@ The cache is the user's own:
   folders no other user can write, as does a script's interpreter, and runs with a
   ``PATH`` of such folders only, on the very source bytes the key was made from;
 * one build at a time (a lock in the folder, waited for at most ``_LOCK_WAIT_S``), into
-  a unique temporary name that is renamed into place; a compiler that hangs is killed
-  with everything it started.
+  a unique temporary name that is renamed into place; a compiler that hangs, or whose
+  build is interrupted (Ctrl-C, a signal handler's ``SystemExit``), is killed with
+  everything it started.
 
 A build's name is keyed by the source, the compiler command and the files it names
 (an upgraded compiler builds anew), the flags and the CPU (``-march=native`` depends on
@@ -399,14 +400,31 @@ def _run(
         try:
             out, err = process.communicate(stdin, timeout=_COMPILE_TIMEOUT_S)
         except subprocess.TimeoutExpired as error:
-            with suppress(OSError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
+            _end_session(process)
             raise KernelUnavailable(
                 f"{shlex.join(command[:2])} did not finish in {_COMPILE_TIMEOUT_S:.0f} s"
             ) from error
+        except BaseException:  # interrupted (Ctrl-C, a signal handler's SystemExit)
+            _end_session(process)
+            raise
     said = [part.decode(errors="replace") for part in (out, err)]
     return subprocess.CompletedProcess(command, process.returncode, *said)
+
+
+def _end_session(process: subprocess.Popen[bytes]) -> None:
+    """Kill the compiler's session (what it started too) while it runs, then reap it.
+
+    Only while the compiler is not reaped: its process id, which names the session's
+    group, cannot have been given to another process yet.
+    """
+    if process.returncode is None:
+        with suppress(OSError):
+            os.killpg(process.pid, signal.SIGKILL)
+    for pipe in (process.stdin, process.stdout, process.stderr):
+        if pipe is not None:
+            with suppress(OSError):
+                pipe.close()
+    process.wait()
 
 
 @contextmanager
