@@ -161,10 +161,19 @@ def test_other_layouts_and_dtypes_go_the_torch_way(native_calls: list[bool]) -> 
     assert native_calls == [True, False, False]
 
 
-def test_a_failed_build_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_build_warns_once_and_falls_back(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without a compiler, and with an empty cache of its own (the user's cache may hold a
+    kernel prebuilt from this source, which would be used), one warning says so."""
+
     def no_compiler() -> list[str]:
         raise native.KernelUnavailable("no C++ compiler found; install one or set CXX")
 
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    cache.chmod(0o700)
+    monkeypatch.setenv(native.CACHE_ENV, str(cache))
     monkeypatch.setattr(native, "_kernel", {"function": None, "problem": None, "columns": ()})
     monkeypatch.setattr(native.cache, "_compiler", no_compiler)
     rng = np.random.default_rng(10)
@@ -176,6 +185,7 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatc
         stats.update(*batch.args())
     messages = [str(w.message) for w in caught if "native CPU kernel" in str(w.message)]
     assert len(messages) == 1 and "no C++ compiler found" in messages[0]
+    assert f"nor is a kernel built from this source for this CPU in {cache}" in messages[0]
     want = reference_metrics([batch.rollout] * 2, [batch.old] * 2, [batch.mask] * 2)
     assert_metrics_close(stats.compute(), want)
 

@@ -15,9 +15,11 @@ import hashlib
 import json
 import os
 import pickle
+import platform
 import re
 import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -212,13 +214,14 @@ def test_the_prebuild_command_builds_once_and_later_processes_load_it(tmp_path: 
     assert library.stat().st_mode & 0o022 == 0
     digest = hashlib.sha256(library.read_bytes()).hexdigest()
     assert library.with_suffix(".sha256").read_text().strip() == digest
+    assert stat.S_IMODE(library.with_suffix(".origin").stat().st_mode) == 0o600
     built_at = library.stat().st_mtime_ns
     report = run_probe(cache)
     assert report["native"] and report["warnings"] == []
     assert "building" not in report["stderr"]
     assert library.stat().st_mtime_ns == built_at
     assert sorted(p.name for p in cache.iterdir()) == sorted(
-        [library.name, library.with_suffix(".sha256").name, "build.lock"]
+        [library.name, *(library.with_suffix(s).name for s in (".sha256", ".origin")), "build.lock"]
     )
     assert_reference(report)
 
@@ -514,7 +517,7 @@ def test_threads_building_at_once_build_once(tmp_path: Path) -> None:
     )
     assert result.stdout.strip() == "1 [True, True, True, True] []", result.stderr
     names = sorted(path.suffix or path.name for path in cache.iterdir())
-    assert names == [".lock", ".sha256", ".so"]  # no partial file left behind
+    assert names == [".lock", ".origin", ".sha256", ".so"]  # no partial file left behind
 
 
 def test_processes_building_at_once_leave_one_kernel(tmp_path: Path) -> None:
@@ -536,8 +539,214 @@ def test_processes_building_at_once_leave_one_kernel(tmp_path: Path) -> None:
         assert_reference(report)
     (library,) = cache.glob("*.so")
     assert sorted(path.name for path in cache.iterdir()) == sorted(
-        [library.name, library.with_suffix(".sha256").name, "build.lock"]
+        [library.name, *(library.with_suffix(s).name for s in (".sha256", ".origin")), "build.lock"]
     )
+
+
+# ------------------------------------------------------------ no compiler left
+# A container image that prebuilt the kernel and then removed its build tools: the
+# compiler-keyed name cannot be computed, and the origin records find the library.
+NO_COMPILER = """
+import json
+import torch
+from lightning_rollout_debug import GROUPS, native
+from lightning_rollout_debug.rows import ROW_FIELDS, row_sums, rows_for
+try:
+    native.cache._compiler()
+    hidden = False
+except native.KernelUnavailable:
+    hidden = True
+generator = torch.Generator().manual_seed(1)
+rollout = torch.log(torch.rand(16, 300, generator=generator) * 0.99 + 0.005)
+old = (rollout + 0.05 * torch.randn(16, 300, generator=generator)).clamp(max=0.0)
+mask = torch.rand(16, 300, generator=generator) < 0.8
+groups = frozenset(GROUPS)
+got = native.row_sums(rollout, old, mask, rows_for(groups), 2.0, ROW_FIELDS)
+want = row_sums(rollout, old, mask, groups, 2.0)
+same = got is not None and all(
+    torch.allclose(got[name], value.double(), rtol=3e-6, atol=1e-9)
+    for name, value in want.items()
+)
+print(json.dumps({"hidden": hidden, "available": native.available(),
+                  "path": str(native.build()), "same": same}))
+"""
+
+
+def bare_path(root: Path) -> str:
+    """A ``PATH`` of one private, empty folder: no compiler can be found on it."""
+    return str(private_folder(root / "bare-bin"))
+
+
+def portable_key(source: bytes, cpu: bytes) -> str:
+    """What an origin record names a build by: its source and CPU (and machine type)."""
+    parts = [hashlib.sha256(source).digest(), cpu, platform.machine().encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:24]
+
+
+def write_origin(library: Path, source: bytes, cpu: bytes, flags: tuple[str, ...]) -> None:
+    """The origin record of ``library``, saying it was built from ``source`` for ``cpu``."""
+    record = library.with_suffix(".origin")
+    record.write_text(f"{portable_key(source, cpu)}\n{' '.join(flags)}\n")
+    record.chmod(0o600)
+
+
+def test_a_prebuilt_kernel_is_used_where_no_compiler_is_left(tmp_path: Path, built: Path) -> None:
+    """Built with a compiler, then used by a process that finds none: the same library,
+    the same row sums as the torch arithmetic, and the prebuild command prints it."""
+    cache = tmp_path / "cache"
+    shutil.copytree(built.parent, cache)
+    env = child_env(cache, PATH=bare_path(tmp_path))
+    result = subprocess.run(
+        [sys.executable, "-c", NO_COMPILER],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    want = {"hidden": True, "available": True, "path": str(cache / built.name), "same": True}
+    assert report == want, result.stderr[-3000:]
+    assert "building" not in result.stderr
+    origin = (cache / built.name).with_suffix(".origin").read_text()
+    assert origin.split("\n")[0] == portable_key(SOURCE_BYTES, CPU)  # an image's format
+    again = prebuild(cache, PATH=env["PATH"])
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip() == str(cache / built.name)
+
+
+def _prebuilt(folder: Path) -> None:
+    """As built: the control."""
+
+
+def _earlier_version(folder: Path) -> None:
+    """A build of an earlier version: a digest record only."""
+    for record in folder.glob("*.origin"):
+        record.unlink()
+
+
+def _origin_of(source: bytes, cpu: bytes) -> Callable[[Path], None]:
+    def rewrite(folder: Path) -> None:
+        (library,) = folder.glob("*.so")
+        write_origin(library, source, cpu, FLAGS)  # flags this CPU may take, another origin
+
+    return rewrite
+
+
+def _library_open_to_others(folder: Path) -> None:
+    (library,) = folder.glob("*.so")
+    library.chmod(0o777)
+
+
+def _origin_open_to_others(folder: Path) -> None:
+    (library,) = folder.glob("*.so")
+    write_origin(library, SOURCE_BYTES, CPU, FLAGS)  # as built, but open
+    library.with_suffix(".origin").chmod(0o666)
+
+
+def _wrong_digest(folder: Path) -> None:
+    (library,) = folder.glob("*.so")
+    _flip(library)
+
+
+SOURCE_BYTES = native.SOURCE.read_bytes()
+CPU = native.cache._cpu_signature()
+FLAGS = next(f for f in native.cache._FLAG_SETS if CPU or "-march=native" not in f)
+NOT_FOUND = "nor is a kernel built from this source for this CPU in"
+WITHOUT_COMPILER: dict[str, tuple[Callable[[Path], None], str | None]] = {
+    "prebuilt": (_prebuilt, None),
+    "earlier-version": (_earlier_version, NOT_FOUND),
+    "other-source": (_origin_of(SOURCE_BYTES + b"// edited\n", CPU), NOT_FOUND),
+    "other-cpu": (_origin_of(SOURCE_BYTES, CPU + b"\nmodel name\t: another"), NOT_FOUND),
+    "wrong-digest": (_wrong_digest, NOT_FOUND),
+    "library-open-to-others": (_library_open_to_others, "is writable by other users"),
+    "origin-open-to-others": (_origin_open_to_others, "is writable by other users"),
+}
+"""Caches tried without a compiler, and what the warning says (``None``: no warning)."""
+
+
+@pytest.fixture(scope="module")
+def without_compiler(tmp_path_factory: pytest.TempPathFactory, built: Path) -> dict[str, Any]:
+    """Copies of a built cache, each changed one way, tried by one process with no compiler."""
+    root = tmp_path_factory.mktemp("without-compiler")
+    folders = {}
+    for name, (change, _) in WITHOUT_COMPILER.items():
+        folders[name] = root / name
+        shutil.copytree(built.parent, folders[name])
+        change(folders[name])
+    reports = run_probes(list(folders.values()), PATH=bare_path(root))
+    return {name: (folders[name], report) for name, report in zip(folders, reports, strict=True)}
+
+
+@pytest.mark.parametrize("case", list(WITHOUT_COMPILER))
+def test_without_a_compiler_only_a_verified_kernel_of_this_source_and_cpu_loads(
+    without_compiler: dict[str, Any], case: str
+) -> None:
+    """A library of another source or CPU (by its origin record), one an earlier version
+    built (no origin record) and one that fails the usual checks are not loaded; the
+    warning names the compiler that is missing and what was looked for."""
+    folder, report = without_compiler[case]
+    said = WITHOUT_COMPILER[case][1]
+    assert_reference(report)
+    if said is None:
+        assert report["native"] and report["warnings"] == []
+        return
+    assert not report["native"]
+    (message,) = kernel_warnings(report)
+    assert "no C++ compiler found in a folder of the PATH" in message, message
+    assert said in message, message
+    if said == NOT_FOUND:
+        assert f"{NOT_FOUND} {folder}" in message, message
+        assert "python -m lightning_rollout_debug.native" in message, message
+        assert f"{native.SWITCH_ENV}=0" in message, message
+    assert not list(folder.glob(".*")), "something was built or left behind"
+
+
+def test_without_a_compiler_the_first_flag_set_and_then_the_newest_build_is_taken(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, built: Path
+) -> None:
+    """Of the matching libraries, the flag sets' order decides, then the newest; a CPU
+    that cannot be told never takes a ``-march=native`` build; a refused ``$CXX`` counts
+    as no compiler. Nothing here is loaded: only the choice is checked."""
+    cache = private_folder(tmp_path / "cache")
+    monkeypatch.setenv(native.CACHE_ENV, str(cache))
+    with_compiler = os.environ["PATH"]
+    monkeypatch.setenv("PATH", bare_path(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    cpu = b"model name\t: a CPU of the test"
+    monkeypatch.setattr(native.cache, "_cpu_signature", lambda: cpu)
+    native_set, portable_set = native.cache._FLAG_SETS[:2]
+    assert "-march=native" in native_set and "-march=native" not in portable_set
+    now = time.time()
+
+    def build(
+        name: str, flags: tuple[str, ...], age: float, cpu: bytes = cpu, folder: Path = cache
+    ) -> Path:
+        library = plant(built, folder, f"row_sums_{name}.so")
+        write_origin(library, SOURCE_BYTES, cpu, flags)
+        os.utime(library, (now - age, now - age))
+        return library
+
+    build("portable-newest", portable_set, age=0)
+    older = build("native-older", native_set, age=200)
+    newer = build("native-newer", native_set, age=100)
+    assert native.cache.verified_build() == newer
+    newer.with_suffix(".sha256").unlink()  # unfinished: not verified, never loaded
+    assert native.cache.verified_build() == older
+    monkeypatch.setenv("PATH", with_compiler)
+    assert native.cache._compiler()  # found: the choice below is the refused CXX's
+    monkeypatch.setenv("CXX", "c++ -O2")
+    assert native.cache.verified_build() == older  # refused: as if none were found
+
+    unknown = private_folder(tmp_path / "unknown-cpu")
+    monkeypatch.setenv(native.CACHE_ENV, str(unknown))
+    monkeypatch.setattr(native.cache, "_cpu_signature", lambda: b"")
+    build("native", native_set, age=0, cpu=b"", folder=unknown)  # no build writes this
+    with pytest.raises(native.KernelUnavailable, match=NOT_FOUND):
+        native.cache.verified_build()
+    portable = build("portable", portable_set, age=100, cpu=b"", folder=unknown)
+    assert native.cache.verified_build() == portable
 
 
 # ----------------------------------------------------------------- operations
@@ -737,6 +946,60 @@ def test_a_compiler_that_hangs_is_killed_with_what_it_started(
     with suppress(FileNotFoundError):
         state = (child / "stat").read_text().split()[2]
         assert state == "Z", f"the compiler's child {child.name} still runs ({state})"
+
+
+INTERRUPTED = """
+import signal, sys
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as a training script may
+from lightning_rollout_debug.native import cache
+cache.verified_build()
+"""
+
+
+def test_a_build_ended_by_a_signal_ends_its_compiler(tmp_path: Path) -> None:
+    """A build interrupted by an exception (here a SIGTERM handler's ``SystemExit``) kills
+    the compiler's session, which runs apart from the building process's own group."""
+    hanging = tmp_path / "hanging-c++"
+    hanging.write_text('#!/bin/sh\nsleep 1000 &\necho "$$ $!" > "$0.pids.partial"\n'
+                       'mv "$0.pids.partial" "$0.pids"\nwait\n')  # fmt: skip
+    hanging.chmod(0o755)
+    pids = Path(f"{hanging}.pids")
+    building = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTED],
+        env=child_env(tmp_path / "cache", CXX=str(hanging)),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not pids.exists() and building.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pids.exists(), "the compiler did not start"
+        started = [int(pid) for pid in pids.read_text().split()]
+        building.send_signal(signal.SIGTERM)
+        assert building.wait(timeout=60) == 143, building.stderr.read()
+        deadline = time.monotonic() + 5
+        running = started
+        while running and time.monotonic() < deadline:
+            time.sleep(0.05)  # killed, then reaped by whoever inherited them
+            running = [pid for pid in started if _runs(pid)]
+        assert not running, f"the compiler's processes {running} still run"
+    finally:
+        if building.poll() is None:
+            building.kill()
+            building.wait()
+        for pid in started:
+            if _runs(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _runs(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 @pytest.mark.parametrize("damage", ["binary", "oversized"])

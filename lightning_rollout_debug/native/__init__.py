@@ -15,7 +15,8 @@ it finishes, and lay out the profile block with the sizes and constants of
 
 ``LIGHTNING_ROLLOUT_DEBUG_NATIVE=0`` turns the kernel off. ``python -m
 lightning_rollout_debug.native`` builds it ahead of time (for a container image) and
-prints where it is.
+prints where it is; a process that finds no compiler uses such a build of the same
+source for the same CPU.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 For container images and shared environments: run it once at build time, and training
 processes find a verified kernel in the cache instead of compiling on their first large
-batch. Exits with 1, saying why, where the kernel cannot be built or is turned off.
+batch, also once the image has removed its compiler. Without a compiler it prints the
+prebuilt kernel it would use. Exits with 1, saying why, where the kernel cannot be built
+(or found) or is turned off.
 """
 
 from __future__ import annotations

@@ -15,14 +15,20 @@ The cache is the user's own:
   folders no other user can write, as does a script's interpreter, and runs with a
   ``PATH`` of such folders only, on the very source bytes the key was made from;
 * one build at a time (a lock in the folder, waited for at most ``_LOCK_WAIT_S``), into
-  a unique temporary name that is renamed into place; a compiler that hangs is killed
-  with everything it started.
+  a unique temporary name that is renamed into place; a compiler that hangs, or whose
+  build is interrupted (Ctrl-C, a signal handler's ``SystemExit``), is killed with
+  everything it started.
 
 A build's name is keyed by the source, the compiler command and the files it names
 (an upgraded compiler builds anew), the flags and the CPU (``-march=native`` depends on
-it, and is left out where the CPU cannot be told). :func:`verified_build` returns the
-path of a verified library, found or built; :mod:`lightning_rollout_debug.native` loads
-and checks it.
+it, and is left out where the CPU cannot be told). Beside it, before the digest, an
+origin record (``row_sums_<key>.origin``) holds a portable key, of the source and the
+CPU alone, and the flags: where no compiler is left (an image that removed its build
+tools after prebuilding) or ``$CXX`` is refused, a verified library of the same source
+and CPU is used, by the flag sets' order, then the newest. Libraries without the record
+(built by an earlier version) are used only where their compiler is, and then get one.
+:func:`verified_build` returns the path of a verified library, found or built;
+:mod:`lightning_rollout_debug.native` loads and checks it.
 
 Example:
     >>> cache_folder().is_absolute()
@@ -74,6 +80,8 @@ _FLAG_SETS = (
 _PROBE_SOURCE = 'extern "C" int rollout_probe() { return 0; }\n'
 _PROBE_BYTES = 8 << 20  # more than a build's temporary files and library (about 2.5 MB)
 _RECORD_BYTES = 128  # a digest record is 65 bytes; more is not a record
+_ORIGIN = ".origin"  # beside a library: what it was built from (see _origin)
+_ORIGIN_BYTES = 1024  # an origin record is about 140 bytes; more is not a record
 _COMPILE_TIMEOUT_S = 300.0
 _LOCK_WAIT_S = 600.0  # longer than any build takes: a lock held longer is stuck
 _LEFTOVER_AGE_S = _LOCK_WAIT_S + _COMPILE_TIMEOUT_S  # older partial files: a killed build
@@ -130,32 +138,88 @@ def verified_build() -> Path:
 
 
 def _find_or_build() -> Path:
-    compiler = _compiler()
     source = SOURCE.read_bytes()  # read once: the key and the compiler see these bytes
-    folder = _private_folder()
     cpu = _cpu_signature()
     # A CPU that cannot be told apart from others gets no -march=native build.
     flag_sets = [flags for flags in _FLAG_SETS if cpu or "-march=native" not in flags]
+    try:
+        compiler = _compiler()
+    except KernelUnavailable as missing:  # no compiler left: a kernel built before, if any
+        return _prebuilt(source, cpu, flag_sets, missing)
+    folder = _private_folder()
     compiled_by = _identity(compiler)
     targets = [
         folder / f"row_sums_{_key(source, compiler, compiled_by, flags, cpu)}.so"
         for flags in flag_sets
     ]
     found = _first_verified(targets)
-    if found is not None:
-        return found
-    with _folder_lock(folder):  # concurrent processes: one builds, the others wait
-        found = _first_verified(targets)
+    if found is None:
+        with _folder_lock(folder):  # concurrent processes: one builds, the others wait
+            found = _first_verified(targets)
+            if found is None:
+                _remove_leftovers(folder)
+                _check_writable(folder)
+                problem = ""
+                for flags, target in zip(flag_sets, targets, strict=True):
+                    problem = _probe_problem(compiler, flags, folder)
+                    if not problem:
+                        return _compile(compiler, flags, folder, target, source, cpu)
+                raise KernelUnavailable(
+                    f"{shlex.join(compiler)} builds no shared library here ({problem})"
+                )
+    # A build of an earlier version has no origin record: it gets one, where it can.
+    _note_origin(found, source, cpu, flag_sets[targets.index(found)])
+    return found
+
+
+def _prebuilt(
+    source: bytes, cpu: bytes, flag_sets: Sequence[Sequence[str]], missing: KernelUnavailable
+) -> Path:
+    """A verified library built from ``source`` for this CPU, by whichever compiler.
+
+    For a machine whose compiler is gone (an image that removed its build tools after
+    prebuilding): the origin records (:func:`_origin`) name the source and the CPU each
+    library was built for. Of those that match, the first flag set of ``flag_sets`` wins,
+    then the newest library; each is checked as any library is (:func:`_verified`).
+
+    Raises:
+        KernelUnavailable: none matches; the message is ``missing``'s and says what to do.
+    """
+    try:
+        where = cache_folder()
+    except RuntimeError:  # no home folder: nothing prebuilt to be found
+        raise missing from None
+    if os.path.lexists(where):
+        try:
+            found = _first_prebuilt(source, cpu, flag_sets)
+        except KernelUnavailable as refused:  # the folder or a file is open to others
+            raise KernelUnavailable(f"{missing}; nor is the cache usable: {refused}") from None
         if found is not None:
             return found
-        _remove_leftovers(folder)
-        _check_writable(folder)
-        problem = ""
-        for flags, target in zip(flag_sets, targets, strict=True):
-            problem = _probe_problem(compiler, flags, folder)
-            if not problem:
-                return _compile(compiler, flags, folder, target, source)
-    raise KernelUnavailable(f"{shlex.join(compiler)} builds no shared library here ({problem})")
+    raise KernelUnavailable(
+        f"{missing}; nor is a kernel built from this source for this CPU in {where}: "
+        "build one there with `python -m lightning_rollout_debug.native` where a compiler "
+        f"is (on this kind of CPU), or turn the kernel off with {SWITCH_ENV}=0"
+    ) from None
+
+
+def _first_prebuilt(source: bytes, cpu: bytes, flag_sets: Sequence[Sequence[str]]) -> Path | None:
+    """The verified library of the cache that :func:`_prebuilt` takes; ``None`` if none."""
+    folder = _private_folder()
+    wanted = _portable_key(source, cpu)
+    ranked = []
+    for record in folder.glob(f"row_sums_*{_ORIGIN}"):
+        flags = _origin_flags(record, wanted)
+        if flags is None or flags not in flag_sets:
+            continue  # another source, CPU or flag set: never loaded here
+        target = record.with_suffix(".so")
+        with suppress(OSError):
+            newest_first = -target.lstat().st_mtime_ns
+            ranked.append((flag_sets.index(flags), newest_first, target.name, target))
+    for *_, target in sorted(ranked):
+        if _verified(target):
+            return target
+    return None
 
 
 def _first_verified(targets: Sequence[Path]) -> Path | None:
@@ -190,7 +254,12 @@ def _record(target: Path) -> Path:
 
 
 def _compile(
-    compiler: list[str], flags: Sequence[str], folder: Path, target: Path, source: bytes
+    compiler: list[str],
+    flags: Sequence[str],
+    folder: Path,
+    target: Path,
+    source: bytes,
+    cpu: bytes,
 ) -> Path:
     """Build ``source`` (handed to the compiler on its input) into ``target``."""
     _LOG.info("lightning_rollout_debug: building the native CPU kernel into %s", folder)
@@ -205,16 +274,72 @@ def _compile(
         digest = hashlib.sha256(partial.read_bytes()).hexdigest()
         _fsync(partial)
         os.replace(partial, target)
-    with _temporary(folder, ".sha256") as partial:  # written last: it marks a whole build
-        partial.write_text(digest + "\n")
-        _fsync(partial)
-        os.replace(partial, _record(target))
+    _write_record(folder, target.with_suffix(_ORIGIN), _origin(source, cpu, flags))
+    _write_record(folder, _record(target), digest + "\n")  # last: it marks a whole build
     _LOG.info(
         "lightning_rollout_debug: built the native CPU kernel in %.1f s: %s",
         time.perf_counter() - started,
         target,
     )
     return target
+
+
+def _write_record(folder: Path, path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (a temporary file renamed into place)."""
+    with _temporary(folder, path.suffix) as partial:  # mode 0600
+        partial.write_text(text)
+        _fsync(partial)
+        os.replace(partial, path)
+
+
+def _portable_key(source: bytes, cpu: bytes) -> str:
+    """What a library is built from whatever the compiler: the source and the CPU."""
+    parts = [hashlib.sha256(source).digest(), cpu, platform.machine().encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:24]
+
+
+def _origin(source: bytes, cpu: bytes, flags: Sequence[str]) -> str:
+    """The origin record of a library: its portable key, then its flags."""
+    return f"{_portable_key(source, cpu)}\n{' '.join(flags)}\n"
+
+
+def _origin_flags(record: Path, wanted: str) -> tuple[str, ...] | None:
+    """The flags an origin record names if its portable key is ``wanted``, else ``None``.
+
+    Raises:
+        KernelUnavailable: the record matches, but is open to other users.
+    """
+    try:
+        handle = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(handle).st_mode):
+            return None
+        text = os.read(handle, _ORIGIN_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(handle)
+    lines = text.decode(errors="replace").split("\n")
+    if len(text) > _ORIGIN_BYTES or len(lines) != 3 or lines[0] != wanted or lines[2]:
+        return None
+    _check_private(record, folder=False)  # what it says counts from the user alone
+    return tuple(lines[1].split())
+
+
+def _note_origin(target: Path, source: bytes, cpu: bytes, flags: Sequence[str]) -> None:
+    """Give the verified ``target`` its origin record if it lacks it (an earlier version's).
+
+    Its name is its key, which holds the source and the CPU: the record says no more. A
+    folder that cannot be written (an image's) keeps the library as it is.
+    """
+    record = target.with_suffix(_ORIGIN)
+    with suppress(OSError, KernelUnavailable):  # a damaged or open record is replaced
+        if _origin_flags(record, _portable_key(source, cpu)) == tuple(flags):
+            return
+    with suppress(OSError):
+        _write_record(target.parent, record, _origin(source, cpu, flags))
 
 
 def _probe_problem(compiler: list[str], flags: Sequence[str], folder: Path) -> str:
@@ -275,14 +400,31 @@ def _run(
         try:
             out, err = process.communicate(stdin, timeout=_COMPILE_TIMEOUT_S)
         except subprocess.TimeoutExpired as error:
-            with suppress(OSError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
+            _end_session(process)
             raise KernelUnavailable(
                 f"{shlex.join(command[:2])} did not finish in {_COMPILE_TIMEOUT_S:.0f} s"
             ) from error
+        except BaseException:  # interrupted (Ctrl-C, a signal handler's SystemExit)
+            _end_session(process)
+            raise
     said = [part.decode(errors="replace") for part in (out, err)]
     return subprocess.CompletedProcess(command, process.returncode, *said)
+
+
+def _end_session(process: subprocess.Popen[bytes]) -> None:
+    """Kill the compiler's session (what it started too) while it runs, then reap it.
+
+    Only while the compiler is not reaped: its process id, which names the session's
+    group, cannot have been given to another process yet.
+    """
+    if process.returncode is None:
+        with suppress(OSError):
+            os.killpg(process.pid, signal.SIGKILL)
+    for pipe in (process.stdin, process.stdout, process.stderr):
+        if pipe is not None:
+            with suppress(OSError):
+                pipe.close()
+    process.wait()
 
 
 @contextmanager
