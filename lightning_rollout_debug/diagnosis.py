@@ -310,17 +310,22 @@ def _truncated(window: Window, metrics: Mapping[str, float]) -> Diagnosis | None
 def _greedy(window: Window, k1: float) -> Diagnosis:
     """Every rollout log-prob 0.0: the renormalised distribution of a greedy engine."""
     zeros = window["zero_rollout_log_prob"]
-    padding = (
-        f"{zeros:.0f} of them where the trainer's is below -1: the greedy tokens of uncertain "
-        "steps, not padding"
-        if kept_one_token(window)
-        else "the trainer scores some of them below -8 nats, which no greedy step gives: "
-        "padding too, named apart"
-    )
+    if zeros <= 0:
+        padding = ""
+    elif kept_one_token(window):
+        padding = (
+            f"; {zeros:.0f} of them where the trainer's is below -1: the greedy tokens of "
+            "uncertain steps, not padding"
+        )
+    else:
+        padding = (
+            "; the trainer scores some of them below -8 nats, which no greedy step gives: "
+            "padding too, named apart"
+        )
     return Diagnosis(
         "truncated",
         f"Every rollout log-prob is exactly 0.0 (probability 1) while the trainer's are not "
-        f"(KL k1 = {k1:.4g}, the trainer's mean negative log-prob; {padding}): truncated "
+        f"(KL k1 = {k1:.4g}, the trainer's mean negative log-prob{padding}): truncated "
         "sampling to one token. The engine decodes greedily (top-k 1, or temperature 0) and "
         "records the log-prob of the renormalised one-token distribution, or it returns no "
         "log-probs and zeros stand in for them. The importance ratios are then the trainer's "

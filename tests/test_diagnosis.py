@@ -702,6 +702,19 @@ def test_a_greedy_engine_is_named_truncated_not_padding(gpt2: TinyGPT2, engine: 
         assert "Every rollout log-prob is exactly 0.0" in message
 
 
+def test_a_greedy_engine_of_confident_steps_names_no_padding() -> None:
+    """Every rollout log-prob 0.0, every trainer's above -1: no zero the padding rule counts,
+    and the message says nothing of padding."""
+    generator = torch.Generator().manual_seed(5)
+    old = -torch.rand(16, 32, generator=generator) * 0.9  # the argmax of confident steps
+    stats = MismatchStats()
+    stats.update(torch.zeros_like(old), old, torch.ones_like(old))
+    found = diagnose(Window(stats.state.tolist()), stats.compute())
+    assert [diagnosis.kind for diagnosis in found] == ["truncated"]
+    assert "Every rollout log-prob is exactly 0.0" in found[0].message
+    assert "padding" not in found[0].message
+
+
 def tempered_batch(seed: int, *, rollout_side: str, trainer_side: str) -> dict[str, Tensor]:
     """The engine samples at temperature 0.7; each side reports the ``"raw"`` or the
     ``"tempered"`` log-prob of the sampled token (a prefix mask of random length)."""
