@@ -33,13 +33,13 @@ def kernel_skip_reason() -> str | None:
     compiler is found, a kernel that fails to build or load fails the tests.
     """
     from lightning_rollout_debug.native import SWITCH_ENV
-    from lightning_rollout_debug.native.cache import KernelUnavailable, _compiler
+    from lightning_rollout_debug.native.toolchain import KernelUnavailable, command
 
     switch = os.environ.get(SWITCH_ENV, "").strip().lower()
     if switch in ("0", "false", "off", "no"):
         return f"the native kernel is turned off ({SWITCH_ENV}={os.environ[SWITCH_ENV]})"
     try:
-        _compiler()
+        command()
     except KernelUnavailable as error:
         return f"no C++ compiler here ({error})"
     return None

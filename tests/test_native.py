@@ -175,7 +175,7 @@ def test_a_failed_build_warns_once_and_falls_back(
     cache.chmod(0o700)
     monkeypatch.setenv(native.CACHE_ENV, str(cache))
     monkeypatch.setattr(native, "_kernel", {"function": None, "problem": None, "columns": ()})
-    monkeypatch.setattr(native.cache, "_compiler", no_compiler)
+    monkeypatch.setattr(native.toolchain, "command", no_compiler)
     rng = np.random.default_rng(10)
     batch = make_batch(rng, (300, 260), regime="matched", mask_kind="prefix")
     with warnings.catch_warnings(record=True) as caught:
@@ -569,7 +569,7 @@ def test_a_kernel_that_forgets_a_slot_is_not_loaded(tmp_path: Path) -> None:
     code.write_text(source.replace(entry, ""))
     library = tmp_path / "forgetful.so"
     subprocess.run(
-        [*native.cache._compiler(), "-O1", "-shared", "-fPIC", "-o", str(library), str(code)],
+        [*native.toolchain.command(), "-O1", "-shared", "-fPIC", "-o", str(library), str(code)],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     forgetful = ctypes.CDLL(str(library))

@@ -175,15 +175,15 @@ def fresh_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 
 def count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[Any]:
-    """Records each call of ``native.cache.<name>`` (which still runs)."""
+    """Records each call of ``native.toolchain.<name>`` (which still runs)."""
     calls: list[Any] = []
-    original = getattr(native.cache, name)
+    original = getattr(native.toolchain, name)
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         calls.append(args)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(native.cache, name, spy)
+    monkeypatch.setattr(native.toolchain, name, spy)
     return calls
 
 
@@ -552,7 +552,7 @@ import torch
 from lightning_rollout_debug import GROUPS, native
 from lightning_rollout_debug.rows import ROW_FIELDS, row_sums, rows_for
 try:
-    native.cache._compiler()
+    native.toolchain.command()
     hidden = False
 except native.KernelUnavailable:
     hidden = True
@@ -735,7 +735,7 @@ def test_without_a_compiler_the_first_flag_set_and_then_the_newest_build_is_take
     newer.with_suffix(".sha256").unlink()  # unfinished: not verified, never loaded
     assert native.cache.verified_build() == older
     monkeypatch.setenv("PATH", with_compiler)
-    assert native.cache._compiler()  # found: the choice below is the refused CXX's
+    assert native.toolchain.command()  # found: the choice below is the refused CXX's
     monkeypatch.setenv("CXX", "c++ -O2")
     assert native.cache.verified_build() == older  # refused: as if none were found
 
@@ -753,7 +753,7 @@ def test_without_a_compiler_the_first_flag_set_and_then_the_newest_build_is_take
 def test_an_unusable_cache_is_found_before_compiling(
     fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    compiles = count_calls(monkeypatch, "_run")
+    compiles = count_calls(monkeypatch, "run")
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     monkeypatch.setenv(native.CACHE_ENV, str(blocker / "cache"))
@@ -766,7 +766,7 @@ def test_an_unusable_cache_is_found_before_compiling(
 def test_a_full_disk_is_found_before_compiling(
     fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    compiles = count_calls(monkeypatch, "_run")
+    compiles = count_calls(monkeypatch, "run")
     real_fsync = os.fsync
 
     def full(descriptor: int) -> None:
@@ -787,7 +787,7 @@ def test_a_full_disk_is_found_before_compiling(
 def test_the_switch_turns_the_kernel_off_silently(
     fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
-    compiles = count_calls(monkeypatch, "_run")
+    compiles = count_calls(monkeypatch, "run")
     monkeypatch.setenv(native.SWITCH_ENV, value)
     rollout, old, mask = probe_batch()
     stats = MismatchStats(compile=True)
@@ -936,7 +936,7 @@ def test_a_compiler_that_hangs_is_killed_with_what_it_started(
     hanging.write_text('#!/bin/sh\nsleep 1000 &\necho $! > "$0.child"\nwait\n')
     hanging.chmod(0o755)
     monkeypatch.setenv("CXX", str(hanging))
-    monkeypatch.setattr(native.cache, "_COMPILE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(native.toolchain, "COMPILE_TIMEOUT_S", 1.0)
     with pytest.warns(RuntimeWarning, match="did not finish in 1 s"):
         assert not native.available()
     child = Path(f"/proc/{Path(f'{hanging}.child').read_text().strip()}")
@@ -1101,7 +1101,7 @@ def test_options_in_cxx_are_refused(
 def test_a_wrapper_that_sets_variables_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CXX", "env LD_PRELOAD=/tmp/planted.so c++")
     with pytest.raises(native.KernelUnavailable, match=r"'LD_PRELOAD=/tmp/planted\.so' is not a"):
-        native.cache._compiler()
+        native.toolchain.command()
 
 
 def test_a_cxx_that_cannot_be_read_is_named(tmp_path: Path) -> None:
@@ -1126,9 +1126,9 @@ def test_a_script_compiler_needs_a_trusted_interpreter(tmp_path: Path) -> None:
     inner.write_text(f"#!{planted}\n")
     for script in (planted, system, inner):
         script.chmod(0o755)
-    assert native.cache._trusted_program(str(system)) == str(system)
-    assert native.cache._trusted_program(str(planted)) is None
-    assert native.cache._trusted_program(str(inner)) is None
+    assert native.trust.trusted_program(str(system)) == str(system)
+    assert native.trust.trusted_program(str(planted)) is None
+    assert native.trust.trusted_program(str(inner)) is None
 
 
 def test_the_compiler_reads_the_source_the_key_was_made_from(
@@ -1178,7 +1178,7 @@ def test_a_cpu_that_cannot_be_told_gets_no_native_build_and_failures_say_why(
     monkeypatch.setenv(native.CACHE_ENV, str(cache))
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(native.cache, "_cpu_signature", lambda: b"")
-    monkeypatch.setattr(native.cache, "_run", failing)
+    monkeypatch.setattr(native.toolchain, "run", failing)
     with pytest.raises(native.KernelUnavailable, match=r"here \(c\+\+: error: some reason\)"):
         native.cache.verified_build()
     assert len(commands) == 2 and all("-march=native" not in c for c in commands), commands
@@ -1218,7 +1218,7 @@ def test_the_compiler_runs_in_a_private_folder_with_trusted_libraries(
     open_folder.chmod(0o777)
     monkeypatch.setenv("LD_LIBRARY_PATH", os.pathsep.join(["", str(open_folder), str(mine)]))
     env = shutil.which("env") or "/usr/bin/env"
-    result = native.cache._run([env, "sh", "-c", 'pwd; echo "[$LD_LIBRARY_PATH]"'], cache)
+    result = native.toolchain.run([env, "sh", "-c", 'pwd; echo "[$LD_LIBRARY_PATH]"'], cache)
     where, libraries = result.stdout.split()
     assert Path(where).parent == cache and Path(where).name.startswith(".compiler-")
     assert libraries == f"[{mine}]"

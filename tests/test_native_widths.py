@@ -142,7 +142,7 @@ def test_no_step_of_a_build_runs_lane_by_lane(target: str, lanes: int, tmp_path:
 
     Compiled for a CPU of each width (not run), with the flags of a real build.
     """
-    compiler = native.cache._compiler()
+    compiler = native.toolchain.command()
     if platform.machine() not in ("x86_64", "AMD64") or not _is_gcc(compiler):
         pytest.skip("GCC's -Wvector-operation-performance, for x86 targets")
     flags = [f for f in native.cache._FLAG_SETS[1] if f not in ("-shared", "-fPIC")]

@@ -8,12 +8,13 @@ The cache is the user's own:
 * the folder and every file read from it must belong to the current user and be
   writable by nobody else, and no folder above it may be open to other users, through
   its mode, a group with another member or an access control list (unless sticky, as
-  ``/tmp`` is);
+  ``/tmp`` is): the rules of :mod:`.trust`;
 * a library is loaded only when its bytes match the SHA-256 digest written beside it
   after a successful build; anything else is rebuilt, never loaded;
 * the compiler (and any wrapper named before it, as ``ccache``) comes only from
   folders no other user can write, as does a script's interpreter, and runs with a
-  ``PATH`` of such folders only, on the very source bytes the key was made from;
+  ``PATH`` of such folders only, on the very source bytes the key was made from
+  (:mod:`.toolchain`);
 * one build at a time (a lock in the folder, waited for at most ``_LOCK_WAIT_S``), into
   a unique temporary name that is renamed into place; a compiler that hangs, or whose
   build is interrupted (Ctrl-C, a signal handler's ``SystemExit``), is killed with
@@ -37,21 +38,30 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
 import platform
 import shlex
 import shutil
-import signal
 import stat
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
+
+from lightning_rollout_debug.native import toolchain, trust
+from lightning_rollout_debug.native.trust import KernelUnavailable
+
+__all__ = [
+    "CACHE_ENV",
+    "SOURCE",
+    "SWITCH_ENV",
+    "KernelUnavailable",
+    "cache_folder",
+    "verified_build",
+]
 
 SOURCE = Path(__file__).with_name("row_sums.cpp")
 """The kernel's source, beside this module."""
@@ -82,20 +92,14 @@ _PROBE_BYTES = 8 << 20  # more than a build's temporary files and library (about
 _RECORD_BYTES = 128  # a digest record is 65 bytes; more is not a record
 _ORIGIN = ".origin"  # beside a library: what it was built from (see _origin)
 _ORIGIN_BYTES = 1024  # an origin record is about 140 bytes; more is not a record
-_COMPILE_TIMEOUT_S = 300.0
 _LOCK_WAIT_S = 600.0  # longer than any build takes: a lock held longer is stuck
-_LEFTOVER_AGE_S = _LOCK_WAIT_S + _COMPILE_TIMEOUT_S  # older partial files: a killed build
-_SCRIPT_DEPTH = 4  # interpreters of interpreters followed (as the kernel's own limit)
+_LEFTOVER_AGE_S = _LOCK_WAIT_S + toolchain.COMPILE_TIMEOUT_S  # older partial files: a killed build
 
 _LOG = logging.getLogger(__package__)  # the package's logger: lightning_rollout_debug.native
 _LOG.setLevel(logging.INFO)
 if not logging.getLogger().hasHandlers():  # as Lightning does: say it unless told otherwise
     _LOG.addHandler(logging.StreamHandler())
     _LOG.propagate = False
-
-
-class KernelUnavailable(RuntimeError):
-    """The kernel cannot be built or loaded here; the message says why and what to do."""
 
 
 def cache_folder() -> Path:
@@ -143,11 +147,11 @@ def _find_or_build() -> Path:
     # A CPU that cannot be told apart from others gets no -march=native build.
     flag_sets = [flags for flags in _FLAG_SETS if cpu or "-march=native" not in flags]
     try:
-        compiler = _compiler()
+        compiler = toolchain.command()
     except KernelUnavailable as missing:  # no compiler left: a kernel built before, if any
         return _prebuilt(source, cpu, flag_sets, missing)
     folder = _private_folder()
-    compiled_by = _identity(compiler)
+    compiled_by = toolchain.identity(compiler)
     targets = [
         folder / f"row_sums_{_key(source, compiler, compiled_by, flags, cpu)}.so"
         for flags in flag_sets
@@ -265,7 +269,7 @@ def _compile(
     _LOG.info("lightning_rollout_debug: building the native CPU kernel into %s", folder)
     started = time.perf_counter()
     with _temporary(folder, ".so") as partial:
-        result = _link(compiler, flags, folder, source, partial)
+        result = toolchain.link(compiler, flags, folder, source, partial)
         if result.returncode != 0:
             raise KernelUnavailable(
                 f"{shlex.join(compiler)} failed: {result.stderr.strip()[-2000:]}"
@@ -348,83 +352,11 @@ def _probe_problem(compiler: list[str], flags: Sequence[str], folder: Path) -> s
     A fraction of a second; the problem is the end of what the compiler said.
     """
     with _temporary(folder, ".so") as probe:
-        result = _link(compiler, flags, folder, _PROBE_SOURCE.encode(), probe)
+        result = toolchain.link(compiler, flags, folder, _PROBE_SOURCE.encode(), probe)
     if result.returncode == 0:
         return ""
     said = " ".join(result.stderr.split())
     return said[-500:] or f"exit status {result.returncode}"
-
-
-def _link(
-    compiler: list[str], flags: Sequence[str], folder: Path, source: bytes, output: Path
-) -> subprocess.CompletedProcess[str]:
-    """Compile C++ ``source`` (given on the compiler's input) into the library ``output``."""
-    return _run([*compiler, *flags, "-x", "c++", "-", "-o", str(output)], folder, source)
-
-
-def _run(
-    command: list[str], folder: Path, stdin: bytes | None = None
-) -> subprocess.CompletedProcess[str]:
-    """Run the compiler in a session of its own, in an environment of its own.
-
-    Of the user's environment only ``HOME`` reaches it: its ``PATH`` (and
-    ``LD_LIBRARY_PATH``, where a compiler module needs one) holds trusted folders only,
-    it runs in a private folder inside the checked cache ``folder``, where its
-    temporary files go too, and no variable names headers, programs or a compiler cache
-    (``CPATH``, ``COMPILER_PATH``, ``CCACHE_DIR``, ...) that another user could write. On
-    a timeout the whole session is killed, the programs the compiler started too.
-    """
-    with tempfile.TemporaryDirectory(prefix=".compiler-", dir=folder) as scratch:  # 0700
-        libraries = _trusted_path("LD_LIBRARY_PATH", "")
-        env = {
-            "PATH": os.pathsep.join(_trusted_path()),
-            "TMPDIR": scratch,
-            "LC_ALL": "C",
-            "CCACHE_DISABLE": "1",  # a wrapper such as ccache compiles, reads no cache
-            **({"HOME": os.environ["HOME"]} if "HOME" in os.environ else {}),
-            **({"LD_LIBRARY_PATH": os.pathsep.join(libraries)} if libraries else {}),
-        }
-        try:
-            process = subprocess.Popen(
-                command,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=scratch,  # a relative name in what it is given means nothing outside
-                env=env,
-                start_new_session=True,
-            )
-        except OSError as error:
-            name = shlex.join(command[:2])
-            raise KernelUnavailable(f"{name} could not run ({error})") from error
-        try:
-            out, err = process.communicate(stdin, timeout=_COMPILE_TIMEOUT_S)
-        except subprocess.TimeoutExpired as error:
-            _end_session(process)
-            raise KernelUnavailable(
-                f"{shlex.join(command[:2])} did not finish in {_COMPILE_TIMEOUT_S:.0f} s"
-            ) from error
-        except BaseException:  # interrupted (Ctrl-C, a signal handler's SystemExit)
-            _end_session(process)
-            raise
-    said = [part.decode(errors="replace") for part in (out, err)]
-    return subprocess.CompletedProcess(command, process.returncode, *said)
-
-
-def _end_session(process: subprocess.Popen[bytes]) -> None:
-    """Kill the compiler's session (what it started too) while it runs, then reap it.
-
-    Only while the compiler is not reaped: its process id, which names the session's
-    group, cannot have been given to another process yet.
-    """
-    if process.returncode is None:
-        with suppress(OSError):
-            os.killpg(process.pid, signal.SIGKILL)
-    for pipe in (process.stdin, process.stdout, process.stderr):
-        if pipe is not None:
-            with suppress(OSError):
-                pipe.close()
-    process.wait()
 
 
 @contextmanager
@@ -506,153 +438,6 @@ def _check_writable(folder: Path) -> None:
         ) from error
 
 
-def _compiler() -> list[str]:
-    """The compiler command: ``$CXX`` (programs, as in ``ccache g++``), else the first found.
-
-    Each program is looked up only in the ``PATH`` folders that no other user can write
-    (:func:`_trusted_path`), and must itself be writable by nobody but its owner, the
-    user or root (:func:`_trusted_program`). ``$CXX`` holds no options: the kernel's
-    flags are its own, and an option such as ``-B`` or ``@file`` could name a folder
-    that another user can write.
-    """
-    chosen = os.environ.get("CXX", "").strip()
-    if not chosen:
-        for name in ("c++", "g++", "clang++"):
-            found = _program(name)
-            if found:
-                return [found]
-        raise KernelUnavailable(
-            "no C++ compiler found in a folder of the PATH that only you or root can "
-            "write; install one or set CXX"
-        )
-    fix = "set CXX to a C++ compiler command such as 'g++' or 'ccache g++'"
-    try:
-        words = shlex.split(chosen)
-    except ValueError as error:
-        raise KernelUnavailable(f"CXX={chosen!r} cannot be read ({error}); {fix}") from None
-    command: list[str] = []
-    for word in words:
-        if word.startswith(("-", "@")) or "=" in word:
-            raise KernelUnavailable(
-                f"CXX={chosen!r}: {word!r} is not a program; CXX names the compiler and "
-                f"any wrappers before it, without options (the kernel's flags are its own); "
-                f"{fix}"
-            )
-        found = _program(word)
-        if not found:
-            where = (
-                f"{word} is missing, or other users can change it or a folder on its way"
-                if os.sep in word
-                else f"no {word} is in a folder of the PATH that only you or root can write"
-            )
-            raise KernelUnavailable(f"CXX={chosen!r}: {where}; {fix}")
-        # The program itself, then as written: a wrapper finds the compiler it names.
-        command.append(found if not command or os.sep in word else word)
-    return command
-
-
-def _program(word: str) -> str | None:
-    """The trusted program a command's ``word`` runs (a path, or a name on the PATH)."""
-    if os.sep in word:
-        return _trusted_program(word)
-    found = shutil.which(word, path=os.pathsep.join(_trusted_path()))
-    return found and _trusted_program(found)
-
-
-def _identity(command: Sequence[str]) -> list[bytes]:
-    """What the programs of ``command`` are: each file's real path, size and time.
-
-    An upgraded compiler (or a link pointed at another one) changes it.
-    """
-    parts = []
-    for word in command:
-        found = _program(word)
-        real = os.path.realpath(found) if found else word
-        with suppress(OSError):
-            info = os.stat(real)
-            real = f"{real}:{info.st_size}:{info.st_mtime_ns}"
-        parts.append(real.encode())
-    return parts
-
-
-def _trusted_path(variable: str = "PATH", default: str = os.defpath) -> list[str]:
-    """The folders of ``$variable`` to take programs (or libraries) from.
-
-    Those that are absolute and closed to other users (:func:`_closed_folder`).
-    """
-    entries = []
-    for entry in os.environ.get(variable, default).split(os.pathsep):
-        if os.path.isabs(entry) and entry not in entries and _closed_folder(Path(entry)):
-            entries.append(entry)
-    return entries
-
-
-def _trusted_program(program: str, depth: int = 0) -> str | None:
-    """``program``'s absolute path if nobody but the user or root can change what it runs.
-
-    The file it names and every link on the way there must sit in folders closed to
-    others (:func:`_closed_folder`), and the file must be writable by its owner alone; a
-    script's interpreter (its ``#!`` line) must be trusted in the same way. The path
-    itself is returned, links and all: a compiler wrapper such as ccache tells by the
-    name it was called with which compiler it stands for.
-    """
-    current = Path(program).absolute()
-    for _ in range(40):  # as the kernel's own limit on links followed
-        if not _closed_folder(current.parent):
-            return None
-        if not current.is_symlink():
-            break
-        current = current.parent / os.readlink(current)
-    else:
-        return None
-    try:
-        info = os.stat(current)
-    except OSError:
-        return None
-    if (
-        not stat.S_ISREG(info.st_mode)
-        or info.st_uid not in (0, os.geteuid())
-        or _open_to_others(current, info)
-    ):
-        return None
-    interpreter = _interpreter(current)
-    if interpreter is not None and (
-        depth >= _SCRIPT_DEPTH or not _trusted_program(interpreter, depth + 1)
-    ):
-        return None
-    return str(Path(program).absolute())
-
-
-def _interpreter(path: Path) -> str | None:
-    """The program a script's ``#!`` line names; ``None`` for a binary."""
-    try:
-        with open(path, "rb") as handle:
-            head = handle.read(256)
-    except OSError:  # not readable: no interpreter could read it either
-        return None
-    if not head.startswith(b"#!"):
-        return None
-    words = head[2:].split(b"\n", 1)[0].split()
-    return os.fsdecode(words[0]) if words else ""
-
-
-def _closed_folder(folder: Path) -> bool:
-    """Whether nobody but the user and root can add or replace a file in ``folder``.
-
-    The folder itself must not be open to others at all (a sticky folder still lets
-    them add files); the folders above it may be, when sticky.
-    """
-    try:
-        real = Path(os.path.realpath(folder))
-        info = os.stat(real)
-        if info.st_uid not in (0, os.geteuid()) or _open_to_others(real, info):
-            return False
-        _check_parents(real)
-    except (OSError, KernelUnavailable):
-        return False
-    return True
-
-
 def _key(
     source: bytes,
     compiler: Sequence[str],
@@ -715,7 +500,7 @@ def _check_private(path: Path, *, folder: bool) -> None:
 
     ``path`` itself (no link) must belong to the current user and be writable by nobody
     else. A folder above it must belong to the user or to root, and may be writable by
-    other users (:func:`_open_to_others`: its mode, a group with another member, an
+    other users (:func:`trust.open_to_others`: its mode, a group with another member, an
     access control list) only when sticky (as ``/tmp``): then nobody else can rename
     what is in it.
     """
@@ -749,61 +534,8 @@ def _check_parents(path: Path) -> None:
 
 def _check_above(folder: Path) -> None:
     """Raise unless ``folder``, above the cache, is the user's or root's, closed to others."""
-    user = os.geteuid()
-    info = os.stat(folder)
-    if info.st_uid not in (0, user):
-        problem = f"belongs to user {info.st_uid}, not to you ({user}) or root"
-    elif _open_to_others(folder, info) and not info.st_mode & stat.S_ISVTX:
-        problem = (
-            f"is open to other users (group {info.st_gid}, mode "
-            f"{stat.filemode(info.st_mode)}"
-            f"{', an access control list' if _has_acl(folder) else ''})"
+    problem = trust.above_problem(folder)
+    if problem is not None:
+        raise KernelUnavailable(
+            f"{folder}, above the cache folder, {problem}; set {CACHE_ENV} to a folder of your own"
         )
-    else:
-        return
-    raise KernelUnavailable(
-        f"{folder}, above the cache folder, {problem}; set {CACHE_ENV} to a folder of your own"
-    )
-
-
-def _open_to_others(path: Path, info: os.stat_result) -> bool:
-    """Whether users other than this one may write in ``path`` (its mode, group, ACL).
-
-    Group write is closed to others only for the user's own private group and without an
-    access control list, whose named entries the mode's group bits do not show.
-    """
-    if info.st_mode & stat.S_IWOTH:
-        return True
-    if not info.st_mode & stat.S_IWGRP:
-        return False  # the group bits bound every ACL entry but the owner's
-    return _group_has_others(info.st_gid) or _has_acl(path)
-
-
-def _has_acl(path: Path) -> bool:
-    try:
-        return "system.posix_acl_access" in os.listxattr(path)
-    except (OSError, AttributeError):  # no extended attributes here (macOS has no listxattr)
-        return False
-
-
-@functools.cache
-def _group_has_others(gid: int) -> bool:
-    """Whether a user other than this one may belong to group ``gid``.
-
-    A group-writable folder is closed to others only when its group is the user's own,
-    as the private group of a user created with ``useradd`` (often with umask 002) is:
-    named after the user, no other member, and the primary group of no other user. A
-    group this process cannot look up counts as shared.
-    """
-    import grp  # POSIX only, as the kernel is
-    import pwd
-
-    user = os.geteuid()
-    try:
-        group = grp.getgrgid(gid)
-        name = pwd.getpwuid(user).pw_name
-    except KeyError:
-        return True
-    if group.gr_name != name or any(member != name for member in group.gr_mem):
-        return True
-    return any(entry.pw_gid == gid and entry.pw_uid != user for entry in pwd.getpwall())
