@@ -119,12 +119,10 @@ class TinyGPT2:
         counts[(ids == self.pad) | (counts > 0.08 * tokens.numel())] = 0
         self.eos = int(ids[counts.argmax()])
 
-    @torch.no_grad()
-    @one_thread()
-    def rollout(self) -> Rollout:
-        # In-distribution prompts (as natural text is): the model continues two random ids.
+    def prompts(self) -> Tensor:
+        """In-distribution prompts (as natural text is): the model continues two random ids."""
         seeds = torch.randint(2, self.vocab, (ROWS, 2), generator=self.generator)
-        prompts = self.trainer.generate(
+        return self.trainer.generate(
             seeds,
             attention_mask=torch.ones_like(seeds),
             do_sample=True,
@@ -134,6 +132,11 @@ class TinyGPT2:
             eos_token_id=self.eos,
             pad_token_id=self.pad,
         )
+
+    @torch.no_grad()
+    @one_thread()
+    def rollout(self) -> Rollout:
+        prompts = self.prompts()
         out = self.engine.generate(
             prompts,
             attention_mask=torch.ones_like(prompts),
@@ -165,17 +168,7 @@ class TinyGPT2:
         ``scores`` (Hugging Face keeps the tokens tied with the k-th logit, so a step of
         tied bf16 logits keeps two or three). The trainer scores the full distribution.
         """
-        seeds = torch.randint(2, self.vocab, (ROWS, 2), generator=self.generator)
-        prompts = self.trainer.generate(
-            seeds,
-            attention_mask=torch.ones_like(seeds),
-            do_sample=True,
-            top_k=0,
-            max_new_tokens=PROMPT - 2,
-            min_new_tokens=PROMPT - 2,
-            eos_token_id=self.eos,
-            pad_token_id=self.pad,
-        )
+        prompts = self.prompts()
         sampling = {"do_sample": False} if engine == "greedy" else {"do_sample": True, "top_k": 1}
         out = self.engine.generate(
             prompts,
