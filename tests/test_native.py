@@ -546,17 +546,17 @@ def test_a_kernel_built_for_another_profile_is_not_loaded(
     """The loader compares the kernel's profile parts and constants with profile.py."""
     library = ctypes.CDLL(str(native.build()))
     path = native.SOURCE
-    native._bind(library, path, ROW_FIELDS)  # as built: accepted
-    monkeypatch.setattr(native, "PROBABILITY_BUCKETS", PROBABILITY_BUCKETS + 1)
+    native.loader.bind(library, path, ROW_FIELDS)  # as built: accepted
+    monkeypatch.setattr(native.loader, "PROBABILITY_BUCKETS", PROBABILITY_BUCKETS + 1)
     wrong = r"probability_buckets = 29 \(profile.py: 30\)"
     with pytest.raises(native.KernelUnavailable, match=wrong):
-        native._bind(library, path, ROW_FIELDS)
+        native.loader.bind(library, path, ROW_FIELDS)
     monkeypatch.undo()
     blocks = profile_blocks()
     renamed = Block("max", ("probs_diff_max", "log_diff_max", "widest"))
-    monkeypatch.setattr(native, "profile_blocks", lambda: [*blocks[:-1], renamed])
+    monkeypatch.setattr(native.loader, "profile_blocks", lambda: [*blocks[:-1], renamed])
     with pytest.raises(native.KernelUnavailable, match="names the parts of the profile block"):
-        native._bind(library, path, ROW_FIELDS)
+        native.loader.bind(library, path, ROW_FIELDS)
 
 
 def test_a_kernel_that_forgets_a_slot_is_not_loaded(tmp_path: Path) -> None:
@@ -574,8 +574,8 @@ def test_a_kernel_that_forgets_a_slot_is_not_loaded(tmp_path: Path) -> None:
     )  # fmt: skip
     forgetful = ctypes.CDLL(str(library))
     with pytest.raises(native.KernelUnavailable, match=r"leaves the slots \['kl_k3'\] unwritten"):
-        native._bind(forgetful, library, ROW_FIELDS)
-    native._bind(ctypes.CDLL(str(native.build())), native.SOURCE, ROW_FIELDS)  # the real one
+        native.loader.bind(forgetful, library, ROW_FIELDS)
+    native.loader.bind(ctypes.CDLL(str(native.build())), native.SOURCE, ROW_FIELDS)  # the real one
 
 
 def _edge_batch(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

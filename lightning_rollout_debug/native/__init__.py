@@ -8,9 +8,9 @@ the system C++ compiler (``$CXX``, else ``c++``, ``g++`` or ``clang++``) and loa
 ``torch.compile`` or eager arithmetic instead, with the same results.
 
 The build lives in the user's own cache (:mod:`.cache`: :func:`cache_folder`, checked
-before anything is loaded from it). Once loaded, the library must name its output
-columns and state slots exactly as the Python side does, write every slot of the state
-it finishes, and lay out the profile block with the sizes and constants of
+before anything is loaded from it). Once loaded (:mod:`.loader`), the library must name
+its output columns and state slots exactly as the Python side does, write every slot of
+the state it finishes, and lay out the profile block with the sizes and constants of
 :mod:`..profile`; one build per process, other threads wait for it.
 
 ``LIGHTNING_ROLLOUT_DEBUG_NATIVE=0`` turns the kernel off. ``python -m
@@ -21,9 +21,7 @@ source for the same CPU.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import os
 import threading
 import warnings
 from collections.abc import Sequence
@@ -41,22 +39,20 @@ from lightning_rollout_debug.native.cache import (
     SWITCH_ENV,
     KernelUnavailable,
     cache_folder,
-    verified_build,
 )
-from lightning_rollout_debug.profile import (
-    _LOG2_E,
-    JOINT_BINS,
-    POSITION_BUCKETS,
-    PROBABILITY_BUCKETS,
-    PROFILE_SIZE,
-    QUANTILE_BINS,
-    profile_blocks,
-    profile_parts,
+from lightning_rollout_debug.native.loader import (
+    EXTRAS_MOMENTS,
+    GROUP_ORDER,
+    HISTOGRAM_MOMENTS,
+    MAX_WORST_TOKENS,
+    VECTOR_LANES,
+    WORST_FIELDS,
+    Off,
+    load_checked,
 )
-from lightning_rollout_debug.rows import CHECK_SLOTS, ROW_FIELDS, ROWS_OF_GROUP
+from lightning_rollout_debug.profile import PROFILE_SIZE
+from lightning_rollout_debug.rows import ROW_FIELDS, ROWS_OF_GROUP
 
-VECTOR_LANES = (4, 8, 16)
-"""The vector widths the kernel is built with, in float32 lanes (``ROLLOUT_LANES``)."""
 __all__ = [
     "CACHE_ENV",
     "EXTRAS_MOMENTS",
@@ -76,8 +72,6 @@ __all__ = [
     "states",
     "vector_lanes",
 ]
-_OFF = frozenset({"0", "false", "off", "no"})
-_ON = frozenset({"", "1", "true", "on", "yes"})
 _LOG_PROB_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 _MASK_KINDS = {torch.bool: 0, torch.uint8: 0, torch.int32: 1, torch.int64: 2, torch.float32: 3}
 # The columns the kernel computes only at its catalog level (bit 0 of `level`): those of
@@ -98,26 +92,6 @@ _kernel: dict[str, Any] = {
 _process_lock = threading.Lock()
 
 
-EXTRAS_MOMENTS = 8
-"""Per-row moments of the extras the kernel writes before the worst-token pairs."""
-MAX_WORST_TOKENS = 64
-"""The most worst tokens per row the kernel keeps (``kMaxWorst``)."""
-HISTOGRAM_MOMENTS = 5
-"""What a packed histogram holds after its bins: num, min, max, sum, sum of squares."""
-WORST_FIELDS: tuple[str, ...] = (
-    "abs_log_ratio",
-    "log_ratio",
-    "actor_prob",
-    "rollout_prob",
-    "batch",
-    "row",
-    "position",
-    "token_id",
-    "rank",
-)
-"""Columns of a worst-token candidate in the packed extras (``token_id`` is -1 if unknown)."""
-_GROUP_ORDER = ("seed", "log_space", "kl", "importance_ratio", "sequence", "health")
-"""The groups the kernel's finishing step knows, in the order of its bits."""
 _ID_KINDS = {torch.int32: 1, torch.int64: 2}
 _TOKENS_PER_THREAD = 1 << 16
 _identity: dict[str, Tensor | None] = {"state": None}
@@ -388,7 +362,7 @@ def _state_bits(
 ) -> tuple[int, int]:
     """The bits of the columns computed and of the groups on, as the kernel reads them."""
     columns = sum(1 << i for i, name in enumerate(fields) if name in needed)
-    return columns, sum(1 << i for i, name in enumerate(_GROUP_ORDER) if name in groups)
+    return columns, sum(1 << i for i, name in enumerate(GROUP_ORDER) if name in groups)
 
 
 @functools.lru_cache(maxsize=16)
@@ -425,7 +399,7 @@ def build(fields: Sequence[str] | None = None) -> Path:
         KernelUnavailable: it is turned off, or cannot be built, loaded or checked here.
     """
     with _process_lock:
-        path, _ = _load_checked(_expected(fields))
+        path, _ = load_checked(_expected(fields))
     return path
 
 
@@ -436,9 +410,9 @@ def _function(fields: Sequence[str] | None) -> Any:
             if _kernel["function"] is None and _kernel["problem"] is None:
                 try:
                     _kernel["columns"] = _expected(fields)
-                    _, entries = _load_checked(_kernel["columns"])
+                    _, entries = load_checked(_kernel["columns"])
                     _kernel["function"], _kernel["finish"], _kernel["lanes"] = entries
-                except _Off as off:
+                except Off as off:
                     _kernel["problem"] = str(off)  # the user's choice: no warning
                 except Exception as error:  # anything at all: the torch path takes over
                     _give_up(str(error))
@@ -455,159 +429,5 @@ def _give_up(problem: str) -> None:
     )
 
 
-class _Off(KernelUnavailable):
-    """Turned off by the environment."""
-
-
 def _expected(fields: Sequence[str] | None) -> tuple[str, ...]:
     return tuple(ROW_FIELDS if fields is None else fields)
-
-
-def _load_checked(fields: tuple[str, ...]) -> tuple[Path, Any]:
-    switch = os.environ.get(SWITCH_ENV, "").strip().lower()
-    if switch in _OFF:
-        raise _Off(f"turned off by {SWITCH_ENV}={os.environ[SWITCH_ENV]}")
-    if switch not in _ON:
-        raise KernelUnavailable(
-            f"{SWITCH_ENV}={os.environ[SWITCH_ENV]!r} is not one of 0, false, off, no "
-            "(turn the kernel off) or 1, true, on, yes (use it)"
-        )
-    if os.name != "posix":
-        raise KernelUnavailable("the kernel is built on Linux and macOS only")
-    path = verified_build()
-    try:
-        library = ctypes.CDLL(str(path))
-    except OSError as error:
-        raise KernelUnavailable(f"{path} does not load ({error})") from error
-    return path, _bind(library, path, fields)
-
-
-def _bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[Any, Any, int]:
-    """The entry points of a loaded kernel whose columns are exactly ``fields``.
-
-    They are the pass, and the two steps that finish its rows into packed states; then
-    the kernel's vector width in float32 lanes.
-
-    The statistics' state slots, the groups and the worst-token fields must be named as
-    on the Python side too, and the profile block laid out as :mod:`..profile` lays it
-    out (:func:`~lightning_rollout_debug.profile.profile_parts`, :func:`_profile_constants`).
-    """
-    try:
-        column, function = library.rollout_row_column, library.rollout_row_sums
-    except AttributeError as error:
-        raise KernelUnavailable(f"{path} lacks the kernel's entry points ({error})") from error
-    column.restype, column.argtypes = ctypes.c_char_p, [ctypes.c_int]
-    columns = []
-    while len(columns) <= len(fields) and (name := column(len(columns))) is not None:
-        columns.append(name.decode())
-    if tuple(columns) != fields:
-        raise KernelUnavailable(
-            f"{path} computes the columns {columns}, but the statistics expect {list(fields)}"
-        )
-    shape = getattr(library, "rollout_extras_shape", None)
-    if shape is None or (shape(0), shape(1)) != (EXTRAS_MOMENTS, MAX_WORST_TOKENS):
-        raise KernelUnavailable(f"{path} lays out the extras otherwise than this package")
-    lanes = getattr(library, "rollout_vector_lanes", None)
-    if lanes is None or lanes() not in VECTOR_LANES:
-        raise KernelUnavailable(f"{path} names no vector width of {list(VECTOR_LANES)} lanes")
-    try:
-        name, finish_state, finish_extras = (
-            library.rollout_name,
-            library.rollout_finish_state,
-            library.rollout_finish_extras,
-        )
-    except AttributeError as error:
-        raise KernelUnavailable(f"{path} lacks the kernel's entry points ({error})") from error
-    name.restype, name.argtypes = ctypes.c_char_p, [ctypes.c_int, ctypes.c_int]
-    slots = tuple(slot for block in STATE.blocks for slot in block.names)
-    parts, constants = profile_parts(profile_blocks()), _profile_constants()
-    for table, (what, expected) in enumerate(
-        (
-            ("state slots", slots),
-            ("groups", _GROUP_ORDER),
-            ("worst-token fields", WORST_FIELDS),
-            ("parts of the profile block", tuple(parts)),
-            ("profile constants", tuple(constants)),
-        ),
-        start=1,
-    ):
-        names = []
-        while len(names) <= len(expected) and (found := name(table, len(names))) is not None:
-            names.append(found.decode())
-        if tuple(names) != expected:
-            raise KernelUnavailable(
-                f"{path} names the {what} {names}, but this package expects {list(expected)}"
-            )
-    _check_profile(library, path, parts, constants)
-    int64, pointer = ctypes.c_int64, ctypes.c_void_p
-    for entry, arguments in (
-        (function, [*(pointer,) * 3, *(ctypes.c_int,) * 2, int64, int64, ctypes.c_int,
-                    ctypes.c_float, ctypes.c_float, ctypes.c_int, *(pointer,) * 4]),
-        (finish_state, [pointer, int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_double,
-                        ctypes.c_double, pointer]),
-        (finish_extras, [pointer, pointer, ctypes.c_int, pointer, ctypes.c_int, int64, int64,
-                         *(pointer,) * 3, ctypes.c_double, ctypes.c_double, pointer]),
-    ):  # fmt: skip
-        entry.restype, entry.argtypes = ctypes.c_int, arguments
-    _check_finishing(finish_state, path, fields)
-    return function, (finish_state, finish_extras), lanes()
-
-
-def _check_finishing(finish_state: Any, path: Path, fields: tuple[str, ...]) -> None:
-    """Raise unless the kernel's finishing step writes every slot but the id checks'.
-
-    With every column computed and every group on, a row table of ones leaves no slot as
-    it was (NaN here), apart from :data:`~lightning_rollout_debug.rows.CHECK_SLOTS`.
-    """
-    table = torch.ones(1, len(fields), dtype=torch.float64)
-    state = torch.full((STATE.size,), float("nan"), dtype=torch.float64)
-    everything = (1 << len(fields)) - 1, (1 << len(_GROUP_ORDER)) - 1
-    finish_state(table.data_ptr(), 1, *everything, 0.5, 2.0, state.data_ptr())
-    slots = (slot for block in STATE.blocks for slot in block.names)
-    unwritten = {slot for slot, kept in zip(slots, state.isnan().tolist(), strict=True) if kept}
-    if unwritten != set(CHECK_SLOTS):
-        forgotten = sorted(unwritten - set(CHECK_SLOTS))
-        taken = sorted(set(CHECK_SLOTS) - unwritten)
-        raise KernelUnavailable(
-            f"{path} finishes the state otherwise than this package: its `StateOf::write` "
-            f"leaves the slots {forgotten} unwritten and writes {taken}; it should write "
-            f"every slot but {list(CHECK_SLOTS)}"
-        )
-
-
-def _profile_constants() -> dict[str, float]:
-    """The constants of :mod:`..profile` the kernel is built with, by the kernel's names."""
-    constants: dict[str, float] = {}
-    for stem, bins in (*((slot, bins) for _, slot, bins in QUANTILE_BINS), ("joint", JOINT_BINS)):
-        for field in ("low", "octaves", "steps", "signed"):
-            constants[f"{stem}.{field}"] = float(getattr(bins, field))
-    constants["position_buckets"] = float(POSITION_BUCKETS)
-    constants["probability_buckets"] = float(PROBABILITY_BUCKETS)
-    # The probability bucket is floor(-a * log2 e) in float32, as torch computes it.
-    constants["log2_e"] = ctypes.c_float(_LOG2_E).value
-    constants["size"] = float(PROFILE_SIZE)
-    return constants
-
-
-def _check_profile(
-    library: ctypes.CDLL, path: Path, parts: dict[str, int], constants: dict[str, float]
-) -> None:
-    """Raise unless the kernel's profile parts and constants (named as expected) are these."""
-    value = getattr(library, "rollout_profile_value", None)
-    if value is None:
-        raise KernelUnavailable(f"{path} lacks the kernel's entry point rollout_profile_value")
-    value.restype, value.argtypes = ctypes.c_double, [ctypes.c_int, ctypes.c_int]
-    for table, (what, expected) in (
-        (4, ("sizes of the parts of the profile block", parts)),
-        (5, ("profile constants", constants)),
-    ):
-        found = {name: value(table, index) for index, name in enumerate(expected)}
-        wrong = [
-            f"{name} = {found[name]:.9g} (profile.py: {want:.9g})"
-            for name, want in expected.items()
-            if found[name] != want
-        ]
-        if wrong:
-            raise KernelUnavailable(
-                f"{path} was built with other {what} than this package: {', '.join(wrong)}"
-            )
