@@ -194,8 +194,10 @@ def row_sums(
         "max_actor_log_prob": row_max(a),
         "max_rollout_log_prob": row_max(b),
     }
+    if needed & {"sum_actor_log_prob", "log_ratio"}:
+        wide_a, wide_b = a.to(f64), b.to(f64)
     if "sum_actor_log_prob" in needed:
-        rows["sum_actor_log_prob"], rows["sum_rollout_log_prob"] = row_sum(a), row_sum(b)
+        rows["sum_actor_log_prob"], rows["sum_rollout_log_prob"] = wide_a.sum(1), wide_b.sum(1)
     if "neighbour_pairs" in needed:
         rows.update(_neighbour_sums(a, b, counting))
     values: dict[str, Tensor] = {}
@@ -226,7 +228,7 @@ def row_sums(
     if "log_ratio" in needed:
         # The float64 differences of the float32 values, exact: a float32 r rounds (by up
         # to 1e-6 at |r| = 20), and a difference of the two sides' sums cancels.
-        rows["log_ratio"] = (a.to(f64) - b.to(f64)).sum(1)
+        rows["log_ratio"] = (wide_a - wide_b).sum(1)
     if needed & _RATIO_ROWS:
         # No exponential of its own: rho = pa / pb (clamped like r), and near r = 0 the
         # series of e^r - 1 - r (shared with prob_diff) keeps the digits rho - 1 would lose.
