@@ -8,6 +8,7 @@ import math
 import subprocess
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -530,6 +531,24 @@ def test_native_profile_with_the_statistics_in_one_pass(
     eager = TokenExtras(profile=True, compile=False)
     eager.update(batch.rollout, batch.old, batch.mask)
     _assert_same_profile(_profile_parts(found[1][-PROFILE_SIZE:]), _profile_of(eager))
+
+
+@pytest.mark.parametrize("profile", [False, True])
+def test_the_histograms_beside_the_catalog_match_the_torch_extras(
+    profile: bool, native_calls: list[bool]
+) -> None:
+    """With the catalog in the same pass, the histograms' maxima and sums are taken from the
+    row sums: the same histograms as torch's, as without the catalog."""
+    rng = np.random.default_rng(46)
+    batch = make_batch(rng, (30, 900), regime="mixed", mask_kind="prefix", special_rate=0.01)
+    inputs = check_inputs(batch.rollout, batch.old, batch.mask)
+    extras = TokenExtras(histograms=True, worst_tokens_k=5, profile=profile)
+    found = extras.kernel_states(inputs, None, 0, 0, MismatchStats(groups=ALL, compile=True))
+    assert found is not None and native_calls == [True]
+    eager = TokenExtras(histograms=True, worst_tokens_k=5, profile=profile, compile=False)
+    eager.update(batch.rollout, batch.old, batch.mask)
+    # Each |pa - pb| within a float32 rounding of torch's (the kernel's exponential).
+    _assert_same_extras(SimpleNamespace(summary=extras.summary, state=found[1]), eager, 6e-8)
 
 
 @pytest.mark.parametrize(("histograms", "k"), [(True, 10), (False, 0), (False, 3)])

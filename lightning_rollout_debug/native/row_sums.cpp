@@ -60,6 +60,9 @@ namespace {
 constexpr const char* kColumns[] = {ROLLOUT_ROW_COLUMNS(ROLLOUT_ROW_NAME)};
 #undef ROLLOUT_ROW_NAME
 constexpr int kSlots = sizeof kColumns / sizeof kColumns[0];
+#define ROLLOUT_COLUMN_ENUM(name, member) c_##member,
+enum Column { ROLLOUT_ROW_COLUMNS(ROLLOUT_COLUMN_ENUM) };
+#undef ROLLOUT_COLUMN_ENUM
 constexpr int kLanes = ROLLOUT_LANES;
 static_assert(kLanes == 4 || kLanes == 8 || kLanes == 16, "4, 8 or 16 lanes");
 typedef float f32 __attribute__((vector_size(4 * kLanes)));
@@ -785,22 +788,24 @@ struct RowExtras {
         copy_offsets((lane_numbers() & (kCopies - 1)) *
                      ((ratio_bins(request_) + diff_bins(request_)) * 0x10001)) {}
 
-  template <bool kProfile>
+  template <bool kCatalog, bool kProfile>
   __attribute__((always_inline)) void add(const Last& s, int64_t position) {
     const f32 r = s.r, d = s.diff;
     const i32 counting = s.counting;
     const f32 minus_inf = splat<f32>(-kInf);
     const f32 zero = splat<f32>(0.0f);
     if (request.histograms) {
-      r_max.add(select(counting, r, minus_inf));
-      r_neg_max.add(select(counting, -r, minus_inf));
-      d_max.add(select(counting, d, minus_inf));
       d_neg_max.add(select(counting, -d, minus_inf));
-      r_sum.add(r);  // zero where not counting
-      r_sq.add_product(r, r);
-      const f32 wide_d = select(counting, d, zero);
-      d_sum.add(wide_d);
-      d_sq.add_product(wide_d, wide_d);
+      r_sum.add(r);  // zero where not counting: a float32 r, as the torch path sums it
+      if constexpr (!kCatalog) {  // else the row's own sums hold them (`write`)
+        r_max.add(select(counting, r, minus_inf));
+        r_neg_max.add(select(counting, -r, minus_inf));
+        d_max.add(select(counting, d, minus_inf));
+        r_sq.add_product(r, r);
+        const f32 wide_d = select(counting, d, zero);
+        d_sum.add(wide_d);
+        d_sq.add_product(wide_d, wide_d);
+      }
       // With the profile, the bins are added up from its fine bins at the end.
       if (!(kProfile && fine_only)) add_bins(counting, r, d);
     }
@@ -950,10 +955,20 @@ struct RowExtras {
   }
 
   // The row's moments and candidates into `out`, its profile into the thread's tables.
-  void write(double* out) {
-    const double moments[kMoments] = {r_max.total(), r_neg_max.total(), d_max.total(),
-                                      d_neg_max.total(), r_sum.total(), r_sq.total(),
-                                      d_sum.total(), d_sq.total()};
+  // `columns`: the row's sums when they hold the catalog, whose maxima of r, -r and
+  // |pa - pb| and sums of r^2, |pa - pb| and its square are the same values.
+  void write(double* out, const double* columns) {
+    double moments[kMoments] = {r_max.total(), r_neg_max.total(), d_max.total(),
+                                d_neg_max.total(), r_sum.total(), r_sq.total(),
+                                d_sum.total(), d_sq.total()};
+    if (columns) {
+      moments[0] = columns[c_max_r];
+      moments[1] = columns[c_max_neg_r];
+      moments[2] = columns[c_max_diff];
+      moments[5] = columns[c_r2];
+      moments[6] = columns[c_diff];
+      moments[7] = columns[c_diff2];
+    }
     std::memcpy(out, moments, sizeof moments);
     if (const int32_t idle_tokens = static_cast<int32_t>(bins_idle.total())) {
       const f32 zero = splat<f32>(0.0f);  // the lanes of tokens that do not count
@@ -1005,7 +1020,7 @@ constexpr int64_t kBlock = 512;  // tokens whose mask is turned into bytes at a 
 constexpr int kPending = 4;
 
 // The extras of a row's vectors, kPending at a time, in the order of the positions.
-template <bool kProfile>
+template <bool kCatalog, bool kProfile>
 struct PendingExtras {
   RowExtras* extras;
   Last values[kPending];
@@ -1019,7 +1034,7 @@ struct PendingExtras {
   }
 
   __attribute__((always_inline)) void flush() {
-    for (int i = 0; i < waiting; ++i) extras->add<kProfile>(values[i], first + i * kLanes);
+    for (int i = 0; i < waiting; ++i) extras->add<kCatalog, kProfile>(values[i], first + i * kLanes);
     waiting = 0;
   }
 };
@@ -1040,7 +1055,7 @@ template <typename LogProb, bool kCatalog, bool kInputSums, bool kProfile>
 void reduce_row(const LogProb* b_row, const LogProb* a_row, const char* m_row, int mask_kind,
                 int64_t width, const Options& options, double* out, RowExtras* extras) {
   RowSums sums;
-  PendingExtras<kProfile> pending{extras};
+  PendingExtras<kCatalog, kProfile> pending{extras};
   uint8_t bytes[kBlock];
   const int64_t mask_size = kMaskBytes[mask_kind];
   for (int64_t start = 0; start < width; start += kBlock) {
@@ -1115,7 +1130,7 @@ void reduce_rows(const LogProb* rollout, const LogProb* old, const char* mask, i
       default: row_with(reduce_row<LogProb, true, true, true>); break;
     }
     if (extras) {
-      extras->write(request->rows + row * (kMoments + 2 * request->k));
+      extras->write(request->rows + row * (kMoments + 2 * request->k), kind & 1 ? slots : nullptr);
       worst->add(extras->keys, extras->filled);
     }
   }
@@ -1301,9 +1316,7 @@ void run(const void* rollout, const void* old, const void* mask, int mask_kind, 
   X(w_rank, "rank")
 
 #define ROLLOUT_ENUM(id, name) id,
-#define ROLLOUT_COLUMN_ENUM(name, member) c_##member,
 #define ROLLOUT_NAME(id, name) name,
-enum Column { ROLLOUT_ROW_COLUMNS(ROLLOUT_COLUMN_ENUM) };
 enum Slot { ROLLOUT_STATE_SLOTS(ROLLOUT_ENUM) kStateSlots };
 enum Group { ROLLOUT_GROUPS(ROLLOUT_ENUM) kGroups };
 enum WorstField { ROLLOUT_WORST_FIELDS(ROLLOUT_ENUM) kWorstFields };
@@ -1311,7 +1324,6 @@ constexpr const char* kSlotNames[] = {ROLLOUT_STATE_SLOTS(ROLLOUT_NAME)};
 constexpr const char* kGroupNames[] = {ROLLOUT_GROUPS(ROLLOUT_NAME)};
 constexpr const char* kWorstNames[] = {ROLLOUT_WORST_FIELDS(ROLLOUT_NAME)};
 #undef ROLLOUT_ENUM
-#undef ROLLOUT_COLUMN_ENUM
 #undef ROLLOUT_NAME
 
 // The packed state of the statistics from the row table, as `state_from_rows` in rows.py
