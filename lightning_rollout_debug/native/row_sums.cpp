@@ -1034,10 +1034,13 @@ struct PendingExtras {
   }
 
   __attribute__((always_inline)) void flush() {
-    for (int i = 0; i < waiting; ++i) extras->add<kCatalog, kProfile>(values[i], first + i * kLanes);
+    for (int i = 0; i < waiting; ++i) {
+      extras->add<kCatalog, kProfile>(values[i], first + i * kLanes);
+    }
     waiting = 0;
   }
 };
+
 // The bytes of a mask value by `mask_kind`: bool or uint8, int32, int64, float32.
 constexpr int64_t kMaskBytes[] = {1, 4, 8, 4};
 
