@@ -1133,7 +1133,8 @@ void reduce_rows(const LogProb* rollout, const LogProb* old, const char* mask, i
       default: row_with(reduce_row<LogProb, true, true, true>); break;
     }
     if (extras) {
-      extras->write(request->rows + row * (kMoments + 2 * request->k), kind & 1 ? slots : nullptr);
+      const double* catalog = kind & 1 ? slots : nullptr;  // the row's sums hold the catalog
+      extras->write(request->rows + row * (kMoments + 2 * request->k), catalog);
       worst->add(extras->keys, extras->filled);
     }
   }
