@@ -73,6 +73,7 @@ from lightning_rollout_debug.stats import (
 from lightning_rollout_debug.tensorboard import (
     PROFILE_IMAGES_EVERY_N_STEPS,
     dashboard_layout,
+    log_scalars,
     use_fast_event_checksums,
     write_extras,
     write_layout,
@@ -587,7 +588,7 @@ class RolloutDebugMonitor:
                 use_fast_event_checksums()
             if scalars:
                 for logger in loggers:
-                    logger.log_metrics(dict(scalars), step=step)
+                    log_scalars(logger, scalars, step)
             self._write_tensorboard(loggers, extras, step, show_rank=ranks.world_size > 1)
         # After the writes: with strict=True the window a mistake is named from is logged.
         self._diagnose(stats, metrics, ranks.is_global_zero)
