@@ -13,7 +13,11 @@ the callback runs on the host, timed in interleaved rounds (medians):
 * **checksum in Python**: TensorBoard's CRC-32C of the PNGs' bytes, which its writer
   thread computes in Python for every byte of every event;
 * **checksum in C**: the same values from google-crc32c, the writer's checksum once the
-  callback has logged to TensorBoard (``use_fast_event_checksums``).
+  callback has logged to TensorBoard (``use_fast_event_checksums``);
+* **scalars, an event each**: the window's scalars through Lightning's
+  ``TensorBoardLogger.log_metrics``, an event per scalar through the writer's queue;
+* **scalars, one event**: the same scalars as the callback writes them to that logger,
+  one event holding them all (``log_scalars``).
 
 The batch is that of ``bench_trainer.py`` (``--mask random``: a scattered 80% of the
 tokens counted, the default; ``--mask padded``: right-padded responses).
@@ -25,14 +29,18 @@ tokens counted, the default; ``--mask padded``: right-padded responses).
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from pytorch_lightning.loggers import TensorBoardLogger
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tensorboard.summary.writer import record_writer
 
@@ -45,11 +53,12 @@ from lightning_rollout_debug import RolloutDebugCallback
 from lightning_rollout_debug.canvas import encode_png
 from lightning_rollout_debug.pictures import profile_images
 from lightning_rollout_debug.profile import PROFILE_SIZE, read_profile
-from lightning_rollout_debug.tensorboard import use_fast_event_checksums
+from lightning_rollout_debug.tensorboard import log_scalars, use_fast_event_checksums
 
 
-def parts(rows: int, width: int, mask: str) -> tuple[dict[str, Callable[[], object]], int]:
-    """The host parts of a logged step, each a closure over one window; the PNGs' bytes."""
+def parts(rows: int, width: int, mask: str) -> tuple[dict[str, Callable[[], object]], int, int]:
+    """The host parts of a logged step, each a closure over one window; the PNGs' bytes;
+    the number of scalars."""
     callback = RolloutDebugCallback(**QUIET)  # type: ignore[arg-type]
     callback._batches_in_window = 1
     callback._update({}, RolloutBatches(rows, width, 1, mask).batch)
@@ -67,6 +76,12 @@ def parts(rows: int, width: int, mask: str) -> tuple[dict[str, Callable[[], obje
         fresh = read_profile(block)
         return fresh.by_position, fresh.by_probability, fresh.joint_histogram
 
+    metrics = stats.compute(profile)
+    scalars = {f"training/{name}": v for name, v in metrics.items() if not math.isnan(v)}
+    folder = tempfile.TemporaryDirectory()  # removed when the process ends
+    logger = TensorBoardLogger(folder.name, name="bench", version=0)
+    steps = itertools.count()
+
     found = {
         "metrics": lambda: stats.compute(profile),
         "summary": lambda: extras.summary(host),
@@ -75,8 +90,10 @@ def parts(rows: int, width: int, mask: str) -> tuple[dict[str, Callable[[], obje
         "PNG": lambda: [encode_png(image) for image in images.values()],
         "checksum in Python": lambda: [masked_crc32c(png) for png in pngs],
         "checksum in C": lambda: [in_c(png) for png in pngs],
+        "scalars, an event each": lambda: logger.log_metrics(scalars, step=next(steps)),
+        "scalars, one event": lambda: log_scalars(logger, scalars, next(steps)),
     }
-    return found, sum(map(len, pngs))
+    return found, sum(map(len, pngs)), len(scalars)
 
 
 def main() -> None:
@@ -88,7 +105,7 @@ def main() -> None:
     parser.add_argument("--mask", default="random", choices=("random", "padded"))
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    found, png_bytes = parts(args.rows, args.width, args.mask)
+    found, png_bytes, scalar_count = parts(args.rows, args.width, args.mask)
     times: dict[str, list[float]] = {name: [] for name in found}
     for part in found.values():  # warm-up: caches, fonts, text stamps
         part()
@@ -102,9 +119,10 @@ def main() -> None:
         f"{args.mask} mask; medians of {args.rounds} interleaved rounds"
     )
     for name, values in times.items():
-        print(f"  {name:18} {statistics.median(values) * 1e3:7.3f} ms")
+        print(f"  {name:22} {statistics.median(values) * 1e3:7.3f} ms")
     checksum = statistics.median(times["checksum in Python"])
     print(f"  the pictures' PNGs: {png_bytes} bytes, {checksum / png_bytes * 1e9:.0f} ns a byte")
+    print(f"  the window's scalars: {scalar_count}")
 
 
 if __name__ == "__main__":
