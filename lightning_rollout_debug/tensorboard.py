@@ -150,20 +150,23 @@ _SUMMARY_PROTOS = (
 )
 
 
-def _summary_class(writer: Any) -> Any:
+def _summary_class(
+    writer: Any, method: str = "add_image", kinds: Sequence[tuple[str, str]] = _SUMMARY_PROTOS
+) -> Any:
     """The ``Summary`` protobuf class ``writer._get_file_writer().add_summary`` takes.
 
-    ``None`` for a writer other than torch's or tensorboardX's ``SummaryWriter`` (or a
-    subclass of theirs that keeps their ``add_image``), or one without ``_get_file_writer``.
+    ``None`` for a writer other than the ``SummaryWriter`` of ``kinds`` (torch's or
+    tensorboardX's), a subclass of theirs with its own ``method``, or one without
+    ``_get_file_writer``.
     """
     if not callable(getattr(writer, "_get_file_writer", None)):
         return None
-    for writer_module, proto_module in _SUMMARY_PROTOS:
+    for writer_module, proto_module in kinds:
         module = sys.modules.get(writer_module)
         if (
             module is not None
             and isinstance(writer, module.SummaryWriter)
-            and type(writer).add_image is module.SummaryWriter.add_image
+            and getattr(type(writer), method) is getattr(module.SummaryWriter, method)
         ):
             return importlib.import_module(proto_module).Summary
     return None
@@ -175,12 +178,13 @@ def _stock_log_metrics() -> frozenset[Any]:
     return frozenset(logger.log_metrics for logger in TENSORBOARD_LOGGERS)
 
 
-def _one_event_writer(logger: Any) -> Any:
-    """The ``SummaryWriter`` to which :func:`log_scalars` hands ``logger``'s scalars at once.
+def _one_event_summary(logger: Any) -> Any:
+    """The ``Summary`` class with which :func:`log_scalars` writes ``logger``'s scalars.
 
     ``None`` unless ``logger`` is a TensorBoard logger of Lightning's with Lightning's own
-    ``log_metrics`` and prefix, whose writer is torch's ``SummaryWriter`` (or a subclass
-    that keeps its ``add_scalar``) with a file writer.
+    ``log_metrics`` and prefix, on torch's ``SummaryWriter`` (or a subclass that keeps its
+    ``add_scalar``). tensorboardX's ``add_scalar`` also hands each value to its Comet
+    logger: its writers keep ``log_metrics``.
     """
     if not isinstance(logger, TENSORBOARD_LOGGERS) or not isinstance(
         getattr(logger, "_prefix", None), str
@@ -188,16 +192,7 @@ def _one_event_writer(logger: Any) -> Any:
         return None
     if type(logger).log_metrics not in _stock_log_metrics():
         return None
-    writer = logger.experiment
-    module = sys.modules.get("torch.utils.tensorboard")
-    if (
-        module is None
-        or not isinstance(writer, module.SummaryWriter)
-        or type(writer).add_scalar is not module.SummaryWriter.add_scalar
-        or not callable(getattr(writer, "_get_file_writer", None))
-    ):
-        return None
-    return writer
+    return _summary_class(logger.experiment, "add_scalar", _SUMMARY_PROTOS[:1])
 
 
 def log_scalars(logger: Any, scalars: Mapping[str, float], step: int) -> None:
@@ -226,17 +221,16 @@ def log_scalars(logger: Any, scalars: Mapping[str, float], step: int) -> None:
         ...     [(s.step, s.value) for s in events.Scalars("training/a")]
         [(3, 0.25)]
     """
-    writer = _one_event_writer(logger)
-    if writer is None:
+    summary = _one_event_summary(logger)
+    if summary is None:
         logger.log_metrics(dict(scalars), step=step)
         return
-    summary = importlib.import_module(_SUMMARY_PROTOS[0][1]).Summary
     join = f"{logger._prefix}{logger.LOGGER_JOIN_CHAR}" if logger._prefix else ""
     values = [
         summary.Value(tag=f"{join}{name}", simple_value=float(value))
         for name, value in scalars.items()
     ]
-    writer._get_file_writer().add_summary(summary(value=values), step)
+    logger.experiment._get_file_writer().add_summary(summary(value=values), step)
 
 
 def write_profile(writer: Any, prefix: str, profile: Profile | None, step: int) -> None:
