@@ -323,6 +323,7 @@ def test_of_tied_worst_tokens_the_earliest_in_the_window_win(
         monitor.update(data)
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
     monitor.log(0, [logger])
+    logger.finalize("success")  # the writer's thread has written every event
     (event,) = accumulator(logger.log_dir).Tensors(TEXT_TAG)
     rows = parse_table(event.tensor_proto.string_val[0].decode())
     kept = [(int(row["batch"]), int(row["row"]), int(row["position"])) for row in rows]
