@@ -44,6 +44,11 @@ _EMPTY = {"max": -math.inf, "min": math.inf}  # every other rule starts at 0
 _FOLD = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
 
 
+def _filled(values: Sequence[float], **options: Any) -> Tensor:
+    """A vector of ``values`` made with fill kernels: an accelerator gets no host copy."""
+    return torch.cat([torch.full((1,), value, **options) for value in values])
+
+
 @dataclass(frozen=True)
 class Block:
     """Slots that merge alike.
@@ -122,10 +127,12 @@ class Layout:
         ]
         self._folds = self._fold_runs()
         self._empty: dict[torch.device, tuple[Tensor, ...]] = {}
+        self._pair_columns: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_empty"] = {}  # tensors made on this process's devices
+        state["_pair_columns"] = {}
         return state
 
     def _fold_runs(self) -> list[tuple[str, slice]]:
@@ -156,12 +163,28 @@ class Layout:
             self._empty[key] = self._new_empty_slots(key)
         return self._empty[key]
 
+    def _pair_index(self, states: Tensor) -> tuple[Tensor, Tensor]:
+        """The columns of each co-moment's two means, as index tensors on the states' device.
+
+        Made once per device; a tensor subclass (fake tensors) gets its own, made with it.
+        """
+        device = states.device
+        if type(states) is not Tensor or device not in self._pair_columns:
+            x, y = (
+                _filled(side, dtype=torch.int64, device=device)
+                for side in zip(*self._pairs, strict=True)
+            )
+            if type(states) is not Tensor:
+                return x, y
+            self._pair_columns[device] = (x, y)
+        return self._pair_columns[device]
+
     def _new_empty_slots(self, device: torch.device) -> tuple[Tensor, ...]:
         options: dict[str, Any] = {"dtype": torch.float64, "device": device}
         parts = []
         for block in self.blocks:
             if block.rule == "top":
-                parts.append(torch.tensor(block.empty, **options).repeat(block.k))
+                parts.append(_filled(block.empty * block.k, **options))
             else:
                 parts.append(torch.full((block.size,), _EMPTY.get(block.rule, 0.0), **options))
         return torch.cat(parts).unbind() if parts else ()
@@ -199,9 +222,9 @@ class Layout:
                 parts.append((where.start, mean))
             elif block.rule == "comoment":
                 deviation = states[:, mean_at] - mean
-                # Column by column: indexing with a list would copy indices to the device.
-                spread = count.unsqueeze(1) * torch.stack(  # type: ignore[union-attr]
-                    [deviation[:, x] * deviation[:, y] for x, y in self._pairs], dim=1
+                x, y = self._pair_index(states)
+                spread = count.unsqueeze(1) * (  # type: ignore[union-attr]
+                    deviation.index_select(1, x) * deviation.index_select(1, y)
                 )
                 parts.append((where.start, states[:, where].sum(0) + spread.sum(0)))
             elif block.rule == "top":
