@@ -44,7 +44,7 @@ _EMPTY = {"max": -math.inf, "min": math.inf}  # every other rule starts at 0
 _FOLD = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
 
 
-def _filled(values: Sequence[float], **options: Any) -> Tensor:
+def filled(values: Sequence[float], **options: Any) -> Tensor:
     """A vector of ``values`` made with fill kernels: an accelerator gets no host copy."""
     return torch.cat([torch.full((1,), value, **options) for value in values])
 
@@ -171,7 +171,7 @@ class Layout:
         device = states.device
         if type(states) is not Tensor or device not in self._pair_columns:
             x, y = (
-                _filled(side, dtype=torch.int64, device=device)
+                filled(side, dtype=torch.int64, device=device)
                 for side in zip(*self._pairs, strict=True)
             )
             if type(states) is not Tensor:
@@ -184,7 +184,7 @@ class Layout:
         parts = []
         for block in self.blocks:
             if block.rule == "top":
-                parts.append(_filled(block.empty * block.k, **options))
+                parts.append(filled(block.empty * block.k, **options))
             else:
                 parts.append(torch.full((block.size,), _EMPTY.get(block.rule, 0.0), **options))
         return torch.cat(parts).unbind() if parts else ()

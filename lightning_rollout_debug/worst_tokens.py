@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_rollout_debug.layout import Block
+from lightning_rollout_debug.layout import Block, filled
 from lightning_rollout_debug.native import WORST_FIELDS
 
 __all__ = [
@@ -155,7 +155,7 @@ def _candidate_rows(
     columns = [keys.to(f64), r, torch.exp(a), torch.exp(b), batch, row, position, ids, rank]
     found = torch.stack(columns, dim=1)
     if count < k:
-        found = torch.cat([found, torch.tensor(PLACEHOLDER, **options).repeat(k - count, 1)])
+        found = torch.cat([found, filled(PLACEHOLDER, **options).repeat(k - count, 1)])
     return found.flatten()
 
 

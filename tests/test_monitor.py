@@ -48,6 +48,7 @@ from lightning_rollout_debug import (
     RolloutDebugMonitor,
     RolloutDebugWarning,
 )
+from lightning_rollout_debug.layout import STATE
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),
@@ -187,6 +188,31 @@ def test_an_update_waits_for_nothing_and_a_log_copies_once() -> None:
     finally:
         torch.Tensor.cpu = original  # type: ignore[method-assign]
     assert len(copies) == 1  # statistics and extras in one transfer
+
+
+def test_the_torch_path_makes_no_tensor_from_host_values() -> None:
+    """On an accelerator a tensor made from Python values is a copy that the host waits for.
+
+    The torch path (the one accelerators run; here eager, on the CPU) makes its constants
+    with fill kernels: no update, merge of waiting states or empty window of a fresh
+    process's layouts reads Python values into a tensor, with fewer tokens than
+    ``worst_tokens_k`` too (the candidates' placeholders).
+    """
+    monitor = RolloutDebugMonitor(worst_tokens_k=50, alert_ranges={}, compile=False)
+    batches = make_batches(3, batch_size=4, width=9, seed=36)
+    extras = monitor._extras
+    assert extras is not None
+    for layout in (STATE, extras.layout):  # as a fresh process has them: nothing cached
+        layout._empty.clear()
+        layout._pair_columns.clear()
+    with OpRecorder() as recorder:
+        for batch in batches:
+            monitor.update(batch)
+        merged = (monitor._stats.state, extras.state)  # the waiting states merged
+        empty = extras.identity_state()
+    assert merged[1].shape == empty.shape and len(recorder.calls) > 100
+    assert [name for name in recorder.names if name == "aten::lift_fresh"] == []
+    assert host_syncs(recorder.calls) == []
 
 
 def test_the_callback_logs_what_the_monitor_logs() -> None:
