@@ -45,7 +45,14 @@ _FOLD = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
 
 
 def filled(values: Sequence[float], **options: Any) -> Tensor:
-    """A vector of ``values`` made with fill kernels: an accelerator gets no host copy."""
+    """A vector of ``values`` made with fill kernels: an accelerator gets no host copy.
+
+    ``torch.tensor(values, device=...)`` copies from the host, which the host waits for.
+
+    Example:
+        >>> filled((-math.inf, 0.0, -1.0), dtype=torch.float64).tolist()
+        [-inf, 0.0, -1.0]
+    """
     return torch.cat([torch.full((1,), value, **options) for value in values])
 
 
