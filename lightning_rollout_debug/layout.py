@@ -133,7 +133,7 @@ class Layout:
             for name in block.names
         ]
         self._folds = self._fold_runs()
-        self._empty: dict[torch.device, tuple[Tensor, ...]] = {}
+        self._empty: dict[torch.device, tuple[Tensor, tuple[Tensor, ...]]] = {}
         self._pair_columns: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -161,13 +161,14 @@ class Layout:
         Made with fill kernels once per device, so making it on an accelerator copies
         nothing from the host; each call returns a new tensor.
         """
-        slots = self._empty_slots(device)
-        return torch.stack(slots) if slots else torch.zeros(0, dtype=torch.float64, device=device)
+        return self._empty_of(device)[0].clone()
 
-    def _empty_slots(self, device: torch.device | str | None) -> tuple[Tensor, ...]:
+    def _empty_of(self, device: torch.device | str | None) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """The empty state on ``device`` and its slots (views of it), made once per device."""
         key = torch.device("cpu") if device is None else torch.device(device)
         if key not in self._empty:
-            self._empty[key] = self._new_empty_slots(key)
+            empty = self._new_empty(key)
+            self._empty[key] = (empty, empty.unbind())
         return self._empty[key]
 
     def _pair_index(self, states: Tensor) -> tuple[Tensor, Tensor]:
@@ -186,7 +187,7 @@ class Layout:
             self._pair_columns[device] = (x, y)
         return self._pair_columns[device]
 
-    def _new_empty_slots(self, device: torch.device) -> tuple[Tensor, ...]:
+    def _new_empty(self, device: torch.device) -> Tensor:
         options: dict[str, Any] = {"dtype": torch.float64, "device": device}
         parts = []
         for block in self.blocks:
@@ -194,7 +195,7 @@ class Layout:
                 parts.append(filled(block.empty * block.k, **options))
             else:
                 parts.append(torch.full((block.size,), _EMPTY.get(block.rule, 0.0), **options))
-        return torch.cat(parts).unbind() if parts else ()
+        return torch.cat(parts) if parts else torch.zeros(0, **options)
 
     def pack(self, values: Mapping[str, Tensor], device: torch.device | None = None) -> Tensor:
         """A state holding ``values`` (0-d tensors by slot name); other slots stay empty."""
@@ -203,9 +204,9 @@ class Layout:
             device = None if sample is None else sample.device
         if sample is not None and type(sample) is not Tensor:
             # A tensor subclass (fake tensors) does not mix with cached plain tensors.
-            slots = list(self._new_empty_slots(torch.device(device)))
+            slots = list(self._new_empty(torch.device(device)).unbind())
         else:
-            slots = list(self._empty_slots(device))
+            slots = list(self._empty_of(device)[1])
         for name, value in values.items():
             slots[self.at[name]] = value
         return torch.stack(slots)
