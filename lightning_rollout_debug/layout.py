@@ -192,7 +192,7 @@ class Layout:
         parts = []
         for block in self.blocks:
             if block.rule == "top":
-                parts.append(filled(block.empty * block.k, **options))
+                parts.append(filled(block.empty, **options).repeat(block.k))
             else:
                 parts.append(torch.full((block.size,), _EMPTY.get(block.rule, 0.0), **options))
         return torch.cat(parts) if parts else torch.zeros(0, **options)
