@@ -141,6 +141,16 @@ def native_wanted(compile: bool | None) -> bool:
     return compile is not False
 
 
+def prepare_native(compile: bool | None) -> bool:
+    """Start building the kernel in the background where CPU batches will use it.
+
+    For a loop about to feed CPU batches (the callback calls it at the Trainer's
+    ``setup``): the build runs while the model is set up and the first batch is made.
+    Whether a build or load started (see :func:`.native.prepare`).
+    """
+    return native_wanted(compile) and native.prepare()
+
+
 def _compiled(function: Callable[..., Tensor]) -> Callable[..., Tensor]:
     if function not in _fusion["functions"]:
         import torch._inductor.config as inductor_config  # imported only when compiling

@@ -25,6 +25,7 @@ from lightning_rollout_debug.arguments import (
     monitor_problems,
     process_group_problems,
 )
+from lightning_rollout_debug.backends import prepare_native
 from lightning_rollout_debug.monitor import FrontDoor, RolloutDebugMonitor, RolloutDebugWarning
 from lightning_rollout_debug.packages import Callback
 from lightning_rollout_debug.ranks import Ranks, rank_in
@@ -256,6 +257,8 @@ class RolloutDebugCallback(Callback):
         self.monitor._rank = trainer.global_rank
         if stage == "fit" and callable(self.process_group):
             self.monitor.process_group = self.process_group(trainer)
+        if stage == "fit" and trainer.strategy.root_device.type == "cpu":
+            prepare_native(self._stats.compile)  # built while the first batch is made
         if stage == "fit" and not trainer.loggers:
             rank_zero_warn(
                 "RolloutDebugCallback: the Trainer has no logger, so the rollout metrics only "

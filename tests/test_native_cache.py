@@ -33,10 +33,11 @@ from typing import Any
 
 import pytest
 import torch
+from lightning_helpers import PYTORCH_LIGHTNING, make_batches
 from native_probe import probe_batch
 from reference import assert_metrics_close, reference_metrics
 
-from lightning_rollout_debug import MismatchStats, backends, native
+from lightning_rollout_debug import MismatchStats, RolloutDebugCallback, backends, native
 from lightning_rollout_debug.extras import TokenExtras
 from lightning_rollout_debug.rows import ROW_FIELDS
 
@@ -45,6 +46,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 PROBE = Path(__file__).with_name("native_probe.py")
+BATCH_KEYS = ("rollout_log_probs", "old_log_probs", "response_mask")
 SETTINGS = (native.CACHE_ENV, native.SWITCH_ENV, "CXX", "XDG_CACHE_HOME")
 
 
@@ -1275,3 +1277,96 @@ def test_updates_from_several_threads_are_all_counted() -> None:
     copied = copy.deepcopy(stats)
     copied.update(*batches[0])
     assert stats.compute() == got
+
+
+# ------------------------------------------------------------------ prepared ahead
+def test_the_callback_builds_the_kernel_while_the_first_batch_is_made(
+    fresh_kernel: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build starts at the Trainer's setup, on a thread of its own.
+
+    The first training step waits for the kernel, as a rollout being sampled would take
+    its time: it finds the kernel loaded, though no update has run yet (without the early
+    start the build would only begin at the first update, and this step would wait in
+    vain). The updates then use it, and the logged window is exact.
+    """
+    lit = PYTORCH_LIGHTNING
+    found: list[bool] = []
+
+    class SlowFirstBatch(lit.RolloutModule):  # type: ignore[name-defined, misc]
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            deadline = time.monotonic() + 300
+            while not found and time.monotonic() < deadline:
+                if native._kernel["function"] is not None or native._kernel["problem"]:
+                    break
+                time.sleep(0.05)
+            found.append(native._kernel["function"] is not None)
+            return super().training_step(batch, batch_idx)
+
+    batches = make_batches(3, batch_size=4, width=9, seed=5)
+    callback = RolloutDebugCallback(log_every_n_steps=3)
+    passes: list[bool] = []
+    original = native._pass
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        done = original(*args, **kwargs)
+        passes.append(done is not None)
+        return done
+
+    monkeypatch.setattr(native, "_pass", spy)
+    trainer = lit.Trainer(
+        max_steps=3,
+        callbacks=[callback],
+        logger=lit.loggers.CSVLogger(tmp_path),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback to the torch path
+        trainer.fit(SlowFirstBatch(batches))
+    assert found[0], "the kernel was not ready at the first training step"
+    assert sorted(path.suffix for path in fresh_kernel.glob("row_sums_*")) == [
+        ".origin",
+        ".sha256",
+        ".so",
+    ]
+    assert passes == [True, True, True]  # every update went through the kernel
+    want = reference_metrics(*([b[key] for b in batches] for key in BATCH_KEYS))
+    logged = trainer.callback_metrics
+    assert float(logged["training/rollout_tokens"]) == want["rollout_tokens"]
+    got = float(logged["training/rollout_probs_diff_mean"])
+    assert got == pytest.approx(want["rollout_probs_diff_mean"], rel=1e-6)
+
+
+def test_a_problem_found_in_the_background_is_warned_by_the_first_update(
+    fresh_kernel: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(native.CACHE_ENV, str(blocker / "cache"))
+    with warnings.catch_warnings(record=True) as on_the_thread:
+        warnings.simplefilter("always")
+        assert native.prepare()
+        native._preparing["thread"].join(timeout=300)
+    assert on_the_thread == []  # a thread's warning would reach no one who can act on it
+    assert native._kernel["problem"] is not None and not native.prepare()
+    rollout, old, mask = probe_batch()
+    stats = MismatchStats()
+    with pytest.warns(RuntimeWarning, match="cannot be created") as caught:
+        stats.update(rollout, old, mask)
+    assert len(caught) == 1 and caught[0].filename != native.__file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        stats.update(rollout, old, mask)
+    assert_metrics_close(stats.compute(), reference_metrics([rollout] * 2, [old] * 2, [mask] * 2))
+
+
+def test_nothing_is_prepared_where_the_kernel_is_off_or_loaded(
+    fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert not backends.prepare_native(compile=False)  # the torch path only: nothing to build
+    monkeypatch.setenv(native.SWITCH_ENV, "0")
+    assert native.prepare()  # it starts, and finds the kernel turned off
+    native._preparing["thread"].join(timeout=300)
+    assert not native.prepare() and not fresh_kernel.exists()

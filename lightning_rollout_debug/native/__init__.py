@@ -25,6 +25,7 @@ import functools
 import threading
 import warnings
 from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,7 @@ __all__ = [
     "available",
     "build",
     "cache_folder",
+    "prepare",
     "row_sums",
     "states",
     "vector_lanes",
@@ -90,6 +92,8 @@ _kernel: dict[str, Any] = {
     "lanes": None,
 }
 _process_lock = threading.Lock()
+_preparing: dict[str, Any] = {"lock": threading.Lock(), "thread": None}
+_THREAD = "lightning-rollout-debug-kernel"
 
 
 _ID_KINDS = {torch.int32: 1, torch.int64: 2}
@@ -403,29 +407,72 @@ def build(fields: Sequence[str] | None = None) -> Path:
     return path
 
 
+def prepare() -> bool:
+    """Start building (or loading) the kernel on a thread of its own; whether it started.
+
+    A loop calls it before its first CPU batch (the callback does at the Trainer's
+    ``setup``), so that the build runs while the model is set up and the first batch is
+    sampled: the first update then waits only for what is left of it. Nothing starts when
+    the kernel is loaded, turned off, already given up on, or already being prepared. A
+    problem found on that thread is warned about by the first update, as without it.
+
+    Example:
+        >>> prepare() in (True, False)
+        True
+    """
+    with _preparing["lock"]:
+        busy = _preparing["thread"] is not None and _preparing["thread"].is_alive()
+        if busy or _kernel["function"] is not None or _kernel["problem"] is not None:
+            return False
+        # The thread keeps this dictionary: a test that swaps the module's in is unaffected.
+        thread = threading.Thread(target=_prepare, args=(_kernel,), name=_THREAD, daemon=True)
+        _preparing["thread"] = thread
+        thread.start()
+    return True
+
+
+def _prepare(kernel: dict[str, Any]) -> None:
+    with suppress(BaseException), _process_lock:  # a daemon thread: nothing escapes it
+        if kernel["function"] is None and kernel["problem"] is None:
+            _load(kernel, None)
+
+
 # ------------------------------------------------------------------ loading
 def _function(fields: Sequence[str] | None) -> Any:
     if _kernel["function"] is None and _kernel["problem"] is None:
         with _process_lock:  # one build per process; other threads wait for it
             if _kernel["function"] is None and _kernel["problem"] is None:
-                try:
-                    _kernel["columns"] = _expected(fields)
-                    _, entries = load_checked(_kernel["columns"])
-                    _kernel["function"], _kernel["finish"], _kernel["lanes"] = entries
-                except Off as off:
-                    _kernel["problem"] = str(off)  # the user's choice: no warning
-                except Exception as error:  # anything at all: the torch path takes over
-                    _give_up(str(error))
+                _load(_kernel, fields)
+    unsaid = _kernel.pop("unsaid", None)  # said by the first caller, whichever thread loaded
+    if unsaid is not None:
+        _warn(unsaid, stacklevel=4)
     return _kernel["function"]
+
+
+def _load(kernel: dict[str, Any], fields: Sequence[str] | None) -> None:
+    """Build or load the kernel into ``kernel`` (the caller holds the lock); never raises."""
+    try:
+        kernel["columns"] = _expected(fields)
+        _, entries = load_checked(kernel["columns"])
+        kernel["function"], kernel["finish"], kernel["lanes"] = entries
+    except Off as off:
+        kernel["problem"] = str(off)  # the user's choice: no warning
+    except Exception as error:  # anything at all: the torch path takes over
+        kernel["function"], kernel["problem"], kernel["unsaid"] = None, str(error), str(error)
 
 
 def _give_up(problem: str) -> None:
     _kernel["function"], _kernel["problem"] = None, problem
+    _warn(problem, stacklevel=5)
+
+
+def _warn(problem: str, *, stacklevel: int) -> None:
+    """The warning that the kernel is not used; ``stacklevel`` counts from the caller."""
     warnings.warn(
         f"The native CPU kernel is not used: {problem}. CPU updates use torch.compile or "
         "eager arithmetic instead (the same results to float32 rounding, slower).",
         RuntimeWarning,
-        stacklevel=5,
+        stacklevel=stacklevel + 1,
     )
 
 
