@@ -1362,11 +1362,14 @@ def test_a_problem_found_in_the_background_is_warned_by_the_first_update(
     assert_metrics_close(stats.compute(), reference_metrics([rollout] * 2, [old] * 2, [mask] * 2))
 
 
-def test_nothing_is_prepared_where_the_kernel_is_off_or_loaded(
+def test_a_kernel_turned_off_or_not_wanted_is_not_built_in_the_background(
     fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert not backends.prepare_native(compile=False)  # the torch path only: nothing to build
     monkeypatch.setenv(native.SWITCH_ENV, "0")
-    assert native.prepare()  # it starts, and finds the kernel turned off
-    native._preparing["thread"].join(timeout=300)
-    assert not native.prepare() and not fresh_kernel.exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the user's choice: said nowhere
+        assert native.prepare()  # it starts, and finds the kernel turned off
+        native._preparing["thread"].join(timeout=300)
+        assert not native.prepare() and not native.available()
+    assert not fresh_kernel.exists()

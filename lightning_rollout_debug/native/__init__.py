@@ -413,8 +413,9 @@ def prepare() -> bool:
     A loop calls it before its first CPU batch (the callback does at the Trainer's
     ``setup``), so that the build runs while the model is set up and the first batch is
     sampled: the first update then waits only for what is left of it. Nothing starts when
-    the kernel is loaded, turned off, already given up on, or already being prepared. A
-    problem found on that thread is warned about by the first update, as without it.
+    the kernel is loaded, known to be unusable or turned off, or already being prepared;
+    a thread that finds it turned off builds nothing. A problem found on that thread is
+    warned about by the first update, as without it.
 
     Example:
         >>> prepare() in (True, False)
