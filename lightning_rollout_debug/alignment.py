@@ -19,6 +19,9 @@ Example:
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch import Tensor
 
@@ -50,10 +53,13 @@ def response_log_probs(
     Returns:
         ``(log_probs, mask)``: float32 ``[B, T]`` log-probs of the sampled response tokens
         and a bool ``[B, T]`` mask, ready as ``old_log_probs`` (or ``rollout_log_probs``)
-        and ``response_mask``.
+        and ``response_mask``. A token id outside the vocabulary (such as -100, the
+        labels' ignore index) has a NaN log-prob; where the mask counts it, the callback
+        reports it among the non-finite tokens.
 
     Raises:
-        ValueError: shapes that do not fit together, or a temperature that is not positive.
+        ValueError: shapes that do not fit together, a prompt width that is not an int
+            inside ``sequences``, or a temperature that is not a finite positive number.
     """
     if logits.ndim != 3 or sequences.ndim != 2 or logits.shape[0] != sequences.shape[0]:
         raise ValueError(
@@ -61,13 +67,21 @@ def response_log_probs(
             f"{tuple(logits.shape)} and {tuple(sequences.shape)}."
         )
     total = sequences.shape[1]
-    if not 0 < prompt_width < total:
+    if (
+        isinstance(prompt_width, bool)
+        or not isinstance(prompt_width, numbers.Integral)
+        or not 0 < prompt_width < total
+    ):
         raise ValueError(
-            f"`prompt_width` must be between 1 and the width of `sequences` minus 1 "
-            f"({total - 1}); got {prompt_width}."
+            f"`prompt_width` must be an int between 1 and the width of `sequences` minus 1 "
+            f"({total - 1}); got {prompt_width!r}."
         )
-    if not temperature > 0:
-        raise ValueError(f"`temperature` must be positive, got {temperature}.")
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, numbers.Real)
+        or not 0 < temperature < math.inf
+    ):
+        raise ValueError(f"`temperature` must be a finite positive number, got {temperature!r}.")
     width = total - prompt_width
     if logits.shape[1] == total:
         scores = logits[:, prompt_width - 1 : -1]  # position t scores token t + 1
@@ -80,8 +94,10 @@ def response_log_probs(
         )
     tokens = sequences[:, prompt_width:]
     scores = scores.float() / temperature
-    chosen = scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    log_probs = chosen - torch.logsumexp(scores, dim=-1)
+    vocabulary = scores.shape[-1]
+    known = (tokens >= 0) & (tokens < vocabulary)
+    chosen = scores.gather(-1, tokens.clamp(0, vocabulary - 1).unsqueeze(-1)).squeeze(-1)
+    log_probs = (chosen - torch.logsumexp(scores, dim=-1)).masked_fill(~known, math.nan)
     mask = torch.ones_like(tokens, dtype=torch.bool)
     first_eos = torch.zeros_like(mask)
     if eos_token_id is not None:

@@ -63,6 +63,41 @@ def test_shapes_that_do_not_fit_are_named(
         response_log_probs(torch.zeros(logits_shape), torch.zeros(sequences_shape).long(), prompt)
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"prompt_width": True}, "`prompt_width` must be an int between 1 and the width of "
+         "`sequences` minus 1 (4); got True."),
+        ({"prompt_width": 2.5}, "`prompt_width` must be an int between 1 and the width of "
+         "`sequences` minus 1 (4); got 2.5."),
+        ({"temperature": math.inf}, "`temperature` must be a finite positive number, got inf."),
+        ({"temperature": 0.0}, "`temperature` must be a finite positive number, got 0.0."),
+        ({"temperature": "1"}, "`temperature` must be a finite positive number, got '1'."),
+    ],
+)  # fmt: skip
+def test_arguments_that_are_not_numbers_of_the_kind_are_named(
+    arguments: dict[str, object], message: str
+) -> None:
+    call = {"prompt_width": 2, **arguments}
+    with pytest.raises(ValueError) as raised:
+        response_log_probs(torch.zeros(2, 5, 3), torch.zeros(2, 5).long(), **call)  # type: ignore[arg-type]
+    assert str(raised.value) == message
+
+
+def test_an_id_outside_the_vocabulary_has_no_log_prob() -> None:
+    """-100 (the labels' ignore index) where the response is padded: its log-prob is NaN,
+    outside the mask; inside it, the callback counts it among the non-finite tokens."""
+    sequences = torch.tensor([[1, 2, 0, -100, -100], [1, 2, 7, 1, 0]])
+    logits = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(1))
+    log_probs, mask = response_log_probs(logits, sequences, 2, pad_token_id=-100)
+    assert mask.tolist() == [[True, False, False], [True, True, True]]
+    want = logits[:, 1:-1].log_softmax(-1)
+    assert log_probs[0, 0].item() == pytest.approx(want[0, 0, 0].item(), abs=1e-6)
+    others = [want[1, 1, 1].item(), want[1, 2, 0].item()]
+    assert log_probs[1, 1:].tolist() == pytest.approx(others, abs=1e-6)
+    assert log_probs.isnan().tolist() == [[False, True, True], [True, False, False]]
+
+
 def test_a_real_causal_lm_gives_the_same_log_probs_by_forward_pass_and_by_generate() -> None:
     """A small GPT-2 with random weights: the full forward pass and `generate`'s per-step
     logits give the same response log-probs; slicing the logits from the prompt width
