@@ -6,7 +6,9 @@ were laid out by and the drift baselines (:func:`saved_state`). :class:`StateRea
 reads one back into a :class:`~lightning_rollout_debug.RolloutDebugMonitor`'s window:
 every part is checked first, a damaged part starts empty with a warning (an error with
 ``strict=True``), another configuration warns (extras kept with other settings start
-empty), and the first rank of the process group alone carries the merged window on.
+empty, and so does a window whose sums the statistics now count otherwise: other groups,
+another ``is_threshold`` or ``seq_ratio_bounds``), and the first rank of the process
+group alone carries the merged window on.
 """
 
 from __future__ import annotations
@@ -115,16 +117,25 @@ class StateReader:
             return None
         saved = state_dict.get("config", {})
         changed = [key for key in config if saved and _plain(saved.get(key)) != _plain(config[key])]
+        unmatched = self.stats.unmatched_groups(saved) if saved else {}
         if changed:
             differences = "; ".join(
                 f"`{key}` {saved.get(key)!r}, now {config[key]!r}" for key in changed
             )
+            consequence = (
+                f" Its window does not hold the sums of groups {list(unmatched)} as they are "
+                "counted now, and starts empty."
+                if unmatched
+                else ""
+            )
             self._warn_on_rank_zero(
                 f"{self.name}: the checkpoint was written with another configuration "
-                f"({differences}); continuing with the constructor's."
+                f"({differences}); continuing with the constructor's.{consequence}"
             )
-        extras = self._extras(state_dict, window_tokens)
         self._load_drift(state_dict.get("drift"))
+        if unmatched:  # its tokens would count in every mean, not in those groups' sums
+            return Restored(0, False)
+        extras = self._extras(state_dict, window_tokens)
         profiled = self.extras is not None and self.extras.profile
         partial_profile = profiled and extras is None and window_tokens > 0
         if rank_in(self.process_group, global_rank()) == 0:

@@ -376,7 +376,9 @@ class RolloutDebugMonitor:
 
         The saved window holds every rank's tokens: the first rank of the process group
         carries it on, the others start empty. A damaged state starts an empty window with
-        a warning (an error with ``strict=True``); another configuration warns.
+        a warning (an error with ``strict=True``); another configuration warns, and a
+        window whose groups the statistics now count otherwise (other groups, another
+        ``is_threshold`` or ``seq_ratio_bounds``) starts empty.
         """
         self._load(state_dict, self._config())
 

@@ -15,7 +15,7 @@ import copy
 import math
 import numbers
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +31,13 @@ from lightning_rollout_debug.rows import pad_slots
 _PENDING = 32
 """Batch states a window holds before merging them: one merge of many costs what one of
 two does, so a step's fixed cost stays small."""
+
+_SETTING_OF_GROUP = {"importance_ratio": "is_threshold", "sequence": "seq_ratio_bounds"}
+"""The setting whose value a group's sums are counted with."""
+
+_COUNTED_APART = frozenset({"quantiles", "token_ids"})
+"""Groups that a window of other settings cannot bias: the quantiles come from a profile,
+not from the statistics' state, and the token-id comparisons count their own updates."""
 
 
 class ThreadSafeWindow:
@@ -209,7 +216,18 @@ class MismatchStats(ThreadSafeWindow):
         return stats
 
     def merge(self, other: MismatchStats | Tensor) -> MismatchStats:
-        """Add the window of ``other`` (statistics or a packed state) to this one."""
+        """Add the window of ``other`` (statistics or a packed state) to this one.
+
+        Statistics must hold the sums of this instance's groups as it counts them: the
+        same groups or more, and the same ``is_threshold`` and ``seq_ratio_bounds`` for
+        the groups that use them (a packed state is taken as it is).
+
+        Raises:
+            ValueError: ``other`` is not a packed state of this length, or statistics
+                whose window lacks some of these sums (:meth:`unmatched_groups`).
+        """
+        if isinstance(other, MismatchStats):
+            self._check_settings(other.settings(), "Cannot merge these statistics")
         incoming = other.state if isinstance(other, MismatchStats) else other
         if incoming.shape != (STATE_SIZE,):
             raise ValueError(
@@ -323,18 +341,77 @@ class MismatchStats(ThreadSafeWindow):
         return values[STATE.at["max_actor_log_prob"]], values[STATE.at["max_rollout_log_prob"]]
 
     # ------------------------------------------------------------ persistence
-    def state_dict(self) -> dict[str, Any]:
-        """The window and the configuration, on the CPU, for checkpoints."""
+    def settings(self) -> dict[str, Any]:
+        """What the window's sums are counted with: its groups and the settings they use."""
         return {
-            "state": self.state.detach().cpu().clone(),
             "is_threshold": self.is_threshold,
             "seq_ratio_bounds": tuple(self.seq_ratio_bounds),
             "groups": sorted(self.groups),
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a window saved by :meth:`state_dict` (the configuration stays as built)."""
+    def unmatched_groups(self, settings: Mapping[str, Any]) -> dict[str, str]:
+        """This instance's groups whose sums a window counted with ``settings`` lacks, with why.
+
+        ``settings`` are those of the statistics that made the window (:meth:`settings`;
+        a key left out counts as this instance's). Such a window's tokens would count in
+        every mean, but not, or otherwise, in the sums of a group it did not track or
+        counted with another ``is_threshold`` or ``seq_ratio_bounds``: merged in, it would
+        bias that group's metrics.
+
+        Example:
+            >>> stats = MismatchStats(groups=["seed", "kl", "importance_ratio"], is_threshold=4.0)
+            >>> stats.unmatched_groups(MismatchStats(groups=["seed", "kl"]).settings())
+            {'importance_ratio': 'not tracked'}
+            >>> stats.unmatched_groups(MismatchStats().settings())
+            {'importance_ratio': '`is_threshold` 2.0, here 4.0'}
+        """
+        tracked = frozenset(settings.get("groups", self.groups))
+        unmatched = {}
+        for group in GROUPS:
+            if group not in self.groups or group in _COUNTED_APART:
+                continue
+            name = _SETTING_OF_GROUP.get(group)
+            if group not in tracked:
+                unmatched[group] = "not tracked"
+            elif name is not None and not _same_setting(settings.get(name), getattr(self, name)):
+                unmatched[group] = f"`{name}` {settings[name]!r}, here {getattr(self, name)!r}"
+        return unmatched
+
+    def _check_settings(self, settings: Mapping[str, Any], action: str) -> None:
+        unmatched = self.unmatched_groups(settings)
+        if unmatched:
+            reasons = "; ".join(f"{group}: {why}" for group, why in unmatched.items())
+            raise ValueError(
+                f"{action}: its window does not hold the sums of groups {list(unmatched)} as "
+                f"this instance counts them ({reasons}); build both with the same `groups` "
+                "(or more), `is_threshold` and `seq_ratio_bounds`."
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The window and its :meth:`settings`, on the CPU, for checkpoints."""
+        return {"state": self.state.detach().cpu().clone(), **self.settings()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a window saved by :meth:`state_dict` (the configuration stays as built).
+
+        Raises:
+            ValueError: the window lacks sums of this instance's groups
+                (:meth:`unmatched_groups`): build this instance as the saved one was.
+        """
+        self._check_settings(state_dict, "Cannot load this state")
         self.load_state(state_dict["state"])
+
+
+def _same_setting(saved: Any, current: float | tuple[float, float]) -> bool:
+    """Whether a saved ``is_threshold`` or ``seq_ratio_bounds`` is ``current`` (missing: yes)."""
+    if saved is None:
+        return True
+    try:
+        if isinstance(current, tuple):
+            return tuple(float(bound) for bound in saved) == current
+        return float(saved) == current
+    except (TypeError, ValueError):
+        return False
 
 
 # ---------------------------------------------------------------------- validation

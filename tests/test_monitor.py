@@ -362,6 +362,62 @@ def test_state_dict_round_trip_continues_the_window(tmp_path: Path) -> None:
         other.load_state_dict(state)
 
 
+STATISTICS = ("seed", "log_space", "kl", "importance_ratio", "sequence", "health")
+"""Every group of the statistics' state but the token ids (counted over their own updates)."""
+
+
+@pytest.mark.parametrize(
+    ("saved", "unmatched"),
+    [
+        ({"groups": ["seed", "kl", "health"]}, ["log_space", "importance_ratio", "sequence"]),
+        ({"is_threshold": 1.5}, ["importance_ratio"]),
+        ({"seq_ratio_bounds": (0.9, 1.1)}, ["sequence"]),
+    ],
+    ids=["fewer-groups", "another-threshold", "other-bounds"],
+)
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_a_window_counted_otherwise_starts_empty(
+    saved: dict[str, Any], unmatched: list[str], strict: bool
+) -> None:
+    """A window whose sums of some groups were not counted as they are now would count its
+    tokens in every mean but not in those sums: it starts empty, with one warning (another
+    configuration, not damage: ``strict`` warns too), and the drift baselines carry on."""
+    batches = make_batches(3, seed=47)
+    config = {"groups": STATISTICS, "alert_ranges": {}, "drift_baseline": 2}
+    saver = RolloutDebugMonitor(**{**config, **saved})
+    saver.update(batches[0])
+    saver.log(0)
+    saver.update(batches[1])
+    state = saver.state_dict()
+    restored = RolloutDebugMonitor(**config, strict=strict)
+    with pytest.warns(RolloutDebugWarning, match="starts empty") as caught:
+        restored.load_state_dict(state)
+    (message,) = [str(w.message) for w in caught]
+    assert f"sums of groups {unmatched}" in message, message
+    assert restored.batches_in_window == 0
+    assert restored.state_dict()["drift"] == state["drift"]
+    restored.update(batches[2])
+    logged = restored.log(1)
+    assert_metrics_close(unprefixed(logged), expected(window_reference(batches[2:]), STATISTICS))
+
+
+def test_a_window_of_more_groups_carries_on() -> None:
+    """Sums of groups that are no longer computed do no harm: the window carries on."""
+    batches = make_batches(2, seed=48)
+    saver = RolloutDebugMonitor(groups=STATISTICS, alert_ranges={}, is_threshold=1.5)
+    saver.update(batches[0])
+    state = saver.state_dict()
+    groups = ["seed", "kl", "health"]
+    restored = RolloutDebugMonitor(groups=groups, alert_ranges={})
+    with pytest.warns(RolloutDebugWarning, match="written with another") as caught:
+        restored.load_state_dict(state)
+    assert not any("starts empty" in str(w.message) for w in caught)
+    assert restored.batches_in_window == 1
+    restored.update(batches[1])
+    logged = restored.log(1)
+    assert_metrics_close(unprefixed(logged), expected(window_reference(batches), groups))
+
+
 @pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
 def test_a_damaged_state_starts_an_empty_window(strict: bool) -> None:
     monitor = RolloutDebugMonitor(alert_ranges={})

@@ -23,7 +23,7 @@ from reference import (
 )
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_rollout_debug import RolloutDebugCallback, RolloutDebugMonitor
+from lightning_rollout_debug import GROUPS, RolloutDebugCallback, RolloutDebugMonitor
 from lightning_rollout_debug.extras import TokenExtras
 from lightning_rollout_debug.functional import mismatch_metrics, mismatch_profile
 from lightning_rollout_debug.layout import STATE_SIZE
@@ -264,7 +264,8 @@ def test_a_window_restored_without_its_profile_logs_no_quantiles_until_the_next(
     """A checkpoint of a window without the profile (an older version, or the pictures and
     the quantiles off): the restored window would have a profile of part of its tokens."""
     batches = [skewed_batch(seed, rows=3, width=40) for seed in range(3)]
-    saver = RolloutDebugMonitor(groups=["seed", "kl"], profile_images=False)
+    statistics = [group for group in GROUPS if group not in ("quantiles", "token_ids")]
+    saver = RolloutDebugMonitor(groups=statistics, profile_images=False)
     saver.update(batches[0])
     state = saver.state_dict()
     assert state["extras_window"].numel() < RolloutDebugMonitor()._extras.size  # type: ignore[union-attr]

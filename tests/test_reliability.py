@@ -718,16 +718,22 @@ def test_checkpoint_holds_the_configuration_and_a_mismatch_warns(tmp_path: Path)
     _, same, messages = _resume_fit(tmp_path, "b", RolloutDebugCallback(**config), str(ckpt))
     assert messages == []
     # Another threshold: one warning naming the setting that changed; the constructor wins.
+    # The window's importance ratios were counted against 1.5: it starts empty rather than
+    # mixing them with those counted against 4.0.
     other = RolloutDebugCallback(**{**config, "is_threshold": 4.0})
     _, changed, messages = _resume_fit(tmp_path, "c", other, str(ckpt))
     assert len(messages) == 1, messages
     assert "checkpoint was written with another configuration" in messages[0]
     assert "(`is_threshold` 1.5, now 4.0)" in messages[0], messages[0]
+    assert "sums of groups ['importance_ratio']" in messages[0], messages[0]
+    assert "starts empty" in messages[0], messages[0]
     steps = sorted(same.catalog())
     assert steps == sorted(changed.catalog()) and steps[0] == 5 and len(steps) == 2
-    for step in steps:
+    restored_tokens = float(saved["window"][0])
+    assert restored_tokens > 0
+    for step, left_out in zip(steps, (restored_tokens, 0.0), strict=True):
         before, after = same.catalog()[step], changed.catalog()[step]
-        assert before["rollout_tokens"] == after["rollout_tokens"]  # the window carried on
+        assert after["rollout_tokens"] == before["rollout_tokens"] - left_out
         assert after["rollout_is_ratio_frac_high"] <= before["rollout_is_ratio_frac_high"]
 
 

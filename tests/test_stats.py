@@ -264,6 +264,48 @@ def test_state_dict_round_trip(rng: np.random.Generator) -> None:
         restored.load_state(torch.zeros(STATE_SIZE + 1, dtype=torch.float64))
 
 
+# Settings whose window lacks sums that the default statistics count: (settings, groups).
+COUNTED_OTHERWISE = {
+    "fewer-groups": ({"groups": ["seed", "kl", "token_ids"]}, "log_space"),
+    "another-threshold": ({"is_threshold": 1.5}, "importance_ratio: `is_threshold` 1.5"),
+    "other-bounds": ({"seq_ratio_bounds": (0.9, 1.1)}, "sequence: `seq_ratio_bounds`"),
+}
+
+
+@pytest.mark.parametrize("other", COUNTED_OTHERWISE.values(), ids=COUNTED_OTHERWISE.keys())
+def test_a_window_counted_otherwise_is_refused(
+    rng: np.random.Generator, other: tuple[dict[str, object], str]
+) -> None:
+    """Its tokens would count in every mean but not, or otherwise, in some groups' sums."""
+    settings, named = other
+    first, second = (make_batch(rng, (4, 9), special_rate=0.05) for _ in range(2))
+    stats = fed([first])
+    before = stats.state.clone()
+    counted_otherwise = fed([second], **settings)
+    with pytest.raises(ValueError, match="Cannot merge these statistics") as merging:
+        stats.merge(counted_otherwise)
+    with pytest.raises(ValueError, match="Cannot load this state") as loading:
+        MismatchStats().load_state_dict(counted_otherwise.state_dict())
+    for raised in (merging, loading):
+        assert named in str(raised.value) and "`seq_ratio_bounds`." in str(raised.value)
+    assert torch.equal(stats.state, before)
+
+
+def test_a_window_of_more_groups_merges_and_loads(rng: np.random.Generator) -> None:
+    window = [make_batch(rng, (4, 9), special_rate=0.05) for _ in range(2)]
+    groups = ["seed", "kl", "sequence"]
+    every_group = fed(window[1:], is_threshold=1.5)  # a threshold these groups do not use
+    merged = fed(window[:1], groups=groups).merge(every_group)
+    want = reference_for(window).select([n for g in groups for n in NAMES[g]])
+    assert_metrics_close(merged.compute(), want)
+    loaded = MismatchStats(groups=groups)
+    loaded.load_state_dict(every_group.state_dict())
+    assert torch.equal(loaded.state, every_group.state)
+    # A packed state carries no settings: it is taken as it is.
+    packed = fed(window[:1]).merge(fed(window[1:], groups=["seed"]).state)
+    assert packed.compute()["rollout_tokens"] == reference_for(window)["rollout_tokens"]
+
+
 def test_state_dict_is_a_copy(rng: np.random.Generator) -> None:
     batch = make_batch(rng, (2, 5))
     stats = fed([batch])
