@@ -72,8 +72,10 @@ def monitor_problems(
     ):
         if not isinstance(value, str) or not value:
             problems.append(f"`{name}` must be a non-empty string, got {value!r}.")
-    if not isinstance(prefix, str):
-        problems.append(f"`prefix` must be a string such as 'training/', got {prefix!r}.")
+    problems += _shared_key_problems(
+        rollout_log_probs_key, old_log_probs_key, response_mask_key, token_ids_keys
+    )
+    problems += prefix_problems(prefix)
     if not isinstance(strict, bool):
         problems.append(f"`strict` must be True or False, got {strict!r}.")
     if token_ids_keys is not None and (
@@ -121,6 +123,42 @@ def monitor_problems(
     ):
         problems.append(f"`pad_token_id` must be None or an int token id, got {pad_token_id!r}.")
     return problems
+
+
+def prefix_problems(prefix: Any) -> list[str]:
+    """What is wrong with a metric-name prefix (empty if nothing)."""
+    if isinstance(prefix, str):
+        return []
+    return [f"`prefix` must be a string such as 'training/', got {prefix!r}."]
+
+
+def _shared_key_problems(
+    rollout_log_probs_key: Any, old_log_probs_key: Any, response_mask_key: Any, token_ids_keys: Any
+) -> list[str]:
+    """Batch keys named twice: log-probs compared with themselves show no mismatch at all.
+
+    The two token-id keys may be one (ids of one tensor, for the worst tokens' table).
+    """
+    named = {
+        "rollout_log_probs_key": rollout_log_probs_key,
+        "old_log_probs_key": old_log_probs_key,
+        "response_mask_key": response_mask_key,
+    }
+    if isinstance(token_ids_keys, (tuple, list)) and len(token_ids_keys) == 2:
+        first, second = token_ids_keys
+        if first == second:
+            named["token_ids_keys"] = first
+        else:
+            named["token_ids_keys[0]"], named["token_ids_keys[1]"] = first, second
+    seen: dict[str, list[str]] = {}
+    for name, key in named.items():
+        if isinstance(key, str) and key:
+            seen.setdefault(key, []).append(f"`{name}`")
+    return [
+        f"{' and '.join(names)} name the same batch key {key!r}; each must name its own tensor."
+        for key, names in seen.items()
+        if len(names) > 1
+    ]
 
 
 def is_process_group(value: Any) -> bool:

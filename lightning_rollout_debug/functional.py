@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_rollout_debug.arguments import prefix_problems
 from lightning_rollout_debug.batch import (
     check_inputs,
     check_token_ids,
@@ -103,7 +104,8 @@ def calculate_debug_metrics(data: Any, prefix: str = DEFAULT_PREFIX) -> dict[str
     (with a warning). An empty mask gives ``valid = 0`` and NaN for the other four.
 
     Raises:
-        ValueError: a key is missing, or a tensor has the wrong type, rank, shape or dtype.
+        ValueError: a key is missing, a tensor has the wrong type, rank, shape or dtype, or
+            ``prefix`` is not a string.
 
     Example:
         >>> import torch
@@ -115,6 +117,7 @@ def calculate_debug_metrics(data: Any, prefix: str = DEFAULT_PREFIX) -> dict[str
         >>> {name: round(value, 4) for name, value in calculate_debug_metrics(batch).items()}
         {'training/rollout_probs_diff_valid': 1.0, 'training/rollout_probs_diff_max': 0.1, 'training/rollout_probs_diff_mean': 0.0667, 'training/rollout_probs_diff_std': 0.0577, 'training/rollout_actor_probs_pearson_corr': 0.9972}
     """  # noqa: E501
+    _check_prefix(prefix)
     inputs, fallback = extract_inputs(tensor_sources(data), batch_type=type(data))
     if fallback is not None:
         warnings.warn(fallback, UserWarning, stacklevel=2)
@@ -148,6 +151,7 @@ def mismatch_metrics(
         >>> metrics["training/rollout_actor_kl_k3"], metrics["training/rollout_is_ess"]
         (0.0, 1.0)
     """
+    _check_prefix(prefix)
     with_ids = rollout_token_ids is not None or trainer_token_ids is not None
     stats = MismatchStats(
         is_threshold=is_threshold,
@@ -207,3 +211,8 @@ def mismatch_profile(
 
 def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
     return {f"{prefix}{name}": value for name, value in metrics.items()}
+
+
+def _check_prefix(prefix: Any) -> None:
+    for problem in prefix_problems(prefix):
+        raise ValueError(problem)

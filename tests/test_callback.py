@@ -221,6 +221,23 @@ def test_constructor_keeps_its_arguments() -> None:
         ),
         ({"token_ids_keys": ("a", "b", "c")}, "`token_ids_keys` must be None or a pair"),
         (
+            {"old_log_probs_key": "rollout_log_probs"},
+            "`rollout_log_probs_key` and `old_log_probs_key` name the same batch key "
+            "'rollout_log_probs'; each must name its own tensor",
+        ),
+        (
+            {"token_ids_keys": ("old_log_probs", "ids")},
+            "`old_log_probs_key` and `token_ids_keys[0]` name the same batch key 'old_log_probs'",
+        ),
+        (
+            {"token_ids_keys": ("response_mask", "response_mask")},
+            "`response_mask_key` and `token_ids_keys` name the same batch key 'response_mask'",
+        ),
+        (
+            {"token_ids_keys": ("ids", "response_mask")},
+            "`response_mask_key` and `token_ids_keys[1]` name the same batch key",
+        ),
+        (
             {"groups": ["seed", "nope"]},
             f"Unknown metric groups ['nope']; valid groups are {list(GROUPS)}",
         ),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from typing import Any
 
@@ -97,6 +98,16 @@ def test_debug_metrics_prefix(container: str, rng: np.random.Generator) -> None:
     got = calculate_debug_metrics(data, prefix="debug/")
     assert list(got) == ["debug/" + name for name in SEED_FUNCTION_NAMES]
     assert list(calculate_debug_metrics(data, prefix="")) == list(SEED_FUNCTION_NAMES)
+
+
+@pytest.mark.parametrize("prefix", [None, 1, b"training/"])
+def test_a_prefix_that_is_not_a_string_is_refused(prefix: object) -> None:
+    batch = {"rollout_log_probs": torch.zeros(1, 2), "old_log_probs": torch.zeros(1, 2)}
+    message = f"`prefix` must be a string such as 'training/', got {prefix!r}."
+    with pytest.raises(ValueError, match=re.escape(message)):
+        calculate_debug_metrics({**batch, "response_mask": torch.ones(1, 2)}, prefix=prefix)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        mismatch_metrics(*batch.values(), torch.ones(1, 2), prefix=prefix)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("container", CONTAINERS)
