@@ -312,6 +312,31 @@ class RolloutDebugCallback(Callback):
             state.update(self.monitor._saved(stats, extras, self._config()))
 
     @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        saved = checkpoint.get("callbacks", {})
+        if self.state_key in saved:
+            return
+        present = {callback.state_key for callback in trainer.callbacks}
+        kind = type(self).__qualname__  # how Lightning's state keys begin
+        others = [
+            key
+            for key in saved
+            if isinstance(key, str) and key.startswith(kind) and key not in present
+        ]
+        if others:
+            rank_zero_warn(
+                f"{type(self).__name__}(prefix={self.prefix!r}): the checkpoint holds no state "
+                f"under this callback's key, {self.state_key}, only under "
+                f"{', '.join(others)}: its window, "
+                "histograms, worst tokens and drift baselines start empty. The key is made of "
+                "`prefix` and `groups`; resume with those the checkpoint was written with to "
+                "carry them on.",
+                category=RolloutDebugWarning,
+            )
+
+    @override
     def state_dict(self) -> dict[str, Any]:
         extras = None if self._extras is None else self._extras.state
         return self.monitor._saved(self._stats, extras, self._config())

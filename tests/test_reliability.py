@@ -737,6 +737,34 @@ def test_checkpoint_holds_the_configuration_and_a_mismatch_warns(tmp_path: Path)
         assert after["rollout_is_ratio_frac_high"] <= before["rollout_is_ratio_frac_high"]
 
 
+def test_a_resume_under_another_key_says_that_nothing_carries_on(tmp_path: Path) -> None:
+    """The checkpoint entry is keyed by `prefix` and `groups`: another one restores nothing,
+    the drift baselines included, and the callback says so (a new callback beside the one
+    that wrote the checkpoint has nothing to restore and says nothing)."""
+    original = RolloutDebugCallback(log_every_n_steps=3)
+    _resume_fit(tmp_path, "a", original)
+    ckpt = str(tmp_path / "a" / "epoch=0-step=4.ckpt")
+    groups = ["seed", "kl", "health"]
+    _, logger, messages = _resume_fit(
+        tmp_path, "b", RolloutDebugCallback(log_every_n_steps=3, groups=groups), ckpt
+    )
+    (message,) = messages
+    assert "the checkpoint holds no state under this callback's key" in message
+    assert f"only under {original.state_key}: its window" in message
+    assert "drift baselines start empty" in message
+    _, carried_on, _ = _resume_fit(tmp_path, "c", RolloutDebugCallback(log_every_n_steps=3), ckpt)
+    assert logger.catalog()[5]["rollout_tokens"] < carried_on.catalog()[5]["rollout_tokens"]
+    callbacks = [RolloutDebugCallback(log_every_n_steps=3, prefix=p) for p in (PREFIX, "new/")]
+    module = ResumableModule(make_batches(8, seed=50, width=[4, 6] * 4))
+    trainer = pl.Trainer(
+        logger=MemoryLogger(), callbacks=callbacks, max_epochs=1, **TRAINER_DEFAULTS
+    )
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(module, ckpt_path=ckpt)
+    assert not [w for w in record if issubclass(w.category, RolloutDebugWarning)]
+
+
 # Damaged callback states in a checkpoint: (how, what the warning names, what survives).
 # "window": nothing of the checkpoint's window; "extras": its statistics, not its extras.
 Damage = Callable[[dict[str, Any]], Any]
