@@ -590,11 +590,28 @@ class RolloutDebugMonitor:
                 use_fast_event_checksums()
             if scalars:
                 for logger in loggers:
-                    log_scalars(logger, scalars, step)
+                    self._log_scalars_to(logger, scalars, step)
             self._write_tensorboard(loggers, extras, step, show_rank=ranks.world_size > 1)
         # After the writes: with strict=True the window a mistake is named from is logged.
         self._diagnose(stats, metrics, ranks.is_global_zero)
         return scalars, metrics
+
+    def _log_scalars_to(self, logger: Any, scalars: Mapping[str, float], step: int) -> None:
+        """Log the scalars to one logger.
+
+        One that fails warns once per kind of error (raises with ``strict=True``), and the
+        other loggers still get them.
+        """
+        try:
+            log_scalars(logger, scalars, step)
+        except Exception as error:
+            if self.strict:
+                raise
+            self._warn_once(
+                f"logger:{type(logger).__name__}:{type(error).__name__}",
+                f"could not log the scalars to {type(logger).__name__} at step {step} "
+                f"({error!r}); the other loggers have them, and training goes on.",
+            )
 
     def _write_tensorboard(
         self, loggers: Sequence[Any], extras: ExtrasSummary | None, step: int, *, show_rank: bool

@@ -10,7 +10,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -784,6 +784,38 @@ def test_two_ranks_histograms_and_worst_tokens_cover_both(tmp_path: Path) -> Non
         assert rows_match(rows, places, (0, 1)) != rows_match(rows, places, (1, 0))
         ranks_seen |= {int(row["rank"]) for row in rows}
     assert ranks_seen == {0, 1}
+
+
+class RefusingLogger(CSVLogger):
+    """A logging service that refuses the callback's names (as some refuse a character)."""
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        if any(name.startswith("training/") for name in metrics):
+            raise ValueError("this service refuses these names")
+        super().log_metrics(metrics, step)
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_a_logger_that_refuses_the_scalars_never_stops_the_fit(
+    tmp_path: Path, strict: bool
+) -> None:
+    """One warning; the other loggers get every scalar and extra; ``strict`` raises."""
+    batches = [batch(seed) for seed in range(4)]
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    loggers = [RefusingLogger(tmp_path / "csv"), logger]
+    callback = RolloutDebugCallback(strict=strict)
+    if strict:
+        with pytest.raises(ValueError, match="refuses these names"):
+            fit(batches, callback, loggers)
+        return
+    with pytest.warns(RolloutDebugWarning, match="could not log the scalars") as got:
+        fit(batches, callback, loggers)
+    failed = [str(w.message) for w in got if "could not log the scalars" in str(w.message)]
+    assert len(failed) == 1, failed
+    assert "to RefusingLogger at step 1" in failed[0] and "refuses these names" in failed[0]
+    ea = accumulator(logger.log_dir)
+    assert [event.step for event in ea.Scalars("training/rollout_tokens")] == [1, 3]
+    assert [event.step for event in ea.Histograms("training/rollout_log_ratio_hist")] == [1, 3]
 
 
 @pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
