@@ -365,7 +365,7 @@ class MismatchStats(ThreadSafeWindow):
             >>> stats.unmatched_groups(MismatchStats().settings())
             {'importance_ratio': '`is_threshold` 2.0, here 4.0'}
         """
-        tracked = frozenset(settings.get("groups", self.groups))
+        tracked = _group_names(settings.get("groups", self.groups))
         unmatched = {}
         for group in GROUPS:
             if group not in self.groups or group in _COUNTED_APART:
@@ -400,6 +400,15 @@ class MismatchStats(ThreadSafeWindow):
         """
         self._check_settings(state_dict, "Cannot load this state")
         self.load_state(state_dict["state"])
+
+
+def _group_names(saved: Any) -> frozenset[str]:
+    """The groups a saved state names; none where it names them in no form of theirs."""
+    if isinstance(saved, str):
+        return frozenset({saved})
+    if isinstance(saved, (list, tuple, set, frozenset)):
+        return frozenset(name for name in saved if isinstance(name, str))
+    return frozenset()
 
 
 def _same_setting(saved: Any, current: float | tuple[float, float]) -> bool:

@@ -301,6 +301,8 @@ def test_a_window_of_more_groups_merges_and_loads(rng: np.random.Generator) -> N
     loaded = MismatchStats(groups=groups)
     loaded.load_state_dict(every_group.state_dict())
     assert torch.equal(loaded.state, every_group.state)
+    with pytest.raises(ValueError, match=r"groups \['seed', 'kl', 'sequence'\]"):
+        loaded.load_state_dict({**every_group.state_dict(), "groups": None})
     # A packed state carries no settings: it is taken as it is.
     packed = fed(window[:1]).merge(fed(window[1:], groups=["seed"]).state)
     assert packed.compute()["rollout_tokens"] == reference_for(window)["rollout_tokens"]
