@@ -366,10 +366,10 @@ class RolloutDebugMonitor:
         """The window (statistics and extras), its batch count and configuration, on the CPU.
 
         When ``torch.distributed`` is initialised the window is merged over the process
-        group first, so every rank must call it, as ``fabric.save`` does.
+        group first, so every rank must call it, as ``fabric.save`` does; its batch count
+        is then the most batches any rank's window holds.
         """
-        stats, extras = self._merged(loop_ranks(None, self.process_group))
-        return self._saved(stats, extras, self._config())
+        return self._saved_over(loop_ranks(None, self.process_group), self._config())
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue the window of :meth:`state_dict`.
@@ -725,11 +725,35 @@ class RolloutDebugMonitor:
         }
 
     def _saved(
-        self, stats: MismatchStats, extras: Tensor | None, config: Mapping[str, Any]
+        self,
+        stats: MismatchStats,
+        extras: Tensor | None,
+        config: Mapping[str, Any],
+        batches: int | None = None,
     ) -> dict[str, Any]:
-        """A checkpoint state of the window ``stats`` and ``extras``."""
+        """A checkpoint state of the window ``stats`` and ``extras``.
+
+        ``batches``: the window's updates (by default this process's).
+        """
         settings = None if self._extras is None else self._extras.settings()
-        return saved_state(stats, extras, self.batches_in_window, config, self._drift, settings)
+        batches = self.batches_in_window if batches is None else batches
+        return saved_state(stats, extras, batches, config, self._drift, settings)
+
+    def _saved_over(self, ranks: Ranks, config: Mapping[str, Any]) -> dict[str, Any]:
+        """A checkpoint state of the window merged over ``ranks``; every rank must call it.
+
+        Its batch count is the most updates of any rank's window, in a second collective:
+        in a loop where a rank fed none since the last log (a pipeline stage without the
+        log-probs), that rank would otherwise save a window of tokens and no batch, which
+        reads as damaged.
+        """
+        stats, extras = self._merged(ranks)
+        batches = self.batches_in_window
+        if ranks.gather is not None:
+            device = ranks.device or self._stats.device or torch.device("cpu")
+            count = torch.tensor([float(batches)], dtype=torch.float64, device=device)
+            batches = int(ranks.gather(count).max().item())
+        return self._saved(stats, extras, config, batches)
 
     def _load(self, state_dict: Any, config: Mapping[str, Any]) -> bool:
         """Restore a window of :meth:`_saved` (see :meth:`load_state_dict`); whether it was."""

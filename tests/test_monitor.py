@@ -592,6 +592,20 @@ def _fabric_rank(
             restored.update(positive)
             restored.log(5)
         signs = sum("holds values up to 0.5" in str(warning.message) for warning in caught)
+        # Rank 1 alone updates (a last pipeline stage): the saved window holds its batch,
+        # and the first rank, with no update of its own, carries it on.
+        if rank == 1:
+            restored.update(mine[4])
+        fabric.save(Path(out, "second.pt"), {"monitor": restored})
+        staged = RolloutDebugMonitor(worst_tokens_k=4, alert_ranges={})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fabric.load(Path(out, "second.pt"), {"monitor": staged})
+        said = [
+            str(warning.message) for warning in caught if "RolloutDebug" in str(warning.message)
+        ]
+        staged_carried = staged.batches_in_window
+        third = staged.log(7)
         logger.finalize("success")
         Path(out, f"rank{rank}.json").write_text(
             json.dumps(
@@ -601,6 +615,9 @@ def _fabric_rank(
                     "carried": carried,
                     "profiles": profiles,
                     "signs": signs,
+                    "third": third,
+                    "staged_carried": staged_carried,
+                    "said": said,
                 }
             )
         )
@@ -618,14 +635,14 @@ def _fabric_rank(
     ["pytorch_lightning", pytest.param("lightning", marks=NEEDS_LIGHTNING)],
 )
 def test_two_fabric_processes_merge_exactly(tmp_path: Path, package: str) -> None:
-    batches = make_batches(8, batch_size=[3, 4] * 4, width=[5, 7, 6, 4] * 2, seed=44)
+    batches = make_batches(10, batch_size=[3, 4] * 5, width=[5, 7, 6, 4, 5] * 2, seed=44)
     torch.multiprocessing.spawn(
         _fabric_rank, args=(package, _free_port(), str(tmp_path), batches), nprocs=2, join=True
     )
     results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in (0, 1)]
     # Rank r trains on batches r, r + 2, ...: the first window holds batches 0-3, the
     # second the restored batches 4, 5 (carried by rank 0 alone) and 6, 7.
-    for index, (name, window) in enumerate((("first", batches[:4]), ("second", batches[4:]))):
+    for index, (name, window) in enumerate((("first", batches[:4]), ("second", batches[4:8]))):
         want = expected(window_reference(window), default_groups())
         for result in results:
             assert_metrics_close(unprefixed(result[name]), want)
@@ -634,6 +651,13 @@ def test_two_fabric_processes_merge_exactly(tmp_path: Path, package: str) -> Non
         assert results[0][name] == results[1][name]
     assert [result["carried"] for result in results] == [1, 1]
     assert [result["signs"] for result in results] == [1, 0]  # rank 0 alone warns
+    # Batch 9, of rank 1 alone, saved while rank 0 had no update in the window.
+    for result in results:
+        assert result["said"] == []
+        assert result["staged_carried"] == 1
+        assert_metrics_close(
+            unprefixed(result["third"]), expected(window_reference(batches[9:]), default_groups())
+        )
     log_dir = tmp_path / "tb" / "version_0"
     series = read_scalars(log_dir)
     assert sorted(series[f"{PREFIX}rollout_tokens"]) == [1]
