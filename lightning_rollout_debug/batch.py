@@ -220,7 +220,10 @@ def prompt_hint(sources: Sequence[Any], rollout: Any, old: Any, names: Sequence[
     """Why the two log-prob tensors differ in width, when the difference is the prompt's.
 
     The prompt's width is that of ``prompts``, or what ``attention_mask`` holds beyond
-    the narrower log-probs. ``None`` when the widths do not differ by it.
+    the narrower log-probs. The wider may also be one column narrower than prompt and
+    response: the log-probs of every token but the first, from a forward pass over both
+    (logits ``[:, :-1]`` against tokens ``[:, 1:]``). ``None`` when the widths do not
+    differ by either.
     """
     if not (_is_matrix(rollout) and _is_matrix(old)) or rollout.shape[1] == old.shape[1]:
         return None
@@ -230,13 +233,19 @@ def prompt_hint(sources: Sequence[Any], rollout: Any, old: Any, names: Sequence[
         prompt_widths.add(prompts.shape[1])
     if _is_matrix(attention := lookup(sources, "attention_mask")):
         prompt_widths.add(attention.shape[1] - response)
-    if response == 0 or whole - response not in prompt_widths:
+    extra = whole - response
+    if response == 0 or not {extra, extra + 1} & prompt_widths:
         return None
     wider = names[0] if rollout.shape[1] == whole else names[1]
+    width = (
+        "the prompt's width"
+        if extra in prompt_widths
+        else "the prompt's width less one: the log-probs of every token after the first"
+    )
     return (
-        f"`{wider}` looks like it includes the prompt: {whole - response} columns wider, the "
-        f"prompt's width. Keep the response's columns: `{wider}[:, -{response}:]` (for "
-        "log-probs from causal-LM logits, see lightning_rollout_debug.response_log_probs)."
+        f"`{wider}` looks like it includes the prompt: {extra} columns wider, {width}. Keep "
+        f"the response's columns: `{wider}[:, -{response}:]` (for log-probs from causal-LM "
+        "logits, see lightning_rollout_debug.response_log_probs)."
     )
 
 

@@ -608,14 +608,16 @@ def test_a_pad_id_that_is_also_the_eos_counts_once_per_row(extra: int) -> None:
 
 
 # ---------------------------------------------------------------------- prompt columns
+@pytest.mark.parametrize("columns", ["all", "after-the-first"])
 @pytest.mark.parametrize("source", ["prompts", "attention_mask", None])
 def test_log_probs_with_the_prompt_columns_are_skipped_with_the_slice(
-    rollouts: list[Rollout], source: str | None
+    rollouts: list[Rollout], source: str | None, columns: str
 ) -> None:
     r = rollouts[0]
     log_p = r.logits.float().log_softmax(-1)[:, :-1]
-    every = log_p.gather(-1, r.sequences[:, 1:].unsqueeze(-1)).squeeze(-1)
-    whole = torch.nn.functional.pad(every, (1, 0))  # [B, P + T]: the prompt's columns too
+    every = log_p.gather(-1, r.sequences[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, P + T - 1]
+    # [B, P + T]: a column for the first token too; or the forward pass's log-probs as they are.
+    whole = torch.nn.functional.pad(every, (1, 0)) if columns == "all" else every
     width = r.mask.shape[1]
     extra = {}
     if source == "prompts":
@@ -629,7 +631,10 @@ def test_log_probs_with_the_prompt_columns_are_skipped_with_the_slice(
         assert "prompt" not in skipped[0]
         return
     assert "`old_log_probs` looks like it includes the prompt" in skipped[0]
-    assert f"{PROMPT} columns wider" in skipped[0]
+    if columns == "all":
+        assert f"{PROMPT} columns wider, the prompt's width." in skipped[0]
+    else:
+        assert f"{PROMPT - 1} columns wider, the prompt's width less one" in skipped[0]
     assert f"`old_log_probs[:, -{width}:]`" in skipped[0]
     assert "The batch is skipped" in skipped[0]
     assert run.diagnoses() == []
