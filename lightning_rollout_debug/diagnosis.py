@@ -97,7 +97,10 @@ def diagnose(window: Window, metrics: Mapping[str, float]) -> list[Diagnosis]:
     # A greedy or strongly truncated engine records 0.0 (probability 1) for the steps where
     # it kept one token, which the padding rule would count: those zeros are not padding.
     one_token = truncated is not None and kept_one_token(window)
-    found = [misaligned, _padding(window, count_zeros=not one_token), truncated]
+    # Misaligned, the trainer's log-prob beside a rollout 0.0 is another token's: no sign
+    # of padding. Pad ids inside the mask still are.
+    zeros_say_padding = misaligned is None and not one_token
+    found = [misaligned, _padding(window, count_zeros=zeros_say_padding), truncated]
     if misaligned is None:
         found.append(_one_sided(window, metrics))
     return [diagnosis for diagnosis in found if diagnosis is not None]
@@ -189,8 +192,8 @@ def _misaligned(window: Window) -> Diagnosis | None:
 def _padding(window: Window, *, count_zeros: bool = True) -> Diagnosis | None:
     """Padding inside the mask: pad ids, and rollout log-probs of 0 (with ``count_zeros``).
 
-    Pad ids after the first of their row; rollout log-probs of exactly 0 where the
-    trainer's is below -1.
+    Pad ids right after a pad id (the first of each run is taken for an EOS); rollout
+    log-probs of exactly 0 where the trainer's is below -1.
     """
     zeros = window["zero_rollout_log_prob"] if count_zeros else 0.0
     pads = window["pad_in_mask"]
@@ -204,8 +207,8 @@ def _padding(window: Window, *, count_zeros: bool = True) -> Diagnosis | None:
         )
     if pads > 0:
         seen.append(
-            f"{pads:.0f} pad tokens inside the response mask (after the first pad id of their "
-            "row, which is taken for the EOS)"
+            f"{pads:.0f} pad tokens inside the response mask (right after a pad id: the first "
+            "of each run is taken for an EOS)"
         )
     return Diagnosis(
         "padding",

@@ -394,17 +394,15 @@ def kl_k3_tokens(prob_actor: Tensor, prob_rollout: Tensor, r: Tensor) -> Tensor:
 def pad_slots(mask: Tensor, token_ids: Tensor, pad_token_id: int) -> dict[str, Tensor]:
     """The slots of the padding check of a block: pad ids inside the mask.
 
-    The first pad id of a row is taken for its EOS, which counts: many tokenizers (Llama,
-    Qwen, GPT-2) end a response with the id they pad with. Every later one inside the
-    mask is padding.
+    The first pad id of each run of them is taken for an EOS, which counts: many
+    tokenizers (Llama, Qwen, GPT-2) end a response with the id they pad with, and packed
+    or multi-turn rows end each sequence or turn with one. A pad id right after another
+    one inside the mask is padding.
     """
     f64 = torch.float64
     is_pad = token_ids == pad_token_id
-    after_first = (is_pad.cumsum(1, dtype=torch.int32) - is_pad.int()) > 0
-    values = (
-        torch.ones((), dtype=f64, device=mask.device),
-        ((mask != 0) & is_pad & after_first).sum(dtype=f64),
-    )
+    padding = (mask[:, 1:] != 0) & is_pad[:, 1:] & is_pad[:, :-1]
+    values = (torch.ones((), dtype=f64, device=mask.device), padding.sum(dtype=f64))
     return dict(zip(PAD_SLOTS, values, strict=True))
 
 

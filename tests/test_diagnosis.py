@@ -499,6 +499,33 @@ def test_a_shift_in_a_window_of_confident_and_uncertain_responses_is_named() -> 
     assert f"against {unshifted:.3g} (the trainer's are one token early)" in found.message
 
 
+def test_a_shift_over_certain_tokens_is_not_also_called_padding() -> None:
+    """An engine writes 0.0 for the tokens it was certain of; shifted by one, the trainer's
+    log-probs beside them are their neighbours', often below -1: what the padding rule
+    counts. Under a shift the log-probs belong to other tokens, so only the shift is named."""
+    generator = torch.Generator().manual_seed(6)
+    rows, width = 16, 64
+    certain = torch.rand(rows, width, generator=generator) < 0.6
+    spread = torch.randn(rows, width, generator=generator).abs()
+    rollout = torch.where(certain, 0.0, -2.0 - spread)
+    trainer = rollout - 1e-4 * torch.rand(rows, width, generator=generator)
+    mask = torch.ones(rows, width, dtype=torch.bool)
+    mask[:, -1] = False  # the padded column
+    found = {}
+    for name, old in (
+        ("aligned", trainer),
+        ("shifted", torch.nn.functional.pad(trainer[:, 1:], (0, 1))),
+    ):
+        stats = MismatchStats()
+        stats.update(rollout, old, mask)
+        window = Window(stats.state.tolist())
+        found[name] = ([d.kind for d in diagnose(window, stats.compute())], window)
+    assert found["aligned"][0] == []
+    kinds, window = found["shifted"]
+    assert window["zero_rollout_log_prob"] > 100  # what the padding rule alone would name
+    assert kinds == ["misaligned"]
+
+
 @pytest.mark.parametrize("shift", [1, -1])
 def test_the_shifted_log_probs_correlate_at_their_lag(rollouts: list[Rollout], shift: int) -> None:
     """What the rule reads: a correlation (within [-1, 1]) near 1 at the shift, small at 0.
@@ -563,8 +590,10 @@ def test_pad_ids_in_the_mask_are_named_with_pad_token_id(
     for i, r in enumerate(rollouts[:2]):
         sequences, after = padded(gpt2, r, seed=i)
         rollout, old = gpt2.forward_log_probs(sequences)
-        # Every pad id of a row but its first, taken for the EOS (the mask holds them all).
-        pads += int(((sequences[:, PROMPT:] == gpt2.pad).sum(1) - 1).clamp(min=0).sum())
+        # Every pad id right after a pad id: the first of a run is taken for an EOS (the
+        # mask holds them all).
+        is_pad = sequences[:, PROMPT:] == gpt2.pad
+        pads += int((is_pad[:, 1:] & is_pad[:, :-1]).sum())
         mask = torch.ones_like(after)
         batches.append(batch_of(rollout, old, mask, seed=i, responses=sequences[:, PROMPT:]))
     run = fit(batches, pad_token_id=None if pad_token_id is None else gpt2.pad)
@@ -605,6 +634,38 @@ def test_a_pad_id_that_is_also_the_eos_counts_once_per_row(extra: int) -> None:
     else:
         (message,) = named
         assert f"{8 * extra} pad tokens inside the response mask" in message
+
+
+@pytest.mark.parametrize("padding", [0, 2], ids=["correct-mask", "two-more"])
+def test_packed_rows_that_end_each_sequence_with_the_pad_id_are_not_padding(
+    padding: int,
+) -> None:
+    """Three sequences back to back in each row (or three turns of a conversation), each
+    ending with the EOS id the tokenizer also pads with: an EOS inside the mask is no
+    padding. Only pad ids right after one are: those a mask keeps past the last EOS."""
+    eos = 7
+    generator = torch.Generator().manual_seed(4)
+    ids = torch.randint(8, 50, (6, 64), generator=generator)
+    ends = torch.tensor([11, 27, 40])  # the three sequences' EOS positions
+    ids[:, ends] = eos
+    ids[:, 41:] = eos  # the padding after the last sequence
+    mask = torch.arange(64)[None, :].expand(6, 64) < 41 + padding
+    rollout = torch.log(torch.rand(6, 64, generator=generator) * 0.9 + 0.05)
+    old = rollout + 1e-3 * torch.randn(6, 64, generator=generator)
+    monitor = RolloutDebugMonitor(pad_token_id=eos, alert_ranges={}, drift_factors={})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor.update(
+            {"rollout_log_probs": rollout, "old_log_probs": old},
+            {"response_mask": mask, "responses": ids},
+        )
+        monitor.log(0, MemoryLogger())
+    named = [str(w.message) for w in caught if issubclass(w.category, RolloutDiagnosisWarning)]
+    if padding == 0:
+        assert named == [] and monitor.diagnosed == set()
+    else:
+        (message,) = named
+        assert f"{6 * padding} pad tokens inside the response mask" in message
 
 
 # ---------------------------------------------------------------------- prompt columns
