@@ -106,9 +106,10 @@ def diagnose(window: Window, metrics: Mapping[str, float]) -> list[Diagnosis]:
     return [diagnosis for diagnosis in found if diagnosis is not None]
 
 
-DROPOUT_ATTRIBUTES = ("dropout", "attention_dropout", "dropout_p")
+DROPOUT_ATTRIBUTES = ("dropout", "attention_dropout", "dropout_p", "hidden_dropout")
 """Attributes by which a module applies dropout itself (``nn.MultiheadAttention``'s
-``dropout``, Hugging Face attention's ``attention_dropout``), as a probability."""
+``dropout``, Hugging Face attention's ``attention_dropout``, the residual dropout of
+Falcon's and BLOOM's layers, ``hidden_dropout``), as a probability."""
 
 
 def active_dropout(model: torch.nn.Module) -> list[str]:

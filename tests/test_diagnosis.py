@@ -878,6 +878,30 @@ def test_a_llama_with_attention_dropout_is_named() -> None:
     assert active_dropout(model.eval()) == []
 
 
+def test_a_falcon_with_hidden_dropout_is_named() -> None:
+    """Falcon's layers drop their residual activations with a float attribute and a function
+    (``dropout_add``), no dropout module: the attribute names them."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.FalconConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        hidden_dropout=0.1,
+        attention_dropout=0.0,
+    )
+    model = transformers.FalconForCausalLM(config).train()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        noisy = [model(ids).logits for _ in range(2)]
+    assert not torch.equal(*noisy)  # it does drop: two forwards differ
+    names = active_dropout(model)
+    # Each layer, and its submodules that keep the same setting.
+    assert {f"transformer.h.{i}" for i in range(2)} <= set(names), names
+    assert all(name.startswith("transformer.h.") for name in names), names
+    assert active_dropout(model.eval()) == []
+
+
 def test_a_gpt2_with_its_default_dropout_is_named() -> None:
     pytest.importorskip("transformers")
     run = fit(module=GPT2Module([sampled_batch(0)]))
