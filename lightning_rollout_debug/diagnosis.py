@@ -355,7 +355,7 @@ def _one_sided(window: Window, metrics: Mapping[str, float]) -> Diagnosis | None
         f"KL k1 = {k1:.4g} is clearly below 0 (k3 = {k3:.4g}): the rollout log-probs are not "
         "those of the distribution that sampled the tokens. The engine samples with a "
         "temperature or top-p/top-k but records its log-probs before them (raw log-probs), "
-        "or the trainer applies a temperature or truncation the engine's log-probs lack. "
-        "Record the processed log-probs in the engine, or apply the same temperature (and "
-        "no truncation) to the trainer's logits.",
+        "or the trainer applies a temperature the engine's log-probs lack, or the top-p/top-k "
+        "the engine sampled with but did not record. Record the processed log-probs in the "
+        "engine, or apply the same temperature (and no truncation) to the trainer's logits.",
     )
