@@ -858,6 +858,14 @@ def test_dropout_inside_attention_is_named(p: float) -> None:
     assert active_dropout(model.eval()) == []
 
 
+def assert_it_drops(model: nn.Module) -> None:
+    """Two forwards of a causal LM in training mode differ: its dropout does drop."""
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        noisy = [model(ids).logits for _ in range(2)]
+    assert not torch.equal(*noisy)
+
+
 def test_a_llama_with_attention_dropout_is_named() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
@@ -869,10 +877,7 @@ def test_a_llama_with_attention_dropout_is_named() -> None:
         attention_dropout=0.3,
     )
     model = transformers.LlamaForCausalLM(config).train()
-    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        noisy = [model(ids).logits for _ in range(2)]
-    assert not torch.equal(*noisy)  # it does drop: two forwards differ
+    assert_it_drops(model)
     names = active_dropout(model)
     assert names == [f"model.layers.{i}.self_attn" for i in range(2)], names
     assert active_dropout(model.eval()) == []
@@ -891,10 +896,7 @@ def test_a_falcon_with_hidden_dropout_is_named() -> None:
         attention_dropout=0.0,
     )
     model = transformers.FalconForCausalLM(config).train()
-    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        noisy = [model(ids).logits for _ in range(2)]
-    assert not torch.equal(*noisy)  # it does drop: two forwards differ
+    assert_it_drops(model)
     names = active_dropout(model)
     # Each layer, and its submodules that keep the same setting.
     assert {f"transformer.h.{i}" for i in range(2)} <= set(names), names
