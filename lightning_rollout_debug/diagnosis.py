@@ -64,6 +64,14 @@ engine's zeros are read with: it keeps at least its most likely token, and a top
 below ``e^-8`` needs thousands of near-equal candidates; padding's trainer log-probs sit
 far lower (-7 to -28 in ``benchmarks/mistakes.py``, at the -20 floor mostly)."""
 
+PADDING_RUN_SHARE = 0.25
+"""The share of the zeros (rollout log-probs of 0 beside a trainer's below -1) that must sit
+where padding puts them, right after another zero or last in their row, for the padding
+rule to read them as padding; and at least :data:`PADDING_RUN_TOKENS` of them. Padding puts
+all but the first of each run there; a confident token the trainer doubts (a zero alone
+inside a row, at a rate ``q``) about ``q + 1 / T`` of them in rows of ``T`` tokens."""
+PADDING_RUN_TOKENS = 2
+
 ONE_SIDED_K1 = -0.01
 """k1 below this, and below 0 by :data:`ONE_SIDED_ERRORS` standard errors, means the
 rollout log-probs are not those of the distribution that sampled the tokens."""
@@ -190,13 +198,28 @@ def _misaligned(window: Window) -> Diagnosis | None:
     )
 
 
+def zeros_sit_like_padding(window: Window) -> bool:
+    """Whether the window's rollout log-probs of 0 sit where padding puts them.
+
+    Each of them counts where the trainer's log-prob is below -1. At least
+    :data:`PADDING_RUN_TOKENS`, and :data:`PADDING_RUN_SHARE` of them, must follow another
+    in their row or be their row's last counting token: a padded row's zeros run to its
+    end, while confident tokens (which a bf16 engine records as 0.0) that the trainer
+    doubts, after a routing flip or stale weights, sit alone inside the rows.
+    """
+    zeros, run = window["zero_rollout_log_prob"], window["zero_rollout_log_prob_run"]
+    return run >= max(PADDING_RUN_TOKENS, PADDING_RUN_SHARE * zeros)
+
+
 def _padding(window: Window, *, count_zeros: bool = True) -> Diagnosis | None:
     """Padding inside the mask: pad ids, and rollout log-probs of 0 (with ``count_zeros``).
 
     Pad ids right after a pad id (the first of each run is taken for an EOS); rollout
-    log-probs of exactly 0 where the trainer's is below -1.
+    log-probs of exactly 0 where the trainer's is below -1, where they sit like padding
+    (:func:`zeros_sit_like_padding`).
     """
-    zeros = window["zero_rollout_log_prob"] if count_zeros else 0.0
+    counted = count_zeros and zeros_sit_like_padding(window)
+    zeros = window["zero_rollout_log_prob"] if counted else 0.0
     pads = window["pad_in_mask"]
     if zeros <= 0 and pads <= 0:
         return None
@@ -204,7 +227,9 @@ def _padding(window: Window, *, count_zeros: bool = True) -> Diagnosis | None:
     if zeros > 0:
         seen.append(
             f"{zeros:.0f} masked-in tokens whose rollout log-prob is exactly 0.0 while the "
-            "trainer's is not (what an engine writes for padding)"
+            "trainer's is not (what an engine writes for padding), "
+            f"{window['zero_rollout_log_prob_run']:.0f} of them right after another or last "
+            "in their row, where padding puts them"
         )
     if pads > 0:
         seen.append(

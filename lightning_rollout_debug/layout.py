@@ -360,6 +360,7 @@ STATE = Layout(
                 "id_diff",
                 "id_diff_rows",
                 "zero_rollout_log_prob",
+                "zero_rollout_log_prob_run",
                 "neighbour_pairs",
                 "pad_updates",
                 "pad_in_mask",

@@ -40,6 +40,7 @@ PADDING_ACTOR_LOG_PROB = -1.0
 no rounding turns a probability under ``e^-1`` into 1."""
 HEALTH_SUMS = (
     "zero_rollout_log_prob",
+    "zero_rollout_log_prob_run",
     "neighbour_pairs",
     "sum_actor_log_prob",
     "sum_rollout_log_prob",
@@ -76,6 +77,7 @@ ROW_FIELDS: tuple[str, ...] = (
     "ratio_high",
     "ratio_low",
     "zero_rollout_log_prob",
+    "zero_rollout_log_prob_run",
     "neighbour_pairs",
     *LAG_MOMENTS,
 )
@@ -411,7 +413,7 @@ def _neighbour_sums(a: Tensor, b: Tensor, counting: Tensor) -> dict[str, Tensor]
     f64 = torch.float64
     wide_a, wide_b = a.to(f64), b.to(f64)
     pair = counting[:, :-1] & counting[:, 1:]
-    zero = (counting & (b == 0.0) & (a < PADDING_ACTOR_LOG_PROB)).sum(1, dtype=torch.int32)
+    zero = counting & (b == 0.0) & (a < PADDING_ACTOR_LOG_PROB)
     sides = {
         "plus_actor": wide_a[:, :-1],  # the pairs (a_t, b_(t+1))
         "plus_rollout": wide_b[:, 1:],
@@ -419,7 +421,8 @@ def _neighbour_sums(a: Tensor, b: Tensor, counting: Tensor) -> dict[str, Tensor]
         "minus_rollout": wide_b[:, :-1],
     }
     sums = {
-        "zero_rollout_log_prob": zero,
+        "zero_rollout_log_prob": zero.sum(1, dtype=torch.int32),
+        "zero_rollout_log_prob_run": zero_run(zero, counting),
         "neighbour_pairs": pair.sum(1, dtype=torch.int32),
         "sum_actor_log_prob_sq": (wide_a * wide_a).sum(1),
         "sum_rollout_log_prob_sq": (wide_b * wide_b).sum(1),
@@ -431,6 +434,30 @@ def _neighbour_sums(a: Tensor, b: Tensor, counting: Tensor) -> dict[str, Tensor]
         kept = torch.where(pair, side, 0.0)
         sums[name], sums[f"{name}_sq"] = kept.sum(1), (kept * kept).sum(1)
     return sums
+
+
+def zero_run(zero: Tensor, counting: Tensor) -> Tensor:
+    """Each row's zeros where padding puts them: right after another, or last in the row.
+
+    ``zero`` flags the rollout log-probs of 0 that :data:`PADDING_ACTOR_LOG_PROB` admits.
+    Padding fills a row from its end: each of its zeros but the first follows another,
+    and the run ends the row, where even a single pad token (a mask one token too long)
+    sits. A confident token the trainer disagrees with is a zero alone inside a row.
+
+    Example:
+        >>> zero = torch.tensor([[0, 1, 0, 1, 1], [0, 0, 0, 0, 1]], dtype=torch.bool)
+        >>> zero_run(zero, torch.ones(2, 5, dtype=torch.bool)).tolist()
+        [1, 1]
+    """
+    after = zero[:, 1:] & zero[:, :-1]
+    count = after.sum(1, dtype=torch.int32)
+    if zero.shape[1] == 0:
+        return count
+    position = torch.arange(zero.shape[1], device=zero.device)
+    last = torch.where(counting, position, -1).amax(1, keepdim=True)
+    lone = zero & ~torch.nn.functional.pad(zero[:, :-1], (1, 0))
+    tail = lone.gather(1, last.clamp(min=0)).squeeze(1) & (last.squeeze(1) >= 0)
+    return count + tail
 
 
 def _centre(

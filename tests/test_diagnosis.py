@@ -431,6 +431,48 @@ def test_confident_tokens_rounded_to_zero_by_the_engine_are_not_padding(trainer:
     assert run.diagnoses() == []
 
 
+def test_confident_tokens_the_trainer_doubts_are_not_padding() -> None:
+    """A bf16 engine records 0.0 for the tokens it is sure of; after an expert-routing flip
+    or stale weights the trainer scores some of them below -1. They sit alone inside the
+    rows, where padding never does: ``rollout_zero_log_prob_tokens`` counts them, but the
+    padding rule does not name them."""
+    batches, flipped = [], 0
+    for seed in range(2):
+        batch = sampled_batch(seed, width=64)
+        mask = batch["response_mask"]
+        followed = torch.nn.functional.pad(mask[:, 1:], (0, 1))  # not a row's last token
+        spaced = (torch.arange(64) % 4 == 1)[None, :]  # no two side by side
+        draw = torch.rand(mask.shape, generator=torch.Generator().manual_seed(10 + seed))
+        chosen = mask & followed & spaced & (draw < 0.1)
+        batch["rollout_log_probs"] = batch["rollout_log_probs"].masked_fill(chosen, 0.0)
+        batch["old_log_probs"] = batch["old_log_probs"].masked_fill(chosen, -2.0)
+        flipped += int(chosen.sum())
+        batches.append(batch)
+    assert flipped >= 25
+    run = fit(batches)
+    assert run.logged(ZEROS) == [float(flipped)]
+    assert run.diagnoses() == []
+
+
+def test_a_mask_one_token_too_long_over_zero_filled_padding_is_named() -> None:
+    """The mask keeps one position past each response (a shifted attention mask): one
+    zero-filled pad per ended row, the last token of its row, where padding puts it."""
+    batch = sampled_batch(3, width=32)
+    lengths = batch["response_mask"].sum(1, keepdim=True)
+    columns = torch.arange(32)[None, :]
+    pad = columns >= lengths
+    batch["rollout_log_probs"] = batch["rollout_log_probs"].masked_fill(pad, 0.0)
+    batch["old_log_probs"] = batch["old_log_probs"].masked_fill(pad, -9.0)
+    batch["response_mask"] = columns < lengths + 1
+    ended = int((lengths < 32).sum())
+    assert ended >= 4
+    run = fit([batch])
+    message = one_with(run.diagnoses(), "padding")
+    assert f"{ended} masked-in tokens whose rollout log-prob is exactly 0.0" in message
+    assert f"{ended} of them right after another or last in their row" in message
+    assert run.logged(ZEROS) == [float(ended)]
+
+
 # ---------------------------------------------------------------------- misaligned
 def rows_of(rollouts: Sequence[Rollout], ended: bool) -> list[Rollout]:
     """The rows of ``rollouts`` that end with EOS (``ended``) or run to the full width."""

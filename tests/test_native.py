@@ -59,6 +59,9 @@ EXACT = (
     "max_neg_log_ratio",
     "ratio_high",
     "ratio_low",
+    "zero_rollout_log_prob",
+    "zero_rollout_log_prob_run",
+    "neighbour_pairs",
 )
 
 

@@ -20,6 +20,7 @@ import torch
 from conftest import REGIMES, kernel_skip_reason, make_batch, reference_for
 from reference import assert_metrics_close
 from test_native import EXACT, _assert_same_extras, _assert_same_profile, _profile_of
+from torch import Tensor
 
 from lightning_rollout_debug import GROUPS, MismatchStats, native
 from lightning_rollout_debug.extras import TokenExtras
@@ -90,6 +91,54 @@ def test_updates_match_the_reference(lanes: int, dtype: torch.dtype) -> None:
     for batch in batches:
         stats.update(*batch.args())
     assert_metrics_close(stats.compute(), reference_for(batches))
+
+
+def zeros_where_padding_puts_them(rollout: Tensor, old: Tensor, mask: Tensor) -> np.ndarray:
+    """Each row's rollout log-probs of 0 (beside a trainer's below -1) that follow another
+    such token or are the row's last counting token: straight from the definition."""
+    a = np.maximum(old.double().numpy(), -20.0)  # NaN stays NaN
+    b = np.maximum(rollout.double().numpy(), -20.0)
+    counting = (mask.numpy() != 0) & (a < np.inf) & (b < np.inf)
+    zero = counting & (b == 0.0) & (a < -1.0)
+    out = np.zeros(zero.shape[0], dtype=np.int64)
+    for row, flags in enumerate(zero):
+        after = [t for t in range(1, len(flags)) if flags[t] and flags[t - 1]]
+        last = np.flatnonzero(counting[row])
+        end = last.size > 0 and flags[last[-1]] and not (last[-1] > 0 and flags[last[-1] - 1])
+        out[row] = len(after) + int(end)
+    return out
+
+
+def padding_like_batch(rng: np.random.Generator, shape: tuple[int, int]) -> tuple[Tensor, ...]:
+    """Zeros alone, in runs, at rows' ends and beside masked-out or non-finite tokens."""
+    rows, width = shape
+    rollout = np.where(rng.random(shape) < 0.4, 0.0, -3.0 * rng.random(shape))
+    old = np.where(rng.random(shape) < 0.8, -1.5 - 10.0 * rng.random(shape), -rng.random(shape))
+    old[rng.random(shape) < 0.05] = rng.choice([np.nan, np.inf, -np.inf])
+    lengths = rng.integers(0, width + 1, (rows, 1))
+    mask = (np.arange(width)[None, :] < lengths) & (rng.random(shape) < 0.9)
+    return tuple(
+        torch.from_numpy(x) for x in (rollout.astype(np.float32), old.astype(np.float32), mask)
+    )
+
+
+def test_zeros_where_padding_puts_them_match_numpy(lanes: int) -> None:
+    """The kernel's count and the torch one (eager and compiled share its code) against NumPy."""
+    rng = np.random.default_rng(300 + lanes)
+    counted = 0
+    for shape in (*SHAPES, (6, 2 * lanes), (6, 2 * lanes + 1), (40, 3)):
+        rollout, old, mask = padding_like_batch(rng, shape)
+        want = zeros_where_padding_puts_them(rollout, old, mask)
+        counted += int(want.sum())
+        name = "zero_rollout_log_prob_run"
+        eager = row_sums(rollout, old, mask, frozenset({"health"}), 2.0)[name]
+        kernel = native.row_sums(
+            rollout, old, mask, rows_for(frozenset({"health"})), 2.0, ROW_FIELDS
+        )
+        assert kernel is not None
+        assert eager.tolist() == want.tolist(), shape
+        assert kernel[name].tolist() == want.astype(np.float64).tolist(), shape
+    assert counted > 100
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])

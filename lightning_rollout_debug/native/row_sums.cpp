@@ -48,7 +48,8 @@ namespace {
   X("log_diff", abs_r) X("log_diff*log_diff", r2) X("log_ratio", r) X("kl_k3", k3)         \
   X("mult_error_m1", mult) X("ratio_m1", rm1) X("ratio_sq_m1", rsqm1) X("ratio", ratio)    \
   X("ratio_sq", ratio2) X("ratio_high", high) X("ratio_low", low)                         \
-  X("zero_rollout_log_prob", zero_b) X("neighbour_pairs", pairs)                          \
+  X("zero_rollout_log_prob", zero_b) X("zero_rollout_log_prob_run", zero_run)            \
+  X("neighbour_pairs", pairs)                                                             \
   X("sum_actor_log_prob_sq", aa) X("sum_rollout_log_prob_sq", bb)                         \
   X("sum_actor_x_rollout", ab) X("sum_actor_x_next_rollout", ab_next)                     \
   X("sum_next_actor_x_rollout", ab_prev) X("plus_actor", plus_a)                          \
@@ -299,6 +300,26 @@ inline f32 exp_tail(f32 x) {
 
 inline f32 abs(f32 x) { return x < 0.0f ? -x : x; }
 
+// Rollout log-probs of 0 where padding puts them (`zero_run` in rows.py): right after
+// another of the row, or the row's last counting token.
+struct ZeroRun {
+  Count after;
+  i32 tail_counting{}, tail_lone{};  // the last vector with a counting token
+  // zero: the lanes of zeros; before: those whose left neighbour is one.
+  void add(i32 zero, i32 before, i32 counting) {
+    after.add(zero & before);
+    if (any(counting)) {
+      tail_counting = counting;
+      tail_lone = zero & ~before;
+    }
+  }
+  double total() const {
+    int last = -1;
+    for (int k = 0; k < kLanes; ++k) last = tail_counting[k] ? k : last;
+    return after.total() + (last >= 0 && tail_lone[last] ? 1.0 : 0.0);
+  }
+};
+
 struct Options {
   float ratio_high_m1;  // rho > C counts as high: rho - 1 > C - 1
   float ratio_low_m1;   // rho < 1/C counts as low: rho - 1 < 1/C - 1
@@ -315,6 +336,7 @@ struct Last {
 // The running sums of one row.
 struct RowSums {
   Count count, nonfinite, high, low, zero_b, pairs;
+  ZeroRun zero_run;
   Max max_a, max_b, max_diff, max_r, max_neg_r;
   Sum sum_a, sum_b, pa, pb, diff, pa2, pb2, papb, diff2, abs_r, r2, r, k3, mult, rm1, rsqm1;
   Sum ratio, ratio2, aa, bb, ab, ab_next, ab_prev;
@@ -323,7 +345,7 @@ struct RowSums {
   Sum plus_a, plus_a2, plus_b, plus_b2, minus_a, minus_a2, minus_b, minus_b2;
   // The previous vector's a, b and counting lanes, for the pairs of neighbouring tokens.
   f32 prev_a{}, prev_b{};
-  i32 prev_counting{};
+  i32 prev_counting{}, prev_zero{};
   // The last vector's values, for the extras.
   Last last;
 
@@ -387,10 +409,13 @@ struct RowSums {
       minus_a2.add_product(minus_a_, minus_a_);
       minus_b.add(minus_b_);
       minus_b2.add_product(minus_b_, minus_b_);
+      const i32 zero = counting & (b == 0.0f) & (a < kPaddingActor);
+      zero_b.add(zero);
+      zero_run.add(zero, shifted(prev_zero, zero), counting);
       prev_a = a;
       prev_b = b;
       prev_counting = counting;
-      zero_b.add(counting & (b == 0.0f) & (a < kPaddingActor));
+      prev_zero = zero;
     }
     const f32 wide_pa = select(counting, pa_, zero);
     const f32 wide_pb = select(counting, pb_, zero);
@@ -1297,7 +1322,8 @@ void run(const void* rollout, const void* old, const void* mask, int mask_kind, 
   X(s_ppl_a, "seq_ppl_actor") X(s_ppl_b, "seq_ppl_rollout") X(s_seq_r, "seq_log_ratio")      \
   X(s_outside, "seq_outside") X(s_id_updates, "id_updates") X(s_id_rows, "id_rows")          \
   X(s_id_diff, "id_diff") X(s_id_diff_rows, "id_diff_rows")                                 \
-  X(s_zero_b, "zero_rollout_log_prob") X(s_pairs, "neighbour_pairs")                             \
+  X(s_zero_b, "zero_rollout_log_prob") X(s_zero_run, "zero_rollout_log_prob_run")          \
+  X(s_pairs, "neighbour_pairs")                                                             \
   X(s_pad_updates, "pad_updates") X(s_pad, "pad_in_mask")                                   \
   X(s_sum_a, "sum_actor_log_prob") X(s_sum_b, "sum_rollout_log_prob")                       \
   X(s_aa, "sum_actor_log_prob_sq") X(s_bb, "sum_rollout_log_prob_sq")                       \
@@ -1398,7 +1424,7 @@ struct StateOf {
     }
     if (on(g_health)) {
       const struct { Column column; Slot slot; } health[] = {
-          {c_zero_b, s_zero_b}, {c_pairs, s_pairs}, {c_sum_a, s_sum_a}, {c_sum_b, s_sum_b},
+          {c_zero_b, s_zero_b}, {c_zero_run, s_zero_run}, {c_pairs, s_pairs}, {c_sum_a, s_sum_a}, {c_sum_b, s_sum_b},
           {c_aa, s_aa},         {c_bb, s_bb},       {c_ab, s_ab},       {c_ab_next, s_ab_next},
           {c_ab_prev, s_ab_prev}, {c_plus_a, s_plus_a}, {c_plus_a2, s_plus_a2},
           {c_plus_b, s_plus_b},   {c_plus_b2, s_plus_b2}, {c_minus_a, s_minus_a},
