@@ -41,6 +41,9 @@ fired during the run:
   records the log-probs of its raw logits (``generate``'s ``logits``, as engines that
   return log-probs before their sampling processors do); the trainer divides its logits
   by the temperature.
+* ``top-k 50 in the trainer``: the engine samples from the full distribution, the
+  trainer cuts its logits to their top 50 (masked to -inf) before the log-softmax: a
+  sampled token outside them gets -inf.
 * ``dropout 0.1``: the trainer recomputes in training mode with GPT-2's default dropout.
 * ``correct, peaked (gain 12)``: a correct run of a more confident policy (largest
   logits ~30, like a trained LM's); shows whether healthy bf16 rounding of log p ~ 0 to
@@ -210,6 +213,13 @@ def wrong_token(r: Rollout, prompt: int) -> torch.Tensor:
     return log_p.gather(-1, r.sequences[:, prompt:].unsqueeze(-1)).squeeze(-1)
 
 
+def trainer_top_k(r: Rollout, prompt: int, k: int) -> torch.Tensor:
+    """The trainer's log-probs with its logits cut to their top ``k`` (masked to -inf)."""
+    logits = r.logits.float()
+    cut = logits.masked_fill(logits < logits.topk(k, -1).values[..., -1:], -float("inf"))
+    return response_log_probs(cut, r.sequences, prompt)[0]
+
+
 def with_prompt(r: Rollout) -> torch.Tensor:
     """The log-prob of every token of the sequence (0 for the first): ``P + T`` wide."""
     log_p = r.logits[:, :-1].float().log_softmax(-1)
@@ -267,6 +277,7 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
         *(Scenario(f"top-k {k} engine", plain, top_k=int(k)) for k in args.top_k.split(",")),
         Scenario("greedy decoding (top-k 1)", plain, top_k=1),
         Scenario("raw rollout log-probs, temperature 0.7", plain, temperature=0.7),
+        Scenario("top-k 50 in the trainer", lambda r, p: plain(r, p, trainer_top_k(r, p, 50))),
         Scenario(f"dropout {args.dropout:g}", plain, dropout=args.dropout),
         Scenario("correct, peaked (gain 12)", plain, gain=12.0),
     ]

@@ -77,7 +77,7 @@ ONE_SIDED_K1 = -0.01
 rollout log-probs are not those of the distribution that sampled the tokens."""
 ONE_SIDED_ERRORS = 4.0
 
-KINDS = ("misaligned", "padding", "truncated", "one_sided", "prompt", "dropout")
+KINDS = ("misaligned", "padding", "truncated", "one_sided", "masked_logits", "prompt", "dropout")
 """The kinds of diagnosis, each warned about once per run."""
 
 
@@ -111,7 +111,29 @@ def diagnose(window: Window, metrics: Mapping[str, float]) -> list[Diagnosis]:
     found = [misaligned, _padding(window, count_zeros=zeros_say_padding), truncated]
     if misaligned is None:
         found.append(_one_sided(window, metrics))
+    found.append(_masked_logits(window))
     return [diagnosis for diagnosis in found if diagnosis is not None]
+
+
+def _masked_logits(window: Window) -> Diagnosis | None:
+    """Sampled tokens the trainer gives probability 0 (``-inf``) while the engine does not.
+
+    No softmax of finite logits gives 0; only a mask does, and the engine sampled the
+    token, so its own distribution held it. A rollout log-prob of 0 (a dummy, as padding
+    has) does not count.
+    """
+    tokens = window["masked_actor_log_prob"]
+    if tokens <= 0:
+        return None
+    return Diagnosis(
+        "masked_logits",
+        f"{tokens:.0f} sampled tokens have a trainer's log-prob of -inf while the engine's is "
+        "finite, and count at the -20 floor: the trainer masks logits that the engine "
+        "sampled from (top-k / top-p / min-p applied in the recompute, suppressed or "
+        "bad-word ids, a vocabulary cut to the tokenizer's size). Compute old_log_probs from "
+        "the same distribution the engine sampled from, without the mask (or apply the mask "
+        "in the engine as well).",
+    )
 
 
 DROPOUT_ATTRIBUTES = ("dropout", "attention_dropout", "dropout_p", "hidden_dropout")

@@ -361,6 +361,7 @@ STATE = Layout(
                 "id_diff_rows",
                 "zero_rollout_log_prob",
                 "zero_rollout_log_prob_run",
+                "masked_actor_log_prob",
                 "neighbour_pairs",
                 "pad_updates",
                 "pad_in_mask",

@@ -41,6 +41,7 @@ no rounding turns a probability under ``e^-1`` into 1."""
 HEALTH_SUMS = (
     "zero_rollout_log_prob",
     "zero_rollout_log_prob_run",
+    "masked_actor_log_prob",
     "neighbour_pairs",
     "sum_actor_log_prob",
     "sum_rollout_log_prob",
@@ -78,6 +79,7 @@ ROW_FIELDS: tuple[str, ...] = (
     "ratio_low",
     "zero_rollout_log_prob",
     "zero_rollout_log_prob_run",
+    "masked_actor_log_prob",
     "neighbour_pairs",
     *LAG_MOMENTS,
 )
@@ -202,6 +204,7 @@ def row_sums(
         rows["sum_actor_log_prob"], rows["sum_rollout_log_prob"] = wide_a.sum(1), wide_b.sum(1)
     if "neighbour_pairs" in needed:
         rows.update(_neighbour_sums(a, b, counting))
+        rows["masked_actor_log_prob"] = masked_actor(rollout_log_probs, old_log_probs, counting)
     values: dict[str, Tensor] = {}
     if needed & {*_PROBS, "max_prob_diff", *_RATIO_ROWS}:
         prob_rollout = exp(b)
@@ -434,6 +437,24 @@ def _neighbour_sums(a: Tensor, b: Tensor, counting: Tensor) -> dict[str, Tensor]
         kept = torch.where(pair, side, 0.0)
         sums[name], sums[f"{name}_sq"] = kept.sum(1), (kept * kept).sum(1)
     return sums
+
+
+def masked_actor(rollout_log_probs: Tensor, old_log_probs: Tensor, counting: Tensor) -> Tensor:
+    """Each row's counting tokens whose trainer's log-prob is ``-inf`` and rollout's not.
+
+    No model gives a sampled token probability 0 unless its logits are masked; a rollout
+    log-prob of 0 (a dummy, as for padding) does not count.
+
+    Example:
+        >>> inf = float("inf")
+        >>> old = torch.tensor([[-inf, -inf, -inf, -1.0]])
+        >>> rollout = torch.tensor([[-2.0, 0.0, -inf, -1.0]])
+        >>> masked_actor(rollout, old, torch.ones(1, 4, dtype=torch.bool)).tolist()
+        [1]
+    """
+    b = rollout_log_probs
+    flags = counting & (old_log_probs == -math.inf) & (b > -math.inf) & (b != 0.0)
+    return flags.sum(1, dtype=torch.int32)
 
 
 def zero_run(zero: Tensor, counting: Tensor) -> Tensor:

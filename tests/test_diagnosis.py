@@ -866,6 +866,42 @@ def test_rollout_log_probs_of_another_distribution_are_named_one_sided(
     assert run.callback.monitor.diagnosed == {"one_sided"}
 
 
+# ---------------------------------------------------------------------- masked logits
+@pytest.mark.parametrize("top_k", [3, 8])
+def test_a_trainer_that_masks_logits_the_engine_sampled_is_named(
+    gpt2: TinyGPT2, rollouts: list[Rollout], top_k: int
+) -> None:
+    """The trainer applies top-k to its logits in the recompute; the engine sampled from
+    the full distribution. Each sampled token outside the trainer's top k gets -inf."""
+    batches, masked = [], 0
+    for i, r in enumerate(rollouts[:2]):
+        logits = r.logits.float()
+        kth = logits.topk(top_k, -1).values[..., -1:]
+        cut = logits.masked_fill(logits < kth, -math.inf)
+        old, _ = response_log_probs(cut, r.sequences, PROMPT)
+        masked += int((r.mask & (old == -math.inf)).sum())
+        batches.append(batch_of(r.rollout, old, r.mask, seed=i, responses=r.sequences[:, PROMPT:]))
+    assert masked >= 3
+    run = fit(batches)
+    message = one_with(run.diagnoses(), "log-prob of -inf")
+    assert message.startswith(f"RolloutDebugCallback: {masked} sampled tokens have")
+    assert "top-k / top-p / min-p applied in the recompute" in message
+    assert "masked_logits" in run.callback.monitor.diagnosed
+
+
+def test_zero_filled_padding_the_trainer_masks_is_padding_not_masked_logits() -> None:
+    """A trainer that gives the pad id -inf, beside an engine's dummy 0.0: padding only."""
+    batch = sampled_batch(4, width=32)
+    lengths = batch["response_mask"].sum(1, keepdim=True)
+    pad = torch.arange(32)[None, :] >= lengths
+    assert pad.sum() >= 8
+    batch["rollout_log_probs"] = batch["rollout_log_probs"].masked_fill(pad, 0.0)
+    batch["old_log_probs"] = batch["old_log_probs"].masked_fill(pad, -math.inf)
+    batch["response_mask"] = torch.ones_like(pad)
+    run = fit([batch])
+    assert run.callback.monitor.diagnosed == {"padding"}, run.diagnoses()
+
+
 # ---------------------------------------------------------------------- dropout
 def test_active_dropout_is_named_once_at_train_start() -> None:
     batches = [sampled_batch(seed) for seed in range(3)]

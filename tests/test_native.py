@@ -61,6 +61,7 @@ EXACT = (
     "ratio_low",
     "zero_rollout_log_prob",
     "zero_rollout_log_prob_run",
+    "masked_actor_log_prob",
     "neighbour_pairs",
 )
 

@@ -114,7 +114,9 @@ def padding_like_batch(rng: np.random.Generator, shape: tuple[int, int]) -> tupl
     rows, width = shape
     rollout = np.where(rng.random(shape) < 0.4, 0.0, -3.0 * rng.random(shape))
     old = np.where(rng.random(shape) < 0.8, -1.5 - 10.0 * rng.random(shape), -rng.random(shape))
-    old[rng.random(shape) < 0.05] = rng.choice([np.nan, np.inf, -np.inf])
+    special = rng.choice([np.nan, np.inf, -np.inf, -np.inf], shape)
+    old = np.where(rng.random(shape) < 0.1, special, old)
+    rollout = np.where(rng.random(shape) < 0.05, rng.choice([np.nan, -np.inf], shape), rollout)
     lengths = rng.integers(0, width + 1, (rows, 1))
     mask = (np.arange(width)[None, :] < lengths) & (rng.random(shape) < 0.9)
     return tuple(
@@ -122,23 +124,36 @@ def padding_like_batch(rng: np.random.Generator, shape: tuple[int, int]) -> tupl
     )
 
 
+def masked_trainer_tokens(rollout: Tensor, old: Tensor, mask: Tensor) -> np.ndarray:
+    """Each row's counting tokens with a trainer's -inf and a rollout's finite, non-zero."""
+    a, b = old.double().numpy(), rollout.double().numpy()
+    counting = (mask.numpy() != 0) & ~np.isnan(a) & ~np.isnan(b) & (a < np.inf) & (b < np.inf)
+    return np.sum(counting & (a == -np.inf) & np.isfinite(b) & (b != 0.0), axis=1)
+
+
 def test_zeros_where_padding_puts_them_match_numpy(lanes: int) -> None:
-    """The kernel's count and the torch one (eager and compiled share its code) against NumPy."""
+    """The kernel's counts and the torch ones (eager and compiled share their code) against
+    NumPy: the zeros where padding puts them, and the trainer's -inf beside finite ones."""
     rng = np.random.default_rng(300 + lanes)
-    counted = 0
+    counted = counted_masked = 0
     for shape in (*SHAPES, (6, 2 * lanes), (6, 2 * lanes + 1), (40, 3)):
         rollout, old, mask = padding_like_batch(rng, shape)
         want = zeros_where_padding_puts_them(rollout, old, mask)
         counted += int(want.sum())
         name = "zero_rollout_log_prob_run"
-        eager = row_sums(rollout, old, mask, frozenset({"health"}), 2.0)[name]
+        eager = row_sums(rollout, old, mask, frozenset({"health"}), 2.0)
         kernel = native.row_sums(
             rollout, old, mask, rows_for(frozenset({"health"})), 2.0, ROW_FIELDS
         )
         assert kernel is not None
-        assert eager.tolist() == want.tolist(), shape
+        assert eager[name].tolist() == want.tolist(), shape
         assert kernel[name].tolist() == want.astype(np.float64).tolist(), shape
-    assert counted > 100
+        masked = masked_trainer_tokens(rollout, old, mask)
+        name = "masked_actor_log_prob"
+        assert eager[name].tolist() == masked.tolist(), shape
+        assert kernel[name].tolist() == masked.astype(np.float64).tolist(), shape
+        counted_masked += int(masked.sum())
+    assert counted > 100 and counted_masked > 20
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])

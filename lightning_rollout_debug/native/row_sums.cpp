@@ -49,7 +49,7 @@ namespace {
   X("mult_error_m1", mult) X("ratio_m1", rm1) X("ratio_sq_m1", rsqm1) X("ratio", ratio)    \
   X("ratio_sq", ratio2) X("ratio_high", high) X("ratio_low", low)                         \
   X("zero_rollout_log_prob", zero_b) X("zero_rollout_log_prob_run", zero_run)            \
-  X("neighbour_pairs", pairs)                                                             \
+  X("masked_actor_log_prob", masked_actor) X("neighbour_pairs", pairs)                     \
   X("sum_actor_log_prob_sq", aa) X("sum_rollout_log_prob_sq", bb)                         \
   X("sum_actor_x_rollout", ab) X("sum_actor_x_next_rollout", ab_next)                     \
   X("sum_next_actor_x_rollout", ab_prev) X("plus_actor", plus_a)                          \
@@ -335,7 +335,7 @@ struct Last {
 
 // The running sums of one row.
 struct RowSums {
-  Count count, nonfinite, high, low, zero_b, pairs;
+  Count count, nonfinite, high, low, zero_b, masked_actor, pairs;
   ZeroRun zero_run;
   Max max_a, max_b, max_diff, max_r, max_neg_r;
   Sum sum_a, sum_b, pa, pb, diff, pa2, pb2, papb, diff2, abs_r, r2, r, k3, mult, rm1, rsqm1;
@@ -354,6 +354,8 @@ struct RowSums {
     const f32 minus_inf = splat<f32>(-kInf);
     const f32 zero = splat<f32>(0.0f);
     const f32 floor = splat<f32>(kLogProbFloor);
+    // A trainer's -inf where the rollout's is finite and not a dummy 0: masked logits.
+    const i32 masked_a = (a == minus_inf) & (b > minus_inf) & (b != 0.0f);
     a = floor > a ? floor : a;  // NaN stays NaN
     b = floor > b ? floor : b;
     const i32 finite = (a < kInf) & (b < kInf);
@@ -411,6 +413,7 @@ struct RowSums {
       minus_b2.add_product(minus_b_, minus_b_);
       const i32 zero = counting & (b == 0.0f) & (a < kPaddingActor);
       zero_b.add(zero);
+      masked_actor.add(counting & masked_a);
       zero_run.add(zero, shifted(prev_zero, zero), counting);
       prev_a = a;
       prev_b = b;
@@ -1323,7 +1326,7 @@ void run(const void* rollout, const void* old, const void* mask, int mask_kind, 
   X(s_outside, "seq_outside") X(s_id_updates, "id_updates") X(s_id_rows, "id_rows")          \
   X(s_id_diff, "id_diff") X(s_id_diff_rows, "id_diff_rows")                                 \
   X(s_zero_b, "zero_rollout_log_prob") X(s_zero_run, "zero_rollout_log_prob_run")          \
-  X(s_pairs, "neighbour_pairs")                                                             \
+  X(s_masked_a, "masked_actor_log_prob") X(s_pairs, "neighbour_pairs")                      \
   X(s_pad_updates, "pad_updates") X(s_pad, "pad_in_mask")                                   \
   X(s_sum_a, "sum_actor_log_prob") X(s_sum_b, "sum_rollout_log_prob")                       \
   X(s_aa, "sum_actor_log_prob_sq") X(s_bb, "sum_rollout_log_prob_sq")                       \
@@ -1424,7 +1427,8 @@ struct StateOf {
     }
     if (on(g_health)) {
       const struct { Column column; Slot slot; } health[] = {
-          {c_zero_b, s_zero_b}, {c_zero_run, s_zero_run}, {c_pairs, s_pairs}, {c_sum_a, s_sum_a}, {c_sum_b, s_sum_b},
+          {c_zero_b, s_zero_b}, {c_zero_run, s_zero_run}, {c_masked_actor, s_masked_a},
+          {c_pairs, s_pairs}, {c_sum_a, s_sum_a}, {c_sum_b, s_sum_b},
           {c_aa, s_aa},         {c_bb, s_bb},       {c_ab, s_ab},       {c_ab_next, s_ab_next},
           {c_ab_prev, s_ab_prev}, {c_plus_a, s_plus_a}, {c_plus_a2, s_plus_a2},
           {c_plus_b, s_plus_b},   {c_plus_b2, s_plus_b2}, {c_minus_a, s_minus_a},
