@@ -195,6 +195,20 @@ def _one_event_summary(logger: Any) -> Any:
     return _summary_class(logger.experiment, "add_scalar", _SUMMARY_PROTOS[:1])
 
 
+def logger_prefix(logger: Any) -> str:
+    """What a Lightning logger puts in front of every metric name: its ``prefix`` and join.
+
+    Example:
+        >>> from pytorch_lightning.loggers import TensorBoardLogger
+        >>> logger_prefix(TensorBoardLogger("logs", prefix="rl")), logger_prefix(object())
+        ('rl-', '')
+    """
+    prefix = getattr(logger, "_prefix", None)
+    if not prefix or not isinstance(prefix, str):
+        return ""
+    return f"{prefix}{getattr(logger, 'LOGGER_JOIN_CHAR', '-')}"
+
+
 def log_scalars(logger: Any, scalars: Mapping[str, float], step: int) -> None:
     """Log ``scalars`` at ``step`` with ``logger``, in one TensorBoard event where that is the same.
 
@@ -225,7 +239,7 @@ def log_scalars(logger: Any, scalars: Mapping[str, float], step: int) -> None:
     if summary is None:
         logger.log_metrics(dict(scalars), step=step)
         return
-    join = f"{logger._prefix}{logger.LOGGER_JOIN_CHAR}" if logger._prefix else ""
+    join = logger_prefix(logger)
     values = [
         summary.Value(tag=f"{join}{name}", simple_value=float(value))
         for name, value in scalars.items()

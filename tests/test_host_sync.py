@@ -18,7 +18,7 @@ import torch
 from lightning_helpers import RolloutModule, make_batches
 from test_stats import OpRecorder, host_syncs
 
-from lightning_rollout_debug import RolloutDebugCallback
+from lightning_rollout_debug import RolloutDebugCallback, RolloutDebugMonitor
 
 TRANSFERS = ("cpu", "tolist", "item")
 
@@ -73,6 +73,10 @@ def test_only_logged_steps_copy_to_the_host_once(extras: bool) -> None:
         enable_model_summary=False,
         enable_checkpointing=False,
     )
+    # On the CPU the native kernel checks, once per process as it loads, what its library
+    # computes (on host tensors); an accelerator never loads it. Load it before counting.
+    options = {"histograms": extras, "worst_tokens_k": 5 if extras else 0, "alert_ranges": {}}
+    RolloutDebugMonitor(**options).update(batches[0])
     trainer.fit(RolloutModule(batches, log_loss=False))
     assert [record["logs"] for record in callback.records] == [False, False, True] * 3
     for record in callback.records:

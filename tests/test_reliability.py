@@ -328,8 +328,10 @@ def _nan_rows(batch: Batch) -> Batch:
 def _infinities(batch: Batch) -> Batch:
     rollout, old = batch[ROLLOUT].clone(), batch[OLD].clone()
     rollout[0, 0] = math.inf  # dropped, counted as non-finite
-    old[1, 0] = -math.inf  # floored at -20 nats: counts
+    rollout[1, 0] = old[1, 0] = -math.inf  # floored at -20 nats: counts
     rollout[2, 0] = -math.inf
+    # The trainer's -inf alone on a sampled token is a mistake, named masked_logits
+    # (test_diagnosis.py); here both sides agree, or the engine's is the odd one.
     return _with(batch, rollout_log_probs=rollout, old_log_probs=old, response_mask=batch[MASK] | 1)
 
 

@@ -363,6 +363,38 @@ def test_layout_written_once_and_matches_logged_tags(run: dict[str, Any]) -> Non
     assert charted == {tag for tag in scalars if tag.startswith(PREFIX)}
 
 
+@pytest.mark.parametrize("lit", PACKAGES)
+def test_a_logger_prefix_goes_in_front_of_every_tag_and_chart(
+    tmp_path: Path, lit: Lightning
+) -> None:
+    """``TensorBoardLogger(prefix="rl")`` writes the scalars as ``rl-training/...``: the
+    extras and the pictures follow, and the dashboard charts those names."""
+    logger = lit.loggers.TensorBoardLogger(tmp_path, name="tb", version=0, prefix="rl")
+    fit([batch(seed) for seed in range(4)], RolloutDebugCallback(worst_tokens_k=5), logger, lit)
+    ea = accumulator(logger.log_dir)
+    tags = ea.Tags()
+    ours = f"rl-{PREFIX}"
+    written = [*tags["scalars"], *tags["histograms"], *tags["images"], *tags["tensors"]]
+    assert f"{ours}rollout_profile/joint" in tags["images"]
+    assert f"{ours}rollout_log_ratio_hist" in tags["histograms"]
+    assert f"{ours}rollout_worst_tokens/text_summary" in tags["tensors"]
+    module_scalars = {"rl-loss", "rl-epoch"}  # the module's own, prefixed by the logger
+    ours_written = [tag for tag in written if tag not in {LAYOUT_TAG, *module_scalars}]
+    assert all(tag.startswith(ours) for tag in ours_written), written
+    (event,) = ea.Tensors(LAYOUT_TAG)
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(event.tensor_proto.string_val[0])
+    charted = set()
+    for category in layout.category:
+        assert category.title.startswith(ours)
+        for chart in category.chart:
+            for pattern in chart.multiline.tag:
+                matches = [tag for tag in tags["scalars"] if re.match(pattern, tag)]
+                assert len(matches) == 1, (chart.title, pattern, matches)
+                charted.update(matches)
+    assert charted == {tag for tag in tags["scalars"] if tag.startswith(ours)}
+
+
 def served_layout(root: Path) -> list[str]:
     """The category titles TensorBoard's custom-scalars page serves for the runs under ``root``."""
     from tensorboard import context
@@ -453,7 +485,10 @@ def scalar_events(log_dir: str | Path, prefix: str) -> list[Any]:
     events = []
     for path in sorted(Path(log_dir).glob("events.out.tfevents.*")):
         for event in EventFileLoader(str(path)).Load():
-            if any(v.tag.startswith(prefix) for v in event.summary.value):
+            if any(
+                v.tag.startswith(prefix) and v.metadata.plugin_data.plugin_name == "scalars"
+                for v in event.summary.value
+            ):
                 events.append(event)
     return events
 
