@@ -9,7 +9,9 @@ profiler, after warm-up updates (compilation included):
 * on the CPU: the top-level torch operations dispatched (the native kernel itself is
   one call outside torch).
 
-    python benchmarks/bench_launches.py [--device cuda] [--shapes 4x256,64x2048,256x4096]
+    python benchmarks/bench_launches.py [--device cuda] [--shapes 4x256,64x2048,256x4096] [--names]
+
+``--names`` lists what one update with the defaults runs, by name and count.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,8 +45,8 @@ def update_of(batch: dict[str, torch.Tensor], **options: object) -> Callable[[],
     return update
 
 
-def count(update: Callable[[], None], device: str) -> int:
-    """Kernels launched (CUDA) or top-level torch operations (CPU) by one update."""
+def launched(update: Callable[[], None], device: str) -> list[str]:
+    """The kernels (CUDA) or top-level torch operations (CPU) of one update, by name."""
     for _ in range(3):
         update()
     if device == "cuda":
@@ -51,10 +54,16 @@ def count(update: Callable[[], None], device: str) -> int:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             update()
             torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        cuda = torch.autograd.DeviceType.CUDA
+        return [e.name for e in prof.events() if e.device_type == cuda]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         update()
-    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+    return [e.name for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+
+
+def count(update: Callable[[], None], device: str) -> int:
+    """Kernels launched (CUDA) or top-level torch operations (CPU) by one update."""
+    return len(launched(update, device))
 
 
 def main() -> None:
@@ -62,6 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--shapes", default="4x256,64x2048,256x4096")
+    parser.add_argument("--names", action="store_true", help="list the defaults' launches")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     what = "kernel launches" if args.device == "cuda" else "torch operations"
@@ -73,6 +83,9 @@ def main() -> None:
         scalars = count(update_of(batch, **SCALARS_ONLY), args.device)
         defaults = count(update_of(batch), args.device)
         print(f"{text:>11} {scalars:>13} {defaults:>9}")
+        if args.names:
+            for name, times in Counter(launched(update_of(batch), args.device)).items():
+                print(f"{'':>11} {times:>3} x {name[:100]}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ one training batch (``update``). Prints the medians in nanoseconds per token, th
 against each, and how much the per-token cost of ``ours`` and ``update`` changes from
 one shape to the next (a cliff shows as a jump).
 
-    python benchmarks/bench_sizes.py [--repeats 9] [--largest 1024x16384]
+    python benchmarks/bench_sizes.py [--repeats 9] [--largest 1024x16384] [--device cuda]
+
+On CUDA every call is timed up to the end of its kernels (a device synchronisation).
 """
 
 from __future__ import annotations
@@ -58,6 +60,19 @@ def update_of(batch: dict[str, torch.Tensor]) -> Callable[[], object]:
     return update
 
 
+def finished(call: Callable[[], object], device: str) -> Callable[[], object]:
+    """``call``, returning once the device has finished its work."""
+    if device != "cuda":
+        return call
+
+    def call_and_wait() -> object:
+        result = call()
+        torch.cuda.synchronize()
+        return result
+
+    return call_and_wait
+
+
 def median_ms(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
     for call in calls.values():
         call()
@@ -75,24 +90,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--largest", default="1024x16384", help="skip shapes above this one")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     largest = tuple(int(n) for n in args.largest.split("x"))
     shapes = [s for s in SHAPES if s[0] * s[1] <= largest[0] * largest[1]]
     threads = torch.get_num_threads()
-    print(f"torch {torch.__version__}, {threads} threads, {kernel_width()}; ns per token")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else kernel_width()
+    print(f"torch {torch.__version__}, {threads} threads, {where}; ns per token")
     print(
         f"{'shape':>11} {'seed':>8} {'ours':>8} {'update':>8} {'seed/ours':>9} "
         f"{'seed/update':>11} {'ours step':>9} {'update step':>11}"
     )
     previous: dict[str, float] = {}
     for shape in shapes:
-        batch = make_batch(shape, torch.float32, "cpu")
+        batch = make_batch(shape, torch.float32, args.device)
         calls = {
             "seed": lambda b=batch: seed_calculate_debug_metrics(b),
             "ours": lambda b=batch: calculate_debug_metrics(b),
             "update": update_of(batch),
         }
+        calls = {name: finished(call, args.device) for name, call in calls.items()}
         repeats = args.repeats if shape[0] * shape[1] < 1 << 22 else max(3, args.repeats // 3)
         ms = median_ms(calls, repeats)
         tokens = shape[0] * shape[1]

@@ -96,7 +96,9 @@ def compile_problems(compile: object) -> list[str]:
 
 # ------------------------------------------------------------ torch.compile
 _FUSE_MIN_TOKENS = 1 << 16
-_fusion: dict[str, Any] = {"functions": {}, "disabled": None}
+_fusion: dict[str, Any] = {"functions": {}, "disabled": None, "failed": {}}
+"""The compiled functions; why compilation is off for all of them (``disabled``), or for
+one (``failed``: by function, the error; the others stay compiled)."""
 # Inductor stores a reused element-wise result in memory once its expression exceeds 50
 # operations on CPUs; recomputing it in registers is cheaper than a round trip to memory.
 # Fused multiply-adds round once instead of twice: faster and no less exact.
@@ -119,11 +121,12 @@ def run_fused(
     ``compile`` is ``None`` (compile batches of at least 65,536 tokens), ``True`` or
     ``False``. Where compilation fails, one warning says so and the process stays eager.
     """
-    if fusion_wanted(compile, tokens) and _fusion["disabled"] is None:
+    usable = _fusion["disabled"] is None and function not in _fusion["failed"]
+    if fusion_wanted(compile, tokens) and usable:
         try:  # torch.compile may raise when called, or at the first call of its result
             return blocks(_compiled(function), True)
-        except Exception as error:  # compilation unavailable here: stay eager from now on
-            _disable_fusion(error)
+        except Exception as error:  # this function stays eager from now on
+            _compile_failed(function, error)
     return blocks(function, False)
 
 
@@ -169,12 +172,16 @@ def _has_option(config: Any, dotted: str) -> bool:
     return True
 
 
-def _disable_fusion(error: Exception) -> None:
-    _fusion["disabled"] = repr(error)
+def _compile_failed(function: Callable[..., Tensor], error: Exception) -> None:
+    """Keep ``function`` eager from now on; warn at the first function that fails."""
+    _fusion["failed"][function] = repr(error)
+    if len(_fusion["failed"]) > 1:
+        return
     warnings.warn(
-        f"torch.compile is not usable here ({error!r}); the rollout statistics use eager "
-        "arithmetic (the same results to float32 rounding, slower). Pass compile=False to "
-        "skip the attempt.",
+        f"torch.compile is not usable here ({error!r}); `{function.__qualname__}` of the "
+        "rollout metrics, and any other part that fails to compile, runs eagerly from now on "
+        "(the same results to float32 rounding, slower). Pass compile=False to skip the "
+        "attempt.",
         RuntimeWarning,
         stacklevel=3,
     )

@@ -65,7 +65,9 @@ class LogBins:
             raise TypeError(f"{type(self).__name__}: float32 or float64 values, got {values.dtype}")
         shift = mantissa - self.bits
         bits = values.view(int_dtype)
-        offset = (bias + self.low) << self.bits
+        # A product, not a shift: traced with symbolic ints, a shift of two ints is what
+        # some torch.compile releases cannot evaluate.
+        offset = (bias + self.low) * self.steps
         if not self.signed:
             # A negative value has the sign bit set: a negative int, clamped to bin 0.
             return ((bits >> shift) - offset).clamp_(-1, self.top).add_(1).long()

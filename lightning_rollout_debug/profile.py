@@ -126,11 +126,16 @@ def profile_parts(blocks: Sequence[Block] | None = None) -> dict[str, int]:
 def column_buckets(width: int, device: torch.device | str | None = None) -> Tensor:
     """The position bucket of each column: 0 for column 0, ``floor(log2 j) + 1`` after.
 
-    Read off the float32 exponent of ``j`` (exact below ``2**24``; beyond, the last bucket).
+    Counted in integers, as the powers of two at most ``j`` (up to the last bucket), so
+    exact at every width; no bit tricks that a compiler's range analysis cannot follow.
+
+    Example:
+        >>> column_buckets(9).tolist()
+        [0, 1, 2, 2, 3, 3, 3, 3, 4]
     """
-    columns = torch.arange(width, device=device, dtype=torch.float32)
-    exponent = (columns.view(torch.int32) >> 23) - 126  # floor(log2 j) + 1 for j >= 1
-    return torch.where(columns >= 1, exponent, 0).clamp_(0, POSITION_BUCKETS - 1).long()
+    columns = torch.arange(width, device=device)
+    powers = 2 ** torch.arange(POSITION_BUCKETS - 1, device=device)
+    return (columns.unsqueeze(1) >= powers).sum(1)
 
 
 def probability_buckets(a: Tensor) -> Tensor:

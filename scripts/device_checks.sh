@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need an accelerator, in one run of a few minutes: the CUDA tests, the
-# kernel launches of one update, the parts of the update and a short Trainer run.
+# kernel launches of one update, every batch size against the seed, the parts of the
+# update and a short Trainer run.
 #
 #   bash scripts/device_checks.sh [cuda|cpu] [log folder]
 #
@@ -35,7 +36,8 @@ step() {  # step NAME COMMAND...
 
 step environment "$python" -c "import torch; print(torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
 step tests "$python" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_host_sync.py tests/test_tensorboard.py
-step launches "$python" benchmarks/bench_launches.py --device "$device"
+step launches "$python" benchmarks/bench_launches.py --device "$device" --names
+step sizes "$python" benchmarks/bench_sizes.py --device "$device" --repeats 5 --largest 512x8192
 step update_parts "$python" benchmarks/bench_update_parts.py --device "$device" --rounds 50
 step trainer "$python" benchmarks/bench_trainer.py --accelerator "$accelerator" --rounds 2
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from pathlib import Path
 from typing import Any
@@ -97,7 +98,7 @@ def test_compiled_update_is_exact_far_from_agreement(spread: str, fused_path: st
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_extras_match_eager_ones(dtype: torch.dtype) -> None:
+def test_compiled_extras_match_eager_ones(inductor_only: None, dtype: torch.dtype) -> None:
     rollout, old, mask, ids, _ = _batch(dtype)
     summaries = []
     for compile in (True, False):
@@ -124,6 +125,82 @@ def test_compiled_extras_match_eager_ones(dtype: torch.dtype) -> None:
     assert [(t.batch, t.row, t.position, t.token_id) for t in fused.worst_tokens] == [
         (t.batch, t.row, t.position, t.token_id) for t in eager.worst_tokens
     ]
+
+
+def test_traced_updates_shift_tensors_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No shift of two ints in the graphs torch.compile traces (statistics and extras).
+
+    Traced with dynamic shapes, the extras' settings become symbolic ints, and some
+    torch.compile releases (2.11) fail on a shift between two of them: the update then
+    runs eagerly, hundreds of kernel launches on a GPU instead of a few dozen.
+    """
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(graph)
+        return graph.forward
+
+    compile = torch.compile
+    monkeypatch.setattr(
+        torch, "compile", lambda function, **_: compile(function, dynamic=True, backend=capture)
+    )
+    monkeypatch.setattr(backends, "_fusion", {"functions": {}, "disabled": None, "failed": {}})
+    monkeypatch.setattr(native, "_pass", lambda *args, **kwargs: None)
+    torch._dynamo.reset()
+    rollout, old, mask, ids, _ = _batch(torch.float32)
+    try:
+        MismatchStats(compile=True).update(rollout, old, mask)
+        extras = TokenExtras(worst_tokens_k=8, profile=True, compile=True)
+        extras.update(rollout, old, mask, ids, batch_index=2)
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) >= 2 and not backends._fusion["failed"]
+    shifts = [
+        node.format_node()
+        for graph in graphs
+        for node in graph.graph.nodes
+        if node.op == "call_function"
+        and node.target in (operator.lshift, operator.rshift)
+        and not isinstance(node.meta.get("example_value"), torch.Tensor)
+    ]
+    assert shifts == []
+
+
+def test_a_part_that_fails_to_compile_leaves_the_others_compiled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The extras failing to compile (one warning) keep the statistics compiled."""
+    compiled_calls: list[str] = []
+
+    def compile_failing_for_the_extras(function: Any, **_: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if function is TokenExtras._chunk_state:
+                raise RuntimeError("cannot trace this")
+            compiled_calls.append(function.__name__)
+            return function(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", compile_failing_for_the_extras)
+    monkeypatch.setattr(backends, "_fusion", {"functions": {}, "disabled": None, "failed": {}})
+    monkeypatch.setattr(native, "_pass", lambda *args, **kwargs: None)
+    rollout, old, mask, ids, _ = _batch(torch.float32)
+    stats, extras = MismatchStats(compile=True), TokenExtras(worst_tokens_k=4, compile=True)
+    eager = TokenExtras(worst_tokens_k=4, compile=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for index in range(2):
+            stats.update(rollout, old, mask)
+            extras.update(rollout, old, mask, ids, batch_index=index)
+            eager.update(rollout, old, mask, ids, batch_index=index)
+    assert compiled_calls == ["batch_state", "batch_state"]
+    assert list(backends._fusion["failed"]) == [TokenExtras._chunk_state]
+    (warning,) = [w for w in caught if "torch.compile is not usable" in str(w.message)]
+    assert "TokenExtras._chunk_state" in str(warning.message)
+    assert torch.equal(extras.state, eager.state)
+    assert_metrics_close(
+        stats.compute(), reference_metrics([rollout, rollout], [old, old], [mask, mask])
+    )
 
 
 def test_compiled_updates_do_not_recompile_for_new_batches(inductor_only: None) -> None:
@@ -182,7 +259,7 @@ def test_a_failing_torch_compile_counts_every_batch_eagerly(
 ) -> None:
     """``torch.compile`` raising when called or when its result first runs: one warning,
     then eager arithmetic for the statistics and the extras; no batch is skipped."""
-    monkeypatch.setattr(backends, "_fusion", {"functions": {}, "disabled": None})
+    monkeypatch.setattr(backends, "_fusion", {"functions": {}, "disabled": None, "failed": {}})
     monkeypatch.setattr(torch, "compile", _compile_raising_at(when))
     batches = make_batches(4, batch_size=[3, 4, 2, 5], width=[7, 5, 9, 6], seed=21)
     callback = RolloutDebugCallback(compile=True, worst_tokens_k=3)
