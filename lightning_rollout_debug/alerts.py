@@ -78,12 +78,42 @@ class Alert:
     def describe(self, prefix: str = "") -> str:
         """E.g. ``training/rollout_probs_diff_mean = 0.02 is outside [-inf, 0.01]``."""
         allowed = format_range(self.low, self.high)
-        return f"`{prefix}{self.name}` = {self.value:.6g} is outside {allowed}"
+        value = format_apart(self.value, self.low, self.high)
+        return f"`{prefix}{self.name}` = {value} is outside {allowed}"
+
+
+def format_bound(bound: float) -> str:
+    """``bound`` in 6 significant digits, or in full where those would round it.
+
+    Example:
+        >>> format_bound(0.99), format_bound(1.0), format_bound(0.1234567)
+        ('0.99', '1', '0.1234567')
+    """
+    short = f"{bound:g}"
+    return short if float(short) == bound else repr(float(bound))
+
+
+def format_apart(value: float, *bounds: Bound) -> str:
+    """``value`` in 6 significant digits, or as many more as tell it from ``bounds``.
+
+    A value just outside its range must not print as the bound it crossed.
+
+    Example:
+        >>> format_apart(0.0123456789, 0.01), format_apart(0.99999999, 1.0)
+        ('0.0123457', '0.99999999')
+    """
+    for digits in range(6, 18):
+        text = f"{value:.{digits}g}"
+        shown = float(text)
+        if not any(bound is not None and shown == bound != value for bound in bounds):
+            return text
+    return repr(float(value))
 
 
 def format_range(low: Bound, high: Bound) -> str:
     """``[low, high]`` with an open side written as infinity."""
-    return f"[{'-inf' if low is None else f'{low:g}'}, {'inf' if high is None else f'{high:g}'}]"
+    low_text = "-inf" if low is None else format_bound(low)
+    return f"[{low_text}, {'inf' if high is None else format_bound(high)}]"
 
 
 def enabled_metric_names(groups: Collection[str]) -> list[str]:
@@ -168,7 +198,7 @@ def _parse_range(bounds: Any) -> tuple[Bound, Bound] | None:
     for bound in (low, high):
         if bound is None:
             parsed.append(None)
-        elif isinstance(bound, bool) or not isinstance(bound, (int, float)) or math.isnan(bound):
+        elif isinstance(bound, bool) or not isinstance(bound, numbers.Real) or math.isnan(bound):
             return None
         else:
             parsed.append(float(bound))

@@ -58,9 +58,25 @@ def response_log_probs(
         reports it among the non-finite tokens.
 
     Raises:
-        ValueError: shapes that do not fit together, a prompt width that is not an int
-            inside ``sequences``, or a temperature that is not a finite positive number.
+        ValueError: arguments that are not tensors of the kind (floating-point logits,
+            integer token ids), shapes that do not fit together, a prompt width that is
+            not an int inside ``sequences``, a token id that is not an int, or a
+            temperature that is not a finite positive number.
     """
+    for name, value in (("logits", logits), ("sequences", sequences)):
+        if not isinstance(value, Tensor):
+            raise ValueError(f"`{name}` must be a torch.Tensor, got a {type(value).__name__}.")
+    if not logits.is_floating_point():
+        raise ValueError(f"`logits` must be a floating-point tensor, got {logits.dtype}.")
+    if sequences.is_floating_point() or sequences.is_complex() or sequences.dtype == torch.bool:
+        raise ValueError(
+            f"`sequences` must be an integer tensor of token ids, got {sequences.dtype}."
+        )
+    for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, numbers.Integral)
+        ):
+            raise ValueError(f"`{name}` must be None or an int token id, got {value!r}.")
     if logits.ndim != 3 or sequences.ndim != 2 or logits.shape[0] != sequences.shape[0]:
         raise ValueError(
             f"`logits` must be [B, L, V] and `sequences` [B, P + T] with the same B; got "
@@ -92,7 +108,7 @@ def response_log_probs(
             f"`logits` has {logits.shape[1]} positions; expected {total} (a forward pass over "
             f"`sequences`) or {width} (one per generated token)."
         )
-    tokens = sequences[:, prompt_width:]
+    tokens = sequences[:, prompt_width:].long()  # gather takes int64 indices
     scores = scores.float() / temperature
     vocabulary = scores.shape[-1]
     known = (tokens >= 0) & (tokens < vocabulary)

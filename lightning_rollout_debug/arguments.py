@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from typing import Any
 
@@ -79,7 +79,8 @@ def monitor_problems(
     if not isinstance(strict, bool):
         problems.append(f"`strict` must be True or False, got {strict!r}.")
     if token_ids_keys is not None and (
-        isinstance(token_ids_keys, str)
+        not isinstance(token_ids_keys, Sequence)
+        or isinstance(token_ids_keys, str)
         or len(token_ids_keys) != 2
         or not all(isinstance(key, str) and key for key in token_ids_keys)
     ):
@@ -96,14 +97,17 @@ def monitor_problems(
             validate(value)
         except ValueError as error:
             problems.append(str(error))
-    with suppress(TypeError, ValueError):
-        if not validate_groups(groups):
+    with suppress(ValueError):  # an invalid `groups` is reported above
+        chosen = validate_groups(groups)
+        if not chosen:
             problems.append(
                 f"`groups` is empty, so nothing would be logged; choose from {list(GROUPS)}, "
                 "or pass None for all of them."
             )
-    if groups is not None and "token_ids" in groups and token_ids_keys is None:
-        problems.append("The `token_ids` group needs `token_ids_keys=(rollout_key, trainer_key)`.")
+        if groups is not None and "token_ids" in chosen and token_ids_keys is None:
+            problems.append(
+                "The `token_ids` group needs `token_ids_keys=(rollout_key, trainer_key)`."
+            )
     problems += extras_problems(
         histograms=histograms, worst_tokens_k=worst_tokens_k, dashboard_layout=dashboard_layout
     )
@@ -119,10 +123,30 @@ def monitor_problems(
     problems += drift_problems(drift_factors, drift_baseline, enabled)
     problems += compile_problems(compile)
     if pad_token_id is not None and (
-        isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral)
+        isinstance(pad_token_id, bool)
+        or not isinstance(pad_token_id, numbers.Integral)
+        or not INT64_MIN <= pad_token_id <= INT64_MAX
     ):
-        problems.append(f"`pad_token_id` must be None or an int token id, got {pad_token_id!r}.")
+        integral = isinstance(pad_token_id, numbers.Integral) and not isinstance(pad_token_id, bool)
+        beyond = " (beyond int64, the token ids' dtype)" if integral else ""
+        problems.append(
+            f"`pad_token_id` must be None or an int token id, got {pad_token_id!r}{beyond}."
+        )
     return problems
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""The range of a token id: token-id tensors are int64."""
+
+
+def once(value: Any) -> Any:
+    """``value``, or the tuple of its items if it is an iterator, which reads only once.
+
+    Example:
+        >>> once(group for group in ("seed", "health")), once(["seed"]), once(None)
+        (('seed', 'health'), ['seed'], None)
+    """
+    return tuple(value) if isinstance(value, Iterator) else value
 
 
 def prefix_problems(prefix: Any) -> list[str]:

@@ -207,13 +207,31 @@ def extract_inputs(
             id_names=token_ids_keys or ("rollout_token_ids", "trainer_token_ids"),
         )
     except BatchError as error:
-        hint = (
-            prompt_hint(sources, rollout, old, names) if error.kind.startswith("shape:") else None
-        )
-        if hint is None:
+        hints = []
+        if error.kind.startswith("shape:"):
+            hints = [cut_hint(sources, mask_name, mask), prompt_hint(sources, rollout, old, names)]
+        told = [hint for hint in hints if hint is not None]
+        if not told:
             raise
-        raise BatchError(error.kind, f"{error} {hint}") from None
+        raise BatchError(error.kind, " ".join([str(error), *told])) from None
     return inputs, fallback
+
+
+def cut_hint(sources: Sequence[Any], mask_name: str, mask: Any) -> str | None:
+    """Where the mask a shape error names is the last columns of a wider one.
+
+    ``None`` where the mask is the batch's own, uncut.
+    """
+    original, responses = lookup(sources, mask_name), lookup(sources, RESPONSES_KEY)
+    if not (_is_matrix(original) and _is_matrix(mask) and _is_matrix(responses)):
+        return None
+    if original.shape == mask.shape:
+        return None
+    return (
+        f"(The batch's `{mask_name}` has shape {tuple(original.shape)}: its last "
+        f"{mask.shape[1]} columns were taken, the width of `{RESPONSES_KEY}` "
+        f"{tuple(responses.shape)}.)"
+    )
 
 
 def prompt_hint(sources: Sequence[Any], rollout: Any, old: Any, names: Sequence[str]) -> str | None:

@@ -23,6 +23,7 @@ from lightning_rollout_debug.arguments import (
     is_process_group,
     metric_names,
     monitor_problems,
+    once,
     process_group_problems,
 )
 from lightning_rollout_debug.backends import prepare_native
@@ -189,8 +190,8 @@ class RolloutDebugCallback(Callback):
             "strict": strict,
             "is_threshold": is_threshold,
             "seq_ratio_bounds": seq_ratio_bounds,
-            "token_ids_keys": token_ids_keys,
-            "groups": groups,
+            "token_ids_keys": once(token_ids_keys),
+            "groups": once(groups),
             "histograms": histograms,
             "worst_tokens_k": worst_tokens_k,
             "dashboard_layout": dashboard_layout,

@@ -25,6 +25,7 @@ the mask is non-zero and both log-probs are finite.
 from __future__ import annotations
 
 import functools
+import numbers
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -95,7 +96,7 @@ def extras_problems(*, histograms: Any, worst_tokens_k: Any, dashboard_layout: A
             problems.append(f"`{name}` must be True or False, got {value!r}.")
     if (
         isinstance(worst_tokens_k, bool)
-        or not isinstance(worst_tokens_k, int)
+        or not isinstance(worst_tokens_k, numbers.Integral)
         or not 0 <= worst_tokens_k <= MAX_WORST_TOKENS_K
     ):
         problems.append(
@@ -418,13 +419,26 @@ def extras_layout(
 
 def token_ids_for(ids: Any, mask: Tensor) -> Tensor | None:
     """``ids`` if it is an integer ``[B, T]`` tensor matching ``mask``, else ``None``."""
-    if (
-        isinstance(ids, Tensor)
-        and ids.dtype in TOKEN_ID_DTYPES
-        and ids.shape == mask.shape
-        and ids.device == mask.device
-    ):
-        return ids
+    return ids if token_ids_mismatch(ids, mask) is None else None
+
+
+def token_ids_mismatch(ids: Any, mask: Tensor) -> str | None:
+    """Why ``ids`` are not the token ids of ``mask``'s tokens (``None``: they are).
+
+    Example:
+        >>> token_ids_mismatch(torch.zeros(2, 3), torch.ones(2, 3))
+        'has dtype torch.float32, not an integer dtype'
+        >>> token_ids_mismatch(torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 3))
+        "has shape (2, 4), not the mask's (2, 3)"
+    """
+    if not isinstance(ids, Tensor):
+        return f"is a {type(ids).__name__}, not a tensor"
+    if ids.dtype not in TOKEN_ID_DTYPES:
+        return f"has dtype {ids.dtype}, not an integer dtype"
+    if ids.shape != mask.shape:
+        return f"has shape {tuple(ids.shape)}, not the mask's {tuple(mask.shape)}"
+    if ids.device != mask.device:
+        return f"is on {ids.device}, not on the log-probs' {mask.device}"
     return None
 
 

@@ -37,6 +37,7 @@ from lightning_rollout_debug.arguments import (
     checked_step,
     enabled_groups,
     monitor_problems,
+    once,
     process_group_problems,
 )
 from lightning_rollout_debug.batch import (
@@ -61,6 +62,7 @@ from lightning_rollout_debug.extras import (
     ExtrasSummary,
     TokenExtras,
     token_ids_for,
+    token_ids_mismatch,
     update_together,
 )
 from lightning_rollout_debug.layout import merge_states
@@ -74,6 +76,7 @@ from lightning_rollout_debug.tensorboard import (
     PROFILE_IMAGES_EVERY_N_STEPS,
     dashboard_layout,
     log_scalars,
+    logger_prefix,
     use_fast_event_checksums,
     write_extras,
     write_layout,
@@ -222,6 +225,7 @@ class RolloutDebugMonitor:
         compile: bool | None = None,
         pad_token_id: int | None = None,
     ) -> None:
+        groups, token_ids_keys = once(groups), once(token_ids_keys)
         problems = monitor_problems(
             rollout_log_probs_key=rollout_log_probs_key,
             old_log_probs_key=old_log_probs_key,
@@ -259,12 +263,12 @@ class RolloutDebugMonitor:
         self.groups = tuple(group for group in GROUPS if group in enabled)
         self.process_group = process_group
         self.histograms = histograms
-        self.worst_tokens_k = worst_tokens_k
+        self.worst_tokens_k = worst_tokens_k = int(worst_tokens_k)
         self.dashboard_layout = dashboard_layout
         self.profile_images = profile_images
         self.profile_images_every_n_steps = int(profile_images_every_n_steps)
         self.on_alert = on_alert
-        self.pad_token_id = pad_token_id
+        self.pad_token_id = None if pad_token_id is None else int(pad_token_id)
         self.alert_ranges = resolve_alert_ranges(alert_ranges, self.groups)
         self.drift_factors = resolve_drift_factors(drift_factors, self.groups)
         self.drift_baseline = int(drift_baseline)
@@ -345,6 +349,11 @@ class RolloutDebugMonitor:
             token for a standard deviation) are left out.
         """
         step = checked_step(step)
+        if fabric is not None and not hasattr(fabric, "loggers"):
+            raise TypeError(
+                "`fabric` must be the lightning Fabric running the loop (it has `.loggers`), "
+                f"got a {type(fabric).__name__}."
+            )
         if loggers is None:
             loggers = [] if fabric is None else list(fabric.loggers)
         ranks = loop_ranks(fabric, self.process_group)
@@ -403,7 +412,7 @@ class RolloutDebugMonitor:
             )
             if not together:
                 self._stats._update_inputs(inputs)  # extract_inputs checked them
-            self._count_pads(inputs, token_ids)
+            self._count_pads(inputs, token_ids, sources)
         except BatchError as error:
             # No local may hold the error (its traceback holds this frame, and with it the
             # batch and any autograd graph, until a gc cycle).
@@ -419,14 +428,22 @@ class RolloutDebugMonitor:
         if self._extras is not None and not together:
             self._update_extras(self._extras, inputs, token_ids, index, rank)
 
-    def _count_pads(self, inputs: MismatchInputs, token_ids: Tensor | None) -> None:
+    def _count_pads(
+        self, inputs: MismatchInputs, token_ids: Tensor | None, sources: Sequence[Any]
+    ) -> None:
         if self.pad_token_id is None:
             return
         if token_ids is None:
+            responses = lookup(sources, RESPONSES_KEY)
+            why = (
+                f" holds no token ids (`{RESPONSES_KEY}` or `token_ids_keys[0]`)"
+                if responses is None
+                else f"'s `{RESPONSES_KEY}` {token_ids_mismatch(responses, inputs.mask)}"
+            )
             self._warn_once(
                 "pad-ids",
-                f"`pad_token_id={self.pad_token_id}` is set but the batch holds no token ids "
-                f"(`{RESPONSES_KEY}` or `token_ids_keys[0]`); pad tokens are not counted.",
+                f"`pad_token_id={self.pad_token_id}` is set but the batch{why}; pad tokens "
+                "are not counted.",
             )
             return
         self._stats.count_pads(inputs.mask, token_ids, self.pad_token_id)
@@ -475,6 +492,10 @@ class RolloutDebugMonitor:
         Log-probs recomputed by a model in training mode with dropout ``p > 0`` carry
         dropout noise that reads as mismatch; compute them in eval mode.
         """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"`check_dropout` takes a torch.nn.Module, got a {type(model).__name__}."
+            )
         active = active_dropout(model)
         if active:
             shown = ", ".join(active[:3]) + (", ..." if len(active) > 3 else "")
@@ -648,16 +669,20 @@ class RolloutDebugMonitor:
         *,
         show_rank: bool,
     ) -> None:
-        """The extras of one logged step, written to one TensorBoard logger."""
+        """The extras of one logged step, written to one TensorBoard logger.
+
+        Under the logger's own prefix too, as its scalars are: the charts find them.
+        """
         writer = logger.experiment
+        prefix = logger_prefix(logger) + self.prefix
         if self.dashboard_layout and logger.log_dir not in self._layouts_written:
             self._layouts_written.add(logger.log_dir)
             names = enabled_metric_names(self.groups)
-            write_layout(writer, dashboard_layout(self.prefix, names))
+            write_layout(writer, dashboard_layout(prefix, names))
         if extras is not None:
-            write_extras(writer, self.prefix, extras, step, show_rank=show_rank)
+            write_extras(writer, prefix, extras, step, show_rank=show_rank)
         if pictures:
-            write_profile(writer, self.prefix, self.profile, step)
+            write_profile(writer, prefix, self.profile, step)
 
     def _pictures_due(self, step: int) -> bool:
         """Whether ``step`` is the first logged step of its span of steps to draw in."""

@@ -223,12 +223,18 @@ class MismatchStats(ThreadSafeWindow):
         the groups that use them (a packed state is taken as it is).
 
         Raises:
+            TypeError: ``other`` is neither statistics nor a tensor.
             ValueError: ``other`` is not a packed state of this length, or statistics
                 whose window lacks some of these sums (:meth:`unmatched_groups`).
         """
         if isinstance(other, MismatchStats):
             self._check_settings(other.settings(), "Cannot merge these statistics")
         incoming = other.state if isinstance(other, MismatchStats) else other
+        if not isinstance(incoming, Tensor):
+            raise TypeError(
+                f"`merge` takes MismatchStats or a packed state tensor, got a "
+                f"{type(other).__name__}."
+            )
         if incoming.shape != (STATE_SIZE,):
             raise ValueError(
                 f"A packed state has shape ({STATE_SIZE},); got {tuple(incoming.shape)}."
@@ -454,8 +460,15 @@ def validate_groups(groups: Iterable[str] | None) -> frozenset[str]:
         return frozenset(GROUPS)
     if isinstance(groups, str):
         groups = [groups]
-    chosen = frozenset(groups)
-    unknown = sorted(chosen - set(GROUPS))
+    if not isinstance(groups, Iterable) or isinstance(groups, (bytes, Mapping)):
+        raise ValueError(
+            f"`groups` must be None (all of them) or a list of group names from {list(GROUPS)}, "
+            f"got {groups!r}."
+        )
+    listed = list(groups)
+    unknown = sorted(
+        (group for group in listed if not isinstance(group, str) or group not in GROUPS), key=repr
+    )
     if unknown:
         raise ValueError(f"Unknown metric groups {unknown}; valid groups are {list(GROUPS)}.")
-    return chosen
+    return frozenset(listed)

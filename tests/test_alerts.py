@@ -6,6 +6,7 @@ import math
 import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -17,6 +18,7 @@ from lightning_rollout_debug.alerts import (
     AlertMonitor,
     RolloutAlertError,
     RolloutAlertWarning,
+    alert_problems,
     resolve_alert_ranges,
 )
 from lightning_rollout_debug.catalog import GROUPS, METRIC_NAMES
@@ -178,3 +180,32 @@ def test_malformed_ranges_are_refused(bounds: Any) -> None:
 def test_alert_ranges_must_be_a_mapping(ranges: Any) -> None:
     with pytest.raises(ValueError, match="`alert_ranges` must be None"):
         RolloutDebugCallback(alert_ranges=ranges)
+
+
+@pytest.mark.parametrize(
+    ("value", "low", "high", "shown"),
+    [
+        (0.99999999, 1.0, None, "= 0.99999999 is outside [1, inf]"),
+        (0.0100000004, None, 0.01, "= 0.0100000004 is outside [-inf, 0.01]"),
+        (0.0123456789, None, 0.01, "= 0.0123457 is outside [-inf, 0.01]"),
+        (2.0, None, 1.0000001, "= 2 is outside [-inf, 1.0000001]"),
+    ],
+)
+def test_an_alert_never_prints_its_value_as_the_bound_it_crossed(
+    value: float, low: float | None, high: float | None, shown: str
+) -> None:
+    (alert,) = (
+        AlertMonitor({"rollout_probs_diff_mean": (low, high)})
+        .check({"rollout_probs_diff_mean": value})
+        .new
+    )
+    assert alert.describe().endswith(shown)
+
+
+def test_numpy_numbers_are_bounds() -> None:
+    ranges = resolve_alert_ranges(
+        {"rollout_probs_diff_mean": (np.float32(0.5), np.int64(2))}, GROUPS
+    )
+    assert ranges["rollout_probs_diff_mean"] == (0.5, 2.0)
+    for bad in (np.float64("nan"), np.bool_(True)):
+        assert alert_problems({"rollout_probs_diff_mean": (bad, None)}, "warn", GROUPS)

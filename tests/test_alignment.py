@@ -73,15 +73,35 @@ def test_shapes_that_do_not_fit_are_named(
         ({"temperature": math.inf}, "`temperature` must be a finite positive number, got inf."),
         ({"temperature": 0.0}, "`temperature` must be a finite positive number, got 0.0."),
         ({"temperature": "1"}, "`temperature` must be a finite positive number, got '1'."),
+        ({"pad_token_id": "0"}, "`pad_token_id` must be None or an int token id, got '0'."),
+        ({"eos_token_id": "0"}, "`eos_token_id` must be None or an int token id, got '0'."),
+        ({"eos_token_id": 2.0}, "`eos_token_id` must be None or an int token id, got 2.0."),
+        ({"sequences": torch.zeros(2, 5)}, "`sequences` must be an integer tensor of token ids, "
+         "got torch.float32."),
+        ({"sequences": [[0] * 5] * 2}, "`sequences` must be a torch.Tensor, got a list."),
+        ({"logits": torch.zeros(2, 5, 3).numpy()}, "`logits` must be a torch.Tensor, got a "
+         "ndarray."),
+        ({"logits": torch.zeros(2, 5, 3).long()}, "`logits` must be a floating-point tensor, got "
+         "torch.int64."),
     ],
 )  # fmt: skip
 def test_arguments_that_are_not_numbers_of_the_kind_are_named(
     arguments: dict[str, object], message: str
 ) -> None:
-    call = {"prompt_width": 2, **arguments}
+    call = {"logits": torch.zeros(2, 5, 3), "sequences": torch.zeros(2, 5).long()}
+    call = {**call, "prompt_width": 2, **arguments}
     with pytest.raises(ValueError) as raised:
-        response_log_probs(torch.zeros(2, 5, 3), torch.zeros(2, 5).long(), **call)  # type: ignore[arg-type]
+        response_log_probs(**call)  # type: ignore[arg-type]
     assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.uint8])
+def test_token_ids_of_any_integer_dtype_give_the_same_log_probs(dtype: torch.dtype) -> None:
+    sequences = torch.tensor([[1, 2, 0, 2, 1], [1, 2, 2, 1, 0]])
+    logits = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(2))
+    want = response_log_probs(logits, sequences, 2, eos_token_id=0, pad_token_id=1)
+    got = response_log_probs(logits, sequences.to(dtype), 2, eos_token_id=0, pad_token_id=1)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_an_id_outside_the_vocabulary_has_no_log_prob() -> None:

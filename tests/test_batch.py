@@ -224,6 +224,24 @@ def test_check_inputs_errors(args: tuple[Any, ...], kind: str, fragments: list[s
         check_inputs(*args)
 
 
+def test_a_mask_cut_to_the_responses_width_names_its_own_shape() -> None:
+    """The mask a shape error names is the last columns of the batch's wider one: the
+    message gives the batch's shape and why those columns were taken."""
+    batch = {
+        "rollout_log_probs": t(2, 5),
+        "old_log_probs": t(2, 5),
+        "attention_mask": ids(2, 9),  # prompt and response
+        "responses": ids(2, 6),  # one more than the log-probs
+    }
+    with raises(
+        "shape:attention_mask",
+        "`attention_mask` has shape (2, 6) but `rollout_log_probs` has shape (2, 5)",
+        "The batch's `attention_mask` has shape (2, 9): its last 6 columns were taken, the "
+        "width of `responses` (2, 6).",
+    ):
+        extract_inputs([batch])
+
+
 def test_check_inputs_uses_the_given_names() -> None:
     with raises("shape:attention_mask", "`attention_mask` has shape (2, 7)", "`lp` has shape"):
         check_inputs(t(2, 3), t(2, 3), t(2, 7), names=("lp", "old", "attention_mask"))

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -242,6 +243,11 @@ def test_constructor_keeps_its_arguments() -> None:
             f"Unknown metric groups ['nope']; valid groups are {list(GROUPS)}",
         ),
         ({"groups": ["token_ids"]}, "The `token_ids` group needs `token_ids_keys"),
+        ({"groups": 5}, "`groups` must be None (all of them) or a list of group names"),
+        ({"groups": [None, 1]}, "Unknown metric groups [1, None]; valid groups are"),
+        ({"token_ids_keys": 5}, "`token_ids_keys` must be None or a pair of batch keys"),
+        ({"pad_token_id": 2**70}, f"got {2**70} (beyond int64, the token ids' dtype)"),
+        ({"pad_token_id": "0"}, "`pad_token_id` must be None or an int token id, got '0'."),
         (
             {"groups": []},
             f"`groups` is empty, so nothing would be logged; choose from {list(GROUPS)}",
@@ -259,6 +265,23 @@ def test_invalid_argument_is_explained(kwargs: dict[str, Any], expected: str) ->
     with pytest.raises(ValueError, match="Invalid RolloutDebugCallback arguments") as info:
         RolloutDebugCallback(**kwargs)
     assert expected in str(info.value)
+
+
+def test_numpy_numbers_and_one_shot_iterables_are_arguments_like_any_other() -> None:
+    """A NumPy int or float where an int or a number goes; a generator of groups is read
+    once, and the callback keeps what it held."""
+    callback = RolloutDebugCallback(
+        groups=(group for group in ("seed", "kl")),
+        worst_tokens_k=np.int64(3),
+        pad_token_id=np.int64(7),
+        alert_ranges={"rollout_probs_diff_mean": (np.float32(0.0), np.float64(0.5))},
+        token_ids_keys=iter(("ids", "ids")),
+    )
+    assert callback.groups == ("seed", "kl")
+    assert callback.monitor.token_ids_keys == ("ids", "ids")
+    assert type(callback.monitor.worst_tokens_k) is int and callback.monitor.worst_tokens_k == 3
+    assert type(callback.monitor.pad_token_id) is int and callback.monitor.pad_token_id == 7
+    assert callback.monitor.alert_ranges["rollout_probs_diff_mean"] == (0.0, 0.5)
 
 
 def test_every_invalid_argument_is_reported_at_once() -> None:

@@ -1128,6 +1128,36 @@ def test_a_misaligned_rank_is_diagnosed_after_the_merge(rollouts: list[Rollout])
     assert merged.compute()["rollout_alignment_lag"] == -1.0
 
 
+@pytest.mark.parametrize(
+    ("responses", "why"),
+    [
+        (None, "the batch holds no token ids (`responses` or `token_ids_keys[0]`)"),
+        (
+            torch.zeros(4, 6, dtype=torch.long),
+            "the batch's `responses` has shape (4, 6), not the mask's",
+        ),
+        (
+            torch.zeros(4, 5),
+            "the batch's `responses` has dtype torch.float32, not an integer dtype",
+        ),
+        ([[0] * 5] * 4, "the batch's `responses` is a list, not a tensor"),
+    ],
+    ids=["absent", "wrong-shape", "float", "list"],
+)
+def test_pad_token_id_without_usable_token_ids_says_why(responses: Any, why: str) -> None:
+    generator = torch.Generator().manual_seed(5)
+    rollout = torch.log(torch.rand(4, 5, generator=generator) * 0.9 + 0.05)
+    extra = {} if responses is None else {"responses": responses}
+    monitor = RolloutDebugMonitor(pad_token_id=0, alert_ranges={}, drift_factors={})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor.update({"rollout_log_probs": rollout, "old_log_probs": rollout - 1e-3}, extra)
+        monitor.update({"rollout_log_probs": rollout, "old_log_probs": rollout - 1e-3}, extra)
+    (message,) = [str(w.message) for w in caught if "pad_token_id" in str(w.message)]
+    assert f"`pad_token_id=0` is set but {why}" in message and "not counted" in message
+    assert monitor._stats.compute()["rollout_tokens"] == 40
+
+
 # ---------------------------------------------------------------------- arguments
 @pytest.mark.parametrize(
     ("arguments", "message"),

@@ -42,6 +42,7 @@ from test_stats import OpRecorder, host_syncs
 from lightning_rollout_debug import (
     GROUPS,
     BatchError,
+    MismatchStats,
     RolloutAlertError,
     RolloutAlertWarning,
     RolloutDebugCallback,
@@ -295,6 +296,12 @@ def test_bad_log_arguments_keep_the_window() -> None:
     for wrong in ("notalogger", 3):  # named whole, not as its letters
         with pytest.raises(TypeError, match=f"got {wrong!r}.$"):
             monitor.log(0, wrong)
+    with pytest.raises(TypeError, match=r"`fabric` must be the lightning Fabric .* got a object"):
+        monitor.log(0, fabric=object())
+    with pytest.raises(TypeError, match=r"takes a torch\.nn\.Module, got a str"):
+        monitor.check_dropout("model")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="MismatchStats or a packed state tensor, got a int"):
+        MismatchStats().merge(5)  # type: ignore[arg-type]
     assert monitor.batches_in_window == 1
     assert monitor.log(0)[f"{PREFIX}rollout_sequences"] == 3
 
