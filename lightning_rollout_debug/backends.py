@@ -2,13 +2,13 @@
 
 * On CPUs, float32 and bfloat16 log-probs go through the native kernel (:mod:`.native`)
   at every size, unless ``compile=False``: one pass, finished into the packed state.
-* On accelerators, batches of at least 65,536 tokens (every batch with
-  ``compile=True``) go through ``torch.compile`` of the same torch arithmetic
-  (:mod:`.rows`), which keeps nothing per token in memory and takes the whole batch in
-  one call.
-* Everything else (smaller batches off the CPU, other dtypes, ``compile=False``, and
-  every case where the kernel or the compiler is unavailable) runs eagerly, in chunks of
-  rows that bound the temporary memory.
+* On accelerators, every batch goes through ``torch.compile`` of the same torch
+  arithmetic (:mod:`.rows`), unless ``compile=False``: it keeps nothing per token in
+  memory and takes the whole batch in one call. One compilation serves every size (a
+  few dozen kernel launches an update, where eager arithmetic launches hundreds).
+* Everything else (other dtypes on CPUs, ``compile=False``, and every case where the
+  kernel or the compiler is unavailable) runs eagerly, in chunks of rows that bound the
+  temporary memory.
 
 Every path computes the same row quantities (:data:`~.rows.ROWS_OF_GROUP`) and the same
 packed state, to float32 rounding. A path that fails falls back to the next with one
@@ -76,7 +76,7 @@ def statistics_states(
             return [found[0], *token_id_states(inputs, groups)]
     # On CPUs torch.compile only when asked for: where the kernel cannot serve, a
     # compilation (tens of seconds) costs more than eager arithmetic saves.
-    return run_fused(batch_state, bool(compile) if cpu else compile, batch * width, blocks)
+    return run_fused(batch_state, bool(compile) if cpu else compile, blocks)
 
 
 def token_id_states(inputs: MismatchInputs, groups: frozenset[str]) -> list[Tensor]:
@@ -95,7 +95,6 @@ def compile_problems(compile: object) -> list[str]:
 
 
 # ------------------------------------------------------------ torch.compile
-_FUSE_MIN_TOKENS = 1 << 16
 _fusion: dict[str, Any] = {"functions": {}, "disabled": None, "failed": {}}
 """The compiled functions; why compilation is off for all of them (``disabled``), or for
 one (``failed``: by function, the error; the others stay compiled)."""
@@ -113,26 +112,19 @@ _COMPILE_OPTIONS = {
 def run_fused(
     function: Callable[..., Tensor],
     compile: bool | None,
-    tokens: int,
     blocks: Callable[[Callable[..., Tensor], bool], list[Tensor]],
 ) -> list[Tensor]:
-    """``blocks(function, fused)`` with ``function`` compiled when this batch should be.
+    """``blocks(function, fused)`` with ``function`` compiled unless ``compile`` is False.
 
-    ``compile`` is ``None`` (compile batches of at least 65,536 tokens), ``True`` or
-    ``False``. Where compilation fails, one warning says so and the process stays eager.
+    Where compilation fails, one warning says so and ``function`` stays eager.
     """
     usable = _fusion["disabled"] is None and function not in _fusion["failed"]
-    if fusion_wanted(compile, tokens) and usable:
+    if compile is not False and usable:
         try:  # torch.compile may raise when called, or at the first call of its result
             return blocks(_compiled(function), True)
         except Exception as error:  # this function stays eager from now on
             _compile_failed(function, error)
     return blocks(function, False)
-
-
-def fusion_wanted(compile: bool | None, tokens: int) -> bool:
-    """Whether a batch of ``tokens`` goes through ``torch.compile`` under this ``compile``."""
-    return compile is True or (compile is None and tokens >= _FUSE_MIN_TOKENS)
 
 
 def native_wanted(compile: bool | None) -> bool:

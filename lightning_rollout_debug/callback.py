@@ -118,13 +118,15 @@ class RolloutDebugCallback(Callback):
         drift_factors: drift alerts: a factor (> 1) per un-prefixed metric name; a logged
             value above factor x the metric's baseline alerts, with ``on_alert``'s action.
             ``None`` uses ``DEFAULT_DRIFT_FACTORS`` and ``{}`` turns drift alerts off;
-            independent of ``alert_ranges``.
+            independent of ``alert_ranges``. For metrics that grow with the mismatch
+            from a positive baseline; one that falls (a correlation) never reaches its
+            factor: give it an alert range.
         drift_baseline: how many first logged (defined) values of a metric its baseline
             is the median of. The baseline is kept in the checkpoint: a resumed run goes
             on with it, a new run collects its own.
         compile: fuse the statistics and the extras into one pass: on CPUs the native
             kernel reads every batch once for both; on accelerators ``torch.compile`` takes
-            batches of 65,536 tokens or more. ``None`` never compiles on a CPU and falls
+            every batch. ``None`` never compiles on a CPU and falls
             back to eager arithmetic where fusing does not work, ``False`` never fuses,
             ``True`` fuses every batch. The results are the same; see
             ``docs/performance.md``.

@@ -139,8 +139,8 @@ class TokenExtras(ThreadSafeWindow):
             bounds the temporary memory of an update.
         compile: fuse an update, as :class:`~lightning_rollout_debug.MismatchStats`
             does: on CPUs through the native kernel (``k`` up to 64), on accelerators
-            with ``torch.compile`` (``None``: for batches of at least 65,536 tokens, never
-            compiling on a CPU, falling back to eager arithmetic where fusing fails).
+            with ``torch.compile`` (``None``: every batch, never compiling on a CPU,
+            falling back to eager arithmetic where fusing fails).
 
     Example:
         >>> import torch
@@ -283,7 +283,7 @@ class TokenExtras(ThreadSafeWindow):
                 ]
 
             compile = self.compile if device.type != "cpu" else bool(self.compile)
-            parts += run_fused(TokenExtras._chunk_state, compile, batch * width, chunks)
+            parts += run_fused(TokenExtras._chunk_state, compile, chunks)
         self._add(parts, device)
 
     # ------------------------------------------------------------ native kernel

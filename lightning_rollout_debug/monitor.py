@@ -165,11 +165,13 @@ class RolloutDebugMonitor:
         drift_factors: drift alerts: a factor (> 1) per un-prefixed metric name; a logged
             value above factor x the metric's baseline alerts, with ``on_alert``'s action.
             ``None`` uses ``DEFAULT_DRIFT_FACTORS`` and ``{}`` turns drift alerts off.
+            For metrics that grow with the mismatch from a positive baseline; one that
+            falls (a correlation) never reaches its factor: give it an alert range.
         drift_baseline: how many first logged (defined) values of a metric its baseline
             is the median of. The baseline is kept in :meth:`state_dict`.
         compile: fuse the statistics and the extras of a batch into one pass, as the
-            callback's ``compile`` does (on CPUs every batch, on accelerators those of
-            at least 65,536 tokens); see ``docs/performance.md``.
+            callback's ``compile`` does (the kernel on CPUs, ``torch.compile`` on
+            accelerators, every batch); see ``docs/performance.md``.
         pad_token_id: the pad token's id: pad tokens inside the mask are counted and
             named in the ``padding`` diagnosis. The ids come from ``token_ids_keys[0]`` or
             ``responses``.

@@ -152,11 +152,10 @@ class MismatchStats(ThreadSafeWindow):
         compile: fuse an update into one pass: on CPUs with float32 or bfloat16
             log-probs the package's native kernel (built on first use with the system
             C++ compiler), on accelerators ``torch.compile``. ``None`` (the default)
-            takes the kernel on CPUs at every size and ``torch.compile`` on
-            accelerators for blocks of at least 65,536 tokens, never compiles on a CPU,
-            and falls back to eager arithmetic, with one warning, where neither is
-            available; ``False`` never fuses; ``True`` fuses every block (with
-            ``torch.compile`` on a CPU where the kernel does not apply).
+            takes the kernel on CPUs and ``torch.compile`` on accelerators, at every
+            size, never compiles on a CPU, and falls back to eager arithmetic, with one
+            warning, where neither is available; ``False`` never fuses; ``True`` fuses
+            every block (with ``torch.compile`` on a CPU where the kernel does not apply).
         chunk_tokens: without compilation, rows are processed in chunks of about this
             many tokens, which bounds the temporary memory of an update (default:
             65,536 on the CPU, 4,194,304 on accelerators).

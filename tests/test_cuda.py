@@ -92,7 +92,7 @@ def test_cuda_training_copies_to_the_host_once_per_logged_step(extras: bool) -> 
         dashboard_layout=extras,
         alert_ranges={},
     )
-    # 64 x 2048 tokens: large enough for the compiled update.
+    # 64 x 2048 tokens: a training batch.
     batches = make_batches(9, batch_size=64, width=2048, mask="random")
     trainer = pl.Trainer(
         **{**TRAINER_DEFAULTS, "accelerator": "gpu"},
@@ -128,7 +128,7 @@ def _launches_per_update(monitor: RolloutDebugMonitor, batch: dict[str, torch.Te
     ids=["seed-group", "defaults"],
 )
 def test_cuda_update_launches_a_handful_of_kernels(options: dict[str, Any]) -> None:
-    # 64 x 2048 tokens: large enough for the compiled update.
+    # 64 x 2048 tokens: a training batch.
     (batch,) = make_batches(1, batch_size=64, width=2048, mask="random")
     batch = {key: value.cuda() for key, value in batch.items()}
     launches = _launches_per_update(RolloutDebugMonitor(alert_ranges={}, **options), batch)

@@ -59,7 +59,6 @@ def _batch(dtype: torch.dtype, rows: int = 96, width: int = 1024) -> tuple[torch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_update_matches_eager_and_reference(dtype: torch.dtype, fused_path: str) -> None:
     tensors = _batch(dtype)
-    assert tensors[2].numel() >= 1 << 16  # large enough for the automatic fusion
     fused, eager = MismatchStats(compile=True), MismatchStats(compile=False, chunk_tokens=4096)
     for stats in (fused, eager):
         stats.update(*tensors)
