@@ -25,6 +25,8 @@ import numbers
 import torch
 from torch import Tensor
 
+from lightning_rollout_debug.arguments import is_token_id
+
 
 @torch.no_grad()
 def response_log_probs(
@@ -73,9 +75,7 @@ def response_log_probs(
             f"`sequences` must be an integer tensor of token ids, got {sequences.dtype}."
         )
     for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, numbers.Integral)
-        ):
+        if value is not None and not is_token_id(value):
             raise ValueError(f"`{name}` must be None or an int token id, got {value!r}.")
     if logits.ndim != 3 or sequences.ndim != 2 or logits.shape[0] != sequences.shape[0]:
         raise ValueError(

@@ -122,12 +122,8 @@ def monitor_problems(
     problems += alert_problems(alert_ranges, on_alert, enabled)
     problems += drift_problems(drift_factors, drift_baseline, enabled)
     problems += compile_problems(compile)
-    if pad_token_id is not None and (
-        isinstance(pad_token_id, bool)
-        or not isinstance(pad_token_id, numbers.Integral)
-        or not INT64_MIN <= pad_token_id <= INT64_MAX
-    ):
-        integral = isinstance(pad_token_id, numbers.Integral) and not isinstance(pad_token_id, bool)
+    if pad_token_id is not None and not is_token_id(pad_token_id):
+        integral = isinstance(pad_token_id, numbers.Integral) and type(pad_token_id) is not bool
         beyond = " (beyond int64, the token ids' dtype)" if integral else ""
         problems.append(
             f"`pad_token_id` must be None or an int token id, got {pad_token_id!r}{beyond}."
@@ -135,8 +131,14 @@ def monitor_problems(
     return problems
 
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-"""The range of a token id: token-id tensors are int64."""
+def is_token_id(value: Any) -> bool:
+    """Whether ``value`` is an int (not a bool) that an int64 token-id tensor can hold.
+
+    Example:
+        >>> is_token_id(50256), is_token_id(-100), is_token_id(2**63), is_token_id(True)
+        (True, True, False, False)
+    """
+    return is_int_at_least(value, -(2**63)) and value < 2**63
 
 
 def once(value: Any) -> Any:

@@ -95,9 +95,9 @@ def compile_problems(compile: object) -> list[str]:
 
 
 # ------------------------------------------------------------ torch.compile
-_fusion: dict[str, Any] = {"functions": {}, "disabled": None, "failed": {}}
-"""The compiled functions; why compilation is off for all of them (``disabled``), or for
-one (``failed``: by function, the error; the others stay compiled)."""
+_fusion: dict[str, Any] = {"functions": {}, "failed": {}}
+"""The compiled functions, and why those that failed to compile stay eager (by function:
+the error; the others stay compiled)."""
 # Inductor stores a reused element-wise result in memory once its expression exceeds 50
 # operations on CPUs; recomputing it in registers is cheaper than a round trip to memory.
 # Fused multiply-adds round once instead of twice: faster and no less exact.
@@ -118,8 +118,7 @@ def run_fused(
 
     Where compilation fails, one warning says so and ``function`` stays eager.
     """
-    usable = _fusion["disabled"] is None and function not in _fusion["failed"]
-    if compile is not False and usable:
+    if compile is not False and function not in _fusion["failed"]:
         try:  # torch.compile may raise when called, or at the first call of its result
             return blocks(_compiled(function), True)
         except Exception as error:  # this function stays eager from now on

@@ -143,7 +143,7 @@ def test_traced_updates_shift_tensors_only(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(
         torch, "compile", lambda function, **_: compile(function, dynamic=True, backend=capture)
     )
-    monkeypatch.setattr(backends, "_fusion", {"functions": {}, "disabled": None, "failed": {}})
+    monkeypatch.setattr(backends, "_fusion", {"functions": {}, "failed": {}})
     monkeypatch.setattr(native, "_pass", lambda *args, **kwargs: None)
     torch._dynamo.reset()
     rollout, old, mask, ids, _ = _batch(torch.float32)
@@ -181,7 +181,7 @@ def test_a_part_that_fails_to_compile_leaves_the_others_compiled(
         return run
 
     monkeypatch.setattr(torch, "compile", compile_failing_for_the_extras)
-    monkeypatch.setattr(backends, "_fusion", {"functions": {}, "disabled": None, "failed": {}})
+    monkeypatch.setattr(backends, "_fusion", {"functions": {}, "failed": {}})
     monkeypatch.setattr(native, "_pass", lambda *args, **kwargs: None)
     rollout, old, mask, ids, _ = _batch(torch.float32)
     stats, extras = MismatchStats(compile=True), TokenExtras(worst_tokens_k=4, compile=True)
@@ -258,7 +258,7 @@ def test_a_failing_torch_compile_counts_every_batch_eagerly(
 ) -> None:
     """``torch.compile`` raising when called or when its result first runs: one warning,
     then eager arithmetic for the statistics and the extras; no batch is skipped."""
-    monkeypatch.setattr(backends, "_fusion", {"functions": {}, "disabled": None, "failed": {}})
+    monkeypatch.setattr(backends, "_fusion", {"functions": {}, "failed": {}})
     monkeypatch.setattr(torch, "compile", _compile_raising_at(when))
     batches = make_batches(4, batch_size=[3, 4, 2, 5], width=[7, 5, 9, 6], seed=21)
     callback = RolloutDebugCallback(compile=True, worst_tokens_k=3)
