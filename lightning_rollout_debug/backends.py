@@ -5,7 +5,8 @@
 * On accelerators, every batch goes through ``torch.compile`` of the same torch
   arithmetic (:mod:`.rows`), unless ``compile=False``: it keeps nothing per token in
   memory and takes the whole batch in one call. One compilation serves every size (a
-  few dozen kernel launches an update, where eager arithmetic launches hundreds).
+  handful of kernel launches for the statistics, where eager arithmetic launches
+  hundreds).
 * Everything else (other dtypes on CPUs, ``compile=False``, and every case where the
   kernel or the compiler is unavailable) runs eagerly, in chunks of rows that bound the
   temporary memory.
@@ -102,10 +103,13 @@ the error; the others stay compiled)."""
 # operations on CPUs; recomputing it in registers is cheaper than a round trip to memory.
 # Fused multiply-adds round once instead of twice: faster and no less exact.
 # Up to 64 reductions share one loop (16 by default), so the catalog reads the batch once.
+# A packed state is a concatenation of dozens of scalars: written by one kernel, not by
+# one kernel each (planned for a GPU, the statistics' 62 kernels became 8).
 _COMPILE_OPTIONS = {
     "realize_cpu_opcount_threshold": 1000,
     "cpp.enable_floating_point_contract_flag": "fast",
     "cpp.max_horizontal_fusion_size": 64,
+    "force_pointwise_cat": True,
 }
 
 

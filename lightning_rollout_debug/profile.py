@@ -75,6 +75,9 @@ per octave up to ``2**5`` nats, above (62 bins a side)."""
 
 _LOG2_E = 1.4426950408889634
 
+_is_compiling = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
+"""Whether torch.compile is tracing the caller (``torch.compiler`` has it from torch 2.3)."""
+
 
 def _names(stem: str, count: int) -> tuple[str, ...]:
     return tuple(f"{stem}[{i}]" for i in range(count))
@@ -127,15 +130,18 @@ def column_buckets(width: int, device: torch.device | str | None = None) -> Tens
     """The position bucket of each column: 0 for column 0, ``floor(log2 j) + 1`` after.
 
     Counted in integers, as the powers of two at most ``j`` (up to the last bucket), so
-    exact at every width; no bit tricks that a compiler's range analysis cannot follow.
+    exact at every width; no bit tricks that a compiler's range analysis cannot follow,
+    and no reduction: compiled, it is part of the kernel that reads the buckets.
 
     Example:
         >>> column_buckets(9).tolist()
         [0, 1, 2, 2, 3, 3, 3, 3, 4]
     """
     columns = torch.arange(width, device=device)
-    powers = 2 ** torch.arange(POSITION_BUCKETS - 1, device=device)
-    return (columns.unsqueeze(1) >= powers).sum(1)
+    buckets = torch.zeros_like(columns)
+    for power in range(POSITION_BUCKETS - 1):
+        buckets = buckets + (columns >= 2**power).long()
+    return buckets
 
 
 def probability_buckets(a: Tensor) -> Tensor:
@@ -153,7 +159,11 @@ def joint_bins(a: Tensor, b: Tensor) -> Tensor:
 def profile_from_tokens(
     a: Tensor, b: Tensor, r: Tensor, counting: Tensor, diff: Tensor, k3: Tensor
 ) -> Tensor:
-    """The profile block from the element-wise quantities (zero where a token does not count)."""
+    """The profile block from the element-wise quantities (zero where a token does not count).
+
+    Every count and every sum by bucket is one scatter-add into the block: compiled, one
+    kernel computes each token's slots and adds to them.
+    """
     f64 = torch.float64
     device = a.device
     keep = counting.flatten()
@@ -161,29 +171,34 @@ def profile_from_tokens(
     zero = torch.zeros((), dtype=f64, device=device)
     log_diff = r.abs()
 
-    def counts(index: Tensor, size: int, values: Tensor = weight) -> Tensor:
-        return torch.zeros(size, dtype=f64, device=device).scatter_add_(0, index, values)
+    def wide(value: Tensor) -> Tensor:
+        return torch.where(keep, value.flatten().to(f64), zero)
 
-    whole = [
-        counts(bins.index(value.flatten().contiguous()), len(bins.edges) + 1)
-        for value, (_, _, bins) in zip((diff, log_diff), QUANTILE_BINS, strict=True)
-    ]
     position = column_buckets(a.shape[1], device).expand_as(a).flatten()
     probability = probability_buckets(a).flatten()
     side = len(JOINT_BINS.edges) + 1
-    whole += [
-        counts(position, POSITION_BUCKETS),
-        counts(probability, PROBABILITY_BUCKETS),
-        counts(joint_bins(a, b).flatten(), side * side),
+    # (the slot within its part, the value added, the part's size), in the block's order.
+    parts = [
+        *(
+            (bins.index(value.flatten()), weight, len(bins.edges) + 1)
+            for value, (_, _, bins) in zip((diff, log_diff), QUANTILE_BINS, strict=True)
+        ),
+        (position, weight, POSITION_BUCKETS),
+        (probability, weight, PROBABILITY_BUCKETS),
+        (joint_bins(a, b).flatten(), weight, side * side),
+        (position, wide(diff), POSITION_BUCKETS),
+        (position, wide(k3), POSITION_BUCKETS),
+        (probability, wide(diff), PROBABILITY_BUCKETS),
+        (probability, wide(log_diff), PROBABILITY_BUCKETS),
     ]
-    wide_diff = torch.where(keep, diff.flatten().to(f64), zero)
-    wide_log_diff = torch.where(keep, log_diff.flatten().to(f64), zero)
-    sums = [
-        counts(position, POSITION_BUCKETS, wide_diff),
-        counts(position, POSITION_BUCKETS, torch.where(keep, k3.flatten().to(f64), zero)),
-        counts(probability, PROBABILITY_BUCKETS, wide_diff),
-        counts(probability, PROBABILITY_BUCKETS, wide_log_diff),
-    ]
+    starts = list(itertools.accumulate((size for _, _, size in parts), initial=0))
+    summed = torch.zeros(starts[-1], dtype=f64, device=device)
+    if _is_compiling():  # one kernel adds every part; the concatenations are never stored
+        slots = [index + start for (index, _, _), start in zip(parts, starts[:-1], strict=True)]
+        summed.scatter_add_(0, torch.cat(slots), torch.cat([value for _, value, _ in parts]))
+    else:  # eagerly, part by part: no copies of the tokens' slots and values
+        for (index, value, size), start in zip(parts, starts[:-1], strict=True):
+            summed[start : start + size].scatter_add_(0, index, value)
     maxima = torch.stack(
         [
             torch.where(keep, diff.flatten(), -math.inf).amax().to(f64),
@@ -191,7 +206,7 @@ def profile_from_tokens(
             torch.full((), float(a.shape[1]), dtype=f64, device=device),
         ]
     )
-    return torch.cat([*whole, *sums, maxima])
+    return torch.cat([summed, maxima])
 
 
 # ---------------------------------------------------------------------- reading

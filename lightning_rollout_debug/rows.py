@@ -412,16 +412,22 @@ def pad_slots(mask: Tensor, token_ids: Tensor, pad_token_id: int) -> dict[str, T
 
 
 def _neighbour_sums(a: Tensor, b: Tensor, counting: Tensor) -> dict[str, Tensor]:
-    """The row sums of the health group from ``a`` and ``b`` (zero where not counting)."""
+    """The row sums of the health group from ``a`` and ``b`` (zero where not counting).
+
+    Each pair ``(t, t + 1)`` is summed at column ``t``, from the next column's values
+    shifted left (zero past the end): every sum runs over the row's ``T`` columns, so a
+    compiler reduces them in the same loop as the others.
+    """
     f64 = torch.float64
     wide_a, wide_b = a.to(f64), b.to(f64)
-    pair = counting[:, :-1] & counting[:, 1:]
+    next_a, next_b = _next(wide_a), _next(wide_b)
+    pair = counting & _next(counting)
     zero = counting & (b == 0.0) & (a < PADDING_ACTOR_LOG_PROB)
     sides = {
-        "plus_actor": wide_a[:, :-1],  # the pairs (a_t, b_(t+1))
-        "plus_rollout": wide_b[:, 1:],
-        "minus_actor": wide_a[:, 1:],  # the pairs (a_(t+1), b_t)
-        "minus_rollout": wide_b[:, :-1],
+        "plus_actor": wide_a,  # the pairs (a_t, b_(t+1))
+        "plus_rollout": next_b,
+        "minus_actor": next_a,  # the pairs (a_(t+1), b_t)
+        "minus_rollout": wide_b,
     }
     sums = {
         "zero_rollout_log_prob": zero.sum(1, dtype=torch.int32),
@@ -430,13 +436,18 @@ def _neighbour_sums(a: Tensor, b: Tensor, counting: Tensor) -> dict[str, Tensor]
         "sum_actor_log_prob_sq": (wide_a * wide_a).sum(1),
         "sum_rollout_log_prob_sq": (wide_b * wide_b).sum(1),
         "sum_actor_x_rollout": (wide_a * wide_b).sum(1),
-        "sum_actor_x_next_rollout": (wide_a[:, :-1] * wide_b[:, 1:]).sum(1),
-        "sum_next_actor_x_rollout": (wide_a[:, 1:] * wide_b[:, :-1]).sum(1),
+        "sum_actor_x_next_rollout": (wide_a * next_b).sum(1),
+        "sum_next_actor_x_rollout": (next_a * wide_b).sum(1),
     }
     for name, side in sides.items():
         kept = torch.where(pair, side, 0.0)
         sums[name], sums[f"{name}_sq"] = kept.sum(1), (kept * kept).sum(1)
     return sums
+
+
+def _next(x: Tensor) -> Tensor:
+    """Each column's right neighbour: ``x[:, t + 1]``, and zero (False) after the last."""
+    return torch.nn.functional.pad(x[:, 1:], (0, 1)) if x.shape[1] else x
 
 
 def masked_actor(rollout_log_probs: Tensor, old_log_probs: Tensor, counting: Tensor) -> Tensor:
@@ -470,15 +481,16 @@ def zero_run(zero: Tensor, counting: Tensor) -> Tensor:
         >>> zero_run(zero, torch.ones(2, 5, dtype=torch.bool)).tolist()
         [1, 1]
     """
-    after = zero[:, 1:] & zero[:, :-1]
-    count = after.sum(1, dtype=torch.int32)
     if zero.shape[1] == 0:
-        return count
+        return zero.sum(1, dtype=torch.int32)
+    previous = torch.nn.functional.pad(zero[:, :-1], (1, 0))
+    count = (zero & previous).sum(1, dtype=torch.int32)
+    # The last counting column t and whether a run of zeros starts there, as the largest
+    # 2 t + lone(t): a reduction in the same loop as the count, no second pass.
+    lone = zero & ~previous
     position = torch.arange(zero.shape[1], device=zero.device)
-    last = torch.where(counting, position, -1).amax(1, keepdim=True)
-    lone = zero & ~torch.nn.functional.pad(zero[:, :-1], (1, 0))
-    tail = lone.gather(1, last.clamp(min=0)).squeeze(1) & (last.squeeze(1) >= 0)
-    return count + tail
+    last = torch.where(counting, 2 * position + lone.long(), -1).amax(1)
+    return count + ((last >= 0) & (last % 2 == 1)).to(torch.int32)
 
 
 def _centre(
