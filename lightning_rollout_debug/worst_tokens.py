@@ -79,16 +79,33 @@ def worst_tokens_block(k: int) -> Block:
 
 
 def earliest_top(key: Tensor, k: int) -> Tensor:
-    """The indices of the ``k`` largest of ``key`` (1-D), of equal ones the lowest.
+    """The indices of the ``k`` largest of ``key`` (1-D, no NaN), of equal ones the lowest.
 
-    ``topk`` alone leaves ties at the k-th value to chance; a second ``topk`` ranks the
-    tokens above the k-th value first (all of them are kept) and those equal to it by
-    index. No host synchronisation.
+    In no particular order (the caller ranks the candidates).
+
+    ``topk`` alone leaves ties at the k-th value to chance. A float32 key (up to 2**32 of
+    them) is ranked with its position in one 64-bit integer: the key's bits, turned into
+    an integer of the same order, above the position counted from the end, so that one
+    ``topk`` orders by key, then by position. Other keys take a second ``topk``, which
+    ranks those above the k-th value first (all of them are kept) and those equal to it
+    by index. No host synchronisation.
+
+    Example:
+        >>> sorted(earliest_top(torch.tensor([0.5, 2.0, 0.5, -math.inf, 0.5]), 3).tolist())
+        [0, 1, 2]
     """
     if k == 0:
         return torch.zeros(0, dtype=torch.int64, device=key.device)
+    count = key.numel()
+    if key.dtype == torch.float32 and count <= 1 << 32:
+        bits = torch.where(key == 0.0, 0.0, key).view(torch.int32)  # -0.0 ties with +0.0
+        # Negative floats order backwards as integers: flipping all but the sign fixes it.
+        ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+        from_end = (count - 1) - torch.arange(count, device=key.device)
+        ranked = torch.topk(ordered * (1 << 32) + from_end, k).values
+        return (count - 1) - (ranked & 0xFFFFFFFF)
     kth = torch.topk(key, k).values[-1]
-    index = torch.arange(key.numel(), device=key.device, dtype=torch.float64)
+    index = torch.arange(count, device=key.device, dtype=torch.float64)
     score = torch.where(key > kth, math.inf, torch.where(key == kth, -index, -math.inf))
     return torch.topk(score, k).indices
 

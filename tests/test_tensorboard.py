@@ -54,7 +54,7 @@ from lightning_rollout_debug.extras import TokenExtras
 from lightning_rollout_debug.ranks import Ranks
 from lightning_rollout_debug.rows import LOG_PROB_FLOOR
 from lightning_rollout_debug.tensorboard import dashboard_layout, use_fast_event_checksums
-from lightning_rollout_debug.worst_tokens import WORST_FIELDS
+from lightning_rollout_debug.worst_tokens import WORST_FIELDS, earliest_top
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),
@@ -328,6 +328,21 @@ def test_of_tied_worst_tokens_the_earliest_in_the_window_win(
     rows = parse_table(event.tensor_proto.string_val[0].decode())
     kept = [(int(row["batch"]), int(row["row"]), int(row["position"])) for row in rows]
     assert kept == [(0, 0, 5), (0, 1, 6), (0, 2, 0), (0, 2, 7), (1, 0, 0), (1, 0, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_top_keys_are_ranked_by_key_then_position(dtype: torch.dtype, compiled: bool) -> None:
+    """The first k of a sort by (-key, position): ties, -0.0 and +0.0, infinities, negatives."""
+    generator = torch.Generator().manual_seed(7)
+    top = torch.compile(earliest_top, dynamic=True) if compiled else earliest_top
+    for count in (1, 9, 200):
+        key = torch.randint(-3, 4, (count,), generator=generator).to(dtype) * 0.25
+        for value, share in ((-math.inf, 0.2), (-0.0, 0.05), (math.inf, 0.05)):
+            key[torch.rand(count, generator=generator) < share] = value
+        for k in sorted(k for k in {1, 3, count // 2, count} if 1 <= k <= count):
+            want = sorted(range(count), key=lambda i: (-key[i].item(), i))[:k]
+            assert sorted(top(key, k).tolist()) == sorted(want)
 
 
 def test_worst_tokens_without_ids_have_no_token_column(tmp_path: Path) -> None:
