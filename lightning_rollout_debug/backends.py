@@ -104,7 +104,7 @@ the error; the others stay compiled)."""
 # Fused multiply-adds round once instead of twice: faster and no less exact.
 # Up to 64 reductions share one loop (16 by default), so the catalog reads the batch once.
 # A packed state is a concatenation of dozens of scalars: written by one kernel, not by
-# one kernel each (planned for a GPU, the statistics' 62 kernels became 8).
+# one kernel each (planned for a GPU, 45 of the statistics' 62 kernels wrote its slots).
 _COMPILE_OPTIONS = {
     "realize_cpu_opcount_threshold": 1000,
     "cpp.enable_floating_point_contract_flag": "fast",

@@ -43,6 +43,9 @@ RULES = ("count", "mean", "comoment", "sum", "max", "min", "top")
 _EMPTY = {"max": -math.inf, "min": math.inf}  # every other rule starts at 0
 _FOLD = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
 
+compiling = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
+"""Whether torch.compile is tracing the caller (``torch.compiler`` has it from torch 2.3)."""
+
 
 def filled(values: Sequence[float], **options: Any) -> Tensor:
     """A vector of ``values`` made with fill kernels: an accelerator gets no host copy.
@@ -202,8 +205,10 @@ class Layout:
         sample = next(iter(values.values()), None)
         if device is None:
             device = None if sample is None else sample.device
-        if sample is not None and type(sample) is not Tensor:
-            # A tensor subclass (fake tensors) does not mix with cached plain tensors.
+        if compiling() or (sample is not None and type(sample) is not Tensor):
+            # Traced, the empty slots are constants of the kernel that packs the state (a
+            # cached tensor made in the trace would be remade, as an output, every call);
+            # a tensor subclass (fake tensors) does not mix with cached plain tensors.
             slots = list(self._new_empty(torch.device(device)).unbind())
         else:
             slots = list(self._empty_of(device)[1])

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.bins import LogBins
-from lightning_rollout_debug.layout import Block
+from lightning_rollout_debug.layout import Block, compiling
 
 QUANTILES: tuple[tuple[str, int], ...] = (("p50", 500), ("p90", 900), ("p99", 990), ("p999", 999))
 """The quantiles: name suffix and ``q`` in thousandths (integers keep ``q * N`` exact)."""
@@ -74,9 +74,6 @@ JOINT_BINS = LogBins(-10, 15, signed=False, steps=4)
 per octave up to ``2**5`` nats, above (62 bins a side)."""
 
 _LOG2_E = 1.4426950408889634
-
-_is_compiling = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
-"""Whether torch.compile is tracing the caller (``torch.compiler`` has it from torch 2.3)."""
 
 
 def _names(stem: str, count: int) -> tuple[str, ...]:
@@ -193,7 +190,7 @@ def profile_from_tokens(
     ]
     starts = list(itertools.accumulate((size for _, _, size in parts), initial=0))
     summed = torch.zeros(starts[-1], dtype=f64, device=device)
-    if _is_compiling():  # one kernel adds every part; the concatenations are never stored
+    if compiling():  # one kernel adds every part; the concatenations are never stored
         slots = [index + start for (index, _, _), start in zip(parts, starts[:-1], strict=True)]
         summed.scatter_add_(0, torch.cat(slots), torch.cat([value for _, value, _ in parts]))
     else:  # eagerly, part by part: no copies of the tokens' slots and values

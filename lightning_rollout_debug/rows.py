@@ -272,18 +272,26 @@ def state_from_rows(
     """
     f64 = torch.float64
     needed = rows_for(groups)
-    # Every column reduced at once: two reductions instead of one per column.
-    summed = [name for name in ROW_FIELDS if name in needed and not name.startswith("max_")]
-    maxed = [name for name in ROW_FIELDS if name in needed and name.startswith("max_")]
-    totals = torch.stack([rows[name].to(f64) for name in summed]).sum(1).unbind()
-    largest_of = torch.stack([rows[name].to(f64) for name in maxed]).amax(1).unbind()
-    reduced = dict(zip(summed, totals, strict=True)) | dict(zip(maxed, largest_of, strict=True))
+    row_count = rows["count"].to(f64)
+    per_row = {name: rows[name].to(f64) for name in ROW_FIELDS if name in needed}
+    if "health" in groups or "sequence" in groups:
+        per_row["sequences"] = (row_count > 0).to(f64)
+    if "sequence" in groups:
+        sides = (per_row[name] for name in ("sum_actor_log_prob", "sum_rollout_log_prob"))
+        per_row.update(_sequence_rows(*sides, per_row["log_ratio"], row_count, seq_ratio_bounds))
+    # Every column reduced at once, as sums and as maxima: compiled, one kernel reads the
+    # rows once (the names say which of the two each column takes).
+    stacked = torch.stack(list(per_row.values()))
+    sums, maxima = stacked.sum(1).unbind(), stacked.amax(1).unbind()
+    reduced = {
+        name: maxima[i] if name.startswith(("max_", "neg_")) else sums[i]
+        for i, name in enumerate(per_row)
+    }
 
     def total(name: str) -> Tensor:
         return reduced[name]
 
     largest = total
-    row_count = rows["count"].to(f64)
     count = total("count")
     slots = {
         "count": count,
@@ -322,12 +330,12 @@ def state_from_rows(
             for x in (r_max, r_min)
         )
     if "health" in groups or "sequence" in groups:
-        slots["sequences"] = (row_count > 0).sum(dtype=f64)
+        slots["sequences"] = total("sequences")
     if "health" in groups:
         slots.update({name: total(name) for name in HEALTH_SUMS})
     if "sequence" in groups:
-        sides = (rows[name] for name in ("sum_actor_log_prob", "sum_rollout_log_prob", "log_ratio"))
-        slots.update(_sequence_sums(*sides, row_count, seq_ratio_bounds))
+        slots.update({name: total(name) for name in _SEQUENCE_SLOTS})
+        slots["min_seq_log_ratio"] = -total("neg_min_seq_log_ratio")
     if "token_ids" in groups:
         slots.update(token_id_slots(mask, rollout_token_ids, trainer_token_ids))
     return STATE.pack(slots)
@@ -508,14 +516,28 @@ def _centre(
     return means, comoments
 
 
-def _sequence_sums(
+_SEQUENCE_SLOTS = (
+    "seq_ppl_actor",
+    "seq_ppl_rollout",
+    "seq_log_ratio",
+    "seq_outside",
+    "max_seq_abs_log_ratio",
+    "max_seq_log_ratio",
+)
+
+
+def _sequence_rows(
     sum_a: Tensor,
     sum_b: Tensor,
     sum_r: Tensor,
     row_count: Tensor,
     bounds: tuple[float, float],
 ) -> dict[str, Tensor]:
-    """Sequence statistics from the float64 row sums of ``a``, ``b`` and ``r = a - b``."""
+    """Each row's terms of the sequence statistics, from its float64 sums of ``a``, ``b``, ``r``.
+
+    Summed over the rows, but for those named ``max_`` (maxima) and
+    ``neg_min_seq_log_ratio`` (the largest of ``-mean r``: minus the smallest).
+    """
     has_tokens = row_count > 0
     per_row = row_count.clamp(min=1.0)
     mean_r = sum_r / per_row  # log of the geometric-mean ratio; zero for empty rows
@@ -523,13 +545,13 @@ def _sequence_sums(
     geo = torch.exp(mean_r)
     outside = has_tokens & ((geo < bounds[0]) | (geo > bounds[1]))
     return {
-        "seq_ppl_actor": torch.where(has_tokens, torch.exp(-sum_a / per_row), zero).sum(),
-        "seq_ppl_rollout": torch.where(has_tokens, torch.exp(-sum_b / per_row), zero).sum(),
-        "seq_log_ratio": mean_r.sum(),
-        "seq_outside": outside.sum(dtype=mean_r.dtype),
-        "max_seq_abs_log_ratio": torch.where(has_tokens, mean_r.abs(), -math.inf).amax(),
-        "max_seq_log_ratio": torch.where(has_tokens, mean_r, -math.inf).amax(),
-        "min_seq_log_ratio": torch.where(has_tokens, mean_r, math.inf).amin(),
+        "seq_ppl_actor": torch.where(has_tokens, torch.exp(-sum_a / per_row), zero),
+        "seq_ppl_rollout": torch.where(has_tokens, torch.exp(-sum_b / per_row), zero),
+        "seq_log_ratio": mean_r,
+        "seq_outside": outside.to(mean_r.dtype),
+        "max_seq_abs_log_ratio": torch.where(has_tokens, mean_r.abs(), -math.inf),
+        "max_seq_log_ratio": torch.where(has_tokens, mean_r, -math.inf),
+        "neg_min_seq_log_ratio": torch.where(has_tokens, -mean_r, -math.inf),
     }
 
 
