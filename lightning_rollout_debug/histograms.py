@@ -90,7 +90,7 @@ def histogram_state(
     fine bins (both unsigned, the fine bins spanning these bins' range), the counts are
     added up from them: the same whole numbers as counting the values.
     """
-    counts = torch.zeros(len(bins.edges) + 1, dtype=torch.float64, device=values.device)
+    size = len(bins.edges) + 1
     fine = None if finer is None else finer[0]
     if (
         fine is not None
@@ -101,11 +101,14 @@ def histogram_state(
     ):
         # Fine bin i holds the values whose fine steps above 2**fine.low are i - 1 (-1:
         # below, clamped); their steps here are those shifted right, less the steps
-        # between the two lowest edges, clamped alike.
+        # between the two lowest edges, clamped alike. Each bin sums its fine bins (a
+        # reduction, which a compiler does in one kernel; no atomic adds into zeros).
         steps = torch.arange(-1, len(fine.edges), device=values.device)
         steps = (steps >> (fine.bits - bins.bits)) - bins.steps * (bins.low - fine.low)
-        counts.index_add_(0, steps.clamp_(-1, bins.top).add_(1), finer[1])
+        of_bin = steps.clamp(-1, bins.top) + 1 == torch.arange(size, device=values.device)[:, None]
+        counts = torch.where(of_bin, finer[1], 0.0).sum(1)
     else:
+        counts = torch.zeros(size, dtype=torch.float64, device=values.device)
         counts.scatter_add_(0, bins.index(values), weight)
     exact = values.to(torch.float64)
     moments = [
