@@ -105,11 +105,14 @@ the error; the others stay compiled)."""
 # Up to 64 reductions share one loop (16 by default), so the catalog reads the batch once.
 # A packed state is a concatenation of dozens of scalars: written by one kernel, not by
 # one kernel each (planned for a GPU, 45 of the statistics' 62 kernels wrote its slots).
+# A reduction over long rows, few of them, stays one kernel: split in two, each of the
+# dozens of row sums would take a second kernel of its own (58 kernels for 1 x 65,536).
 _COMPILE_OPTIONS = {
     "realize_cpu_opcount_threshold": 1000,
     "cpp.enable_floating_point_contract_flag": "fast",
     "cpp.max_horizontal_fusion_size": 64,
     "force_pointwise_cat": True,
+    "split_reductions": False,
 }
 
 

@@ -55,9 +55,12 @@ from lightning_rollout_debug.bins import (
     QuarterOctaveBins,
 )
 from lightning_rollout_debug.histograms import (
+    MOMENT_ROWS,
     Histogram,
     histogram_blocks,
     histogram_state,
+    moment_rows,
+    moments_of,
     read_histograms,
 )
 from lightning_rollout_debug.layout import Layout
@@ -67,6 +70,7 @@ from lightning_rollout_debug.profile import (
     Profile,
     profile_blocks,
     profile_from_tokens,
+    profile_rows,
     read_profile,
 )
 from lightning_rollout_debug.rows import (
@@ -74,6 +78,7 @@ from lightning_rollout_debug.rows import (
     counting_tokens,
     exp,
     kl_k3_tokens,
+    over_rows,
     prob_diff,
     rows_for,
 )
@@ -352,27 +357,35 @@ class TokenExtras(ThreadSafeWindow):
         a, b, r, masked, finite = counting_tokens(rollout_log_probs, old_log_probs, mask)
         counting = masked & finite
         parts = []
+        # Every reduction over the tokens goes along the rows first, and the rows' parts are
+        # reduced together (compiled: one kernel for the rows, one for the totals).
+        values = {"rollout_log_ratio_hist": r}
+        weight = counting.to(f64)
+        per_row: dict[str, Tensor] = {}
         if self._histograms or self.profile:
             # The same abs(pa - pb) as the statistics; r and the diff are zero where a
             # token does not count.
             prob_actor, prob_rollout = exp(a), exp(b)
-            diff = prob_diff(prob_actor, prob_rollout, r)
+            values["rollout_probs_diff_hist"] = diff = prob_diff(prob_actor, prob_rollout, r)
+        if self.profile:
+            per_row.update(profile_rows(counting, diff, r))
+        for name, _ in self._histograms:
+            rows = moment_rows(values[name], counting, weight)
+            per_row.update({f"{moment}:{name}": value for moment, value in rows.items()})
+        totals = over_rows(per_row) if per_row else {}
         profile = None
         if self.profile:
             k3 = kl_k3_tokens(prob_actor, prob_rollout, r)
-            profile = profile_from_tokens(a, b, r, counting, diff, k3)
-        if self._histograms:
-            keep = counting.flatten()
-            weight = keep.to(f64)
-            values = {"rollout_log_ratio_hist": r, "rollout_probs_diff_hist": diff}
-            finer = {}
-            if profile is not None:  # the profile's fine bins of abs(pa - pb) lead its block
-                fine = QUANTILE_BINS[0][2]
-                finer["rollout_probs_diff_hist"] = (fine, profile[: len(fine.edges) + 1])
-            for name, spec in self._histograms:
-                parts.append(
-                    histogram_state(values[name].flatten(), keep, weight, spec, finer.get(name))
-                )
+            profile = profile_from_tokens(a, b, r, counting, diff, k3, totals)
+        finer = {}
+        if profile is not None:  # the profile's fine bins of abs(pa - pb) lead its block
+            fine = QUANTILE_BINS[0][2]
+            finer["rollout_probs_diff_hist"] = (fine, profile[: len(fine.edges) + 1])
+        for name, spec in self._histograms:
+            moments = moments_of({key: totals[f"{key}:{name}"] for key in MOMENT_ROWS})
+            parts.append(
+                histogram_state(values[name], counting, weight, spec, finer.get(name), moments)
+            )
         if self.worst_tokens_k:
             origin = (first_row, batch_index, rank)
             parts.append(candidates(a, b, r, counting, token_ids, origin, k=self.worst_tokens_k))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +30,18 @@ from torch import Tensor
 
 from lightning_rollout_debug.bins import LogBins, QuarterOctaveBins
 from lightning_rollout_debug.layout import Block
+from lightning_rollout_debug.rows import over_rows
 
-__all__ = ["MOMENTS", "Histogram", "histogram_blocks", "histogram_state", "read_histograms"]
+__all__ = [
+    "MOMENTS",
+    "MOMENT_ROWS",
+    "Histogram",
+    "histogram_blocks",
+    "histogram_state",
+    "moment_rows",
+    "moments_of",
+    "read_histograms",
+]
 
 MOMENTS = ("num", "min", "max", "sum", "sum_squares")
 """What a packed histogram holds after its bin counts."""
@@ -81,14 +91,18 @@ def histogram_state(
     weight: Tensor,
     bins: QuarterOctaveBins,
     finer: tuple[LogBins, Tensor] | None = None,
+    moments: Tensor | None = None,
 ) -> Tensor:
     """``[bin counts..., num, min, max, sum, sum_squares]`` of ``values`` where ``keep``.
 
-    ``values`` (1-D, float32 or float64) must be zero where ``keep`` is false, so plain
-    sums skip those tokens; ``weight`` is ``keep`` as float64. ``finer`` is ``(fine,
+    ``values`` (1-D, or ``[B, T]`` rows, float32 or float64) must be zero where ``keep``
+    (of the same shape) is false, so plain sums skip those tokens; ``weight`` is ``keep``
+    as float64. ``finer`` is ``(fine,
     counts)``: the counts of the same values in finer bins. Where each bin is a union of
     fine bins (both unsigned, the fine bins spanning these bins' range), the counts are
-    added up from them: the same whole numbers as counting the values.
+    added up from them: the same whole numbers as counting the values. ``moments``: the
+    five moments, where the caller has reduced :func:`moment_rows` already (with other
+    quantities' rows, :func:`~lightning_rollout_debug.rows.over_rows`).
     """
     size = len(bins.edges) + 1
     fine = None if finer is None else finer[0]
@@ -109,16 +123,35 @@ def histogram_state(
         counts = torch.where(of_bin, finer[1], 0.0).sum(1)
     else:
         counts = torch.zeros(size, dtype=torch.float64, device=values.device)
-        counts.scatter_add_(0, bins.index(values), weight)
+        counts.scatter_add_(0, bins.index(values.flatten()), weight.flatten())
+    if moments is None:
+        rows = (torch.atleast_2d(x) for x in (values, keep, weight))
+        moments = moments_of(over_rows(moment_rows(*rows)))
+    return torch.cat([counts, moments])
+
+
+MOMENT_ROWS = ("num", "neg_min", "max_value", "sum", "sum_squares")
+"""The names of :func:`moment_rows`, for :func:`~lightning_rollout_debug.rows.over_rows`:
+``neg_min`` is the largest of the negated values, minus the smallest."""
+
+
+def moment_rows(values: Tensor, keep: Tensor, weight: Tensor) -> dict[str, Tensor]:
+    """Each row's part of the five moments of a ``[B, T]`` block (:data:`MOMENT_ROWS`)."""
     exact = values.to(torch.float64)
-    moments = [
-        weight.sum(),
-        torch.where(keep, values, math.inf).amin().to(torch.float64),
-        torch.where(keep, values, -math.inf).amax().to(torch.float64),
-        exact.sum(),
-        torch.dot(exact, exact),
-    ]
-    return torch.cat([counts, torch.stack(moments)])
+    parts = (
+        weight.sum(-1),
+        torch.where(keep, -values, -math.inf).amax(-1),
+        torch.where(keep, values, -math.inf).amax(-1),
+        exact.sum(-1),
+        (exact * exact).sum(-1),
+    )
+    return dict(zip(MOMENT_ROWS, parts, strict=True))
+
+
+def moments_of(totals: Mapping[str, Tensor]) -> Tensor:
+    """``[num, min, max, sum, sum_squares]`` from the totals of :func:`moment_rows`."""
+    num, neg_min, largest, total, squares = (totals[name] for name in MOMENT_ROWS)
+    return torch.stack([num, -neg_min, largest, total, squares])
 
 
 def read_histograms(

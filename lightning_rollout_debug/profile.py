@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,7 @@ from torch import Tensor
 
 from lightning_rollout_debug.bins import LogBins
 from lightning_rollout_debug.layout import Block, compiling
+from lightning_rollout_debug.rows import over_rows
 
 QUANTILES: tuple[tuple[str, int], ...] = (("p50", 500), ("p90", 900), ("p99", 990), ("p999", 999))
 """The quantiles: name suffix and ``q`` in thousandths (integers keep ``q * N`` exact)."""
@@ -153,10 +154,27 @@ def joint_bins(a: Tensor, b: Tensor) -> Tensor:
     return JOINT_BINS.index(-a) * side + JOINT_BINS.index(-b)
 
 
+def profile_rows(counting: Tensor, diff: Tensor, r: Tensor) -> dict[str, Tensor]:
+    """Each row's largest ``|pa - pb|`` and ``|r|``, named for :func:`~.rows.over_rows`."""
+    return {
+        "max_probs_diff": torch.where(counting, diff, -math.inf).amax(-1),
+        "max_log_diff": torch.where(counting, r.abs(), -math.inf).amax(-1),
+    }
+
+
 def profile_from_tokens(
-    a: Tensor, b: Tensor, r: Tensor, counting: Tensor, diff: Tensor, k3: Tensor
+    a: Tensor,
+    b: Tensor,
+    r: Tensor,
+    counting: Tensor,
+    diff: Tensor,
+    k3: Tensor,
+    totals: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
     """The profile block from the element-wise quantities (zero where a token does not count).
+
+    ``totals``: the totals of :func:`profile_rows`, where the caller has reduced them
+    already (with other quantities' rows, :func:`~.rows.over_rows`).
 
     Every count and every sum by bucket is one scatter-add into the block: compiled, one
     kernel computes each token's slots and adds to them.
@@ -196,10 +214,12 @@ def profile_from_tokens(
     else:  # eagerly, part by part: no copies of the tokens' slots and values
         for (index, value, size), start in zip(parts, starts[:-1], strict=True):
             summed[start : start + size].scatter_add_(0, index, value)
+    if totals is None:
+        totals = over_rows(profile_rows(counting, diff, r))
     maxima = torch.stack(
         [
-            torch.where(keep, diff.flatten(), -math.inf).amax().to(f64),
-            torch.where(keep, log_diff.flatten(), -math.inf).amax().to(f64),
+            totals["max_probs_diff"],
+            totals["max_log_diff"],
             torch.full((), float(a.shape[1]), dtype=f64, device=device),
         ]
     )

@@ -12,6 +12,7 @@ the kernel's columns are checked against :data:`ROW_FIELDS` by name.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
@@ -258,6 +259,28 @@ def row_sums(
     return rows
 
 
+def over_rows(per_row: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Each ``[B]`` column of ``per_row`` reduced over the rows: summed, or its largest.
+
+    The largest where its name starts with ``max_`` (or ``neg_``: negated values, whose
+    largest is minus the smallest), the sum elsewhere. The columns are stacked and
+    reduced both ways at once: compiled, one kernel reads the rows once, whatever the
+    number of columns (each reduced on its own would be a kernel of its own).
+
+    Example:
+        >>> per_row = {"n": torch.tensor([1.0, 2.0]), "max_x": torch.tensor([3.0, -1.0])}
+        >>> totals = over_rows(per_row)
+        >>> {name: value.item() for name, value in totals.items()}
+        {'n': 3.0, 'max_x': 3.0}
+    """
+    stacked = torch.stack([value.to(torch.float64) for value in per_row.values()])
+    sums, maxima = stacked.sum(1).unbind(), stacked.amax(1).unbind()
+    return {
+        name: maxima[i] if name.startswith(("max_", "neg_")) else sums[i]
+        for i, name in enumerate(per_row)
+    }
+
+
 def state_from_rows(
     rows: dict[str, Tensor],
     mask: Tensor,
@@ -279,14 +302,7 @@ def state_from_rows(
     if "sequence" in groups:
         sides = (per_row[name] for name in ("sum_actor_log_prob", "sum_rollout_log_prob"))
         per_row.update(_sequence_rows(*sides, per_row["log_ratio"], row_count, seq_ratio_bounds))
-    # Every column reduced at once, as sums and as maxima: compiled, one kernel reads the
-    # rows once (the names say which of the two each column takes).
-    stacked = torch.stack(list(per_row.values()))
-    sums, maxima = stacked.sum(1).unbind(), stacked.amax(1).unbind()
-    reduced = {
-        name: maxima[i] if name.startswith(("max_", "neg_")) else sums[i]
-        for i, name in enumerate(per_row)
-    }
+    reduced = over_rows(per_row)
 
     def total(name: str) -> Tensor:
         return reduced[name]
