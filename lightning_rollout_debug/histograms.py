@@ -97,12 +97,12 @@ def histogram_state(
 
     ``values`` (1-D, or ``[B, T]`` rows, float32 or float64) must be zero where ``keep``
     (of the same shape) is false, so plain sums skip those tokens; ``weight`` is ``keep``
-    as float64. ``finer`` is ``(fine,
-    counts)``: the counts of the same values in finer bins. Where each bin is a union of
-    fine bins (both unsigned, the fine bins spanning these bins' range), the counts are
-    added up from them: the same whole numbers as counting the values. ``moments``: the
-    five moments, where the caller has reduced :func:`moment_rows` already (with other
-    quantities' rows, :func:`~lightning_rollout_debug.rows.over_rows`).
+    as float64. ``finer`` is ``(fine, counts)``: the counts of the same values in finer
+    bins. Where each bin is a union of fine bins (both unsigned, the fine bins spanning
+    these bins' range), the counts are added up from them: the same whole numbers as
+    counting the values. ``moments``: the five moments, where the caller has reduced
+    :func:`moment_rows` already (with other quantities' rows,
+    :func:`~lightning_rollout_debug.rows.over_rows`).
     """
     size = len(bins.edges) + 1
     fine = None if finer is None else finer[0]
