@@ -18,7 +18,7 @@ counts and sums add, extremes fold, and the best ``k`` of all candidates are kep
 of :mod:`.tensorboard` draw it.
 
 Tokens count exactly as in the statistics: log-probs are floored at
-:data:`~lightning_rollout_debug.rows.LOG_PROB_FLOOR` first, and a token counts where
+:data:`~lightning_rollout_debug.tokens.LOG_PROB_FLOOR` first, and a token counts where
 the mask is non-zero and both log-probs are finite.
 """
 
@@ -73,16 +73,9 @@ from lightning_rollout_debug.profile import (
     profile_rows,
     read_profile,
 )
-from lightning_rollout_debug.rows import (
-    ROW_FIELDS,
-    counting_tokens,
-    exp,
-    kl_k3_tokens,
-    over_rows,
-    prob_diff,
-    rows_for,
-)
+from lightning_rollout_debug.rows import ROW_FIELDS, over_rows, rows_for
 from lightning_rollout_debug.stats import MismatchStats, ThreadSafeWindow
+from lightning_rollout_debug.tokens import counting_tokens, exp, kl_k3_tokens, prob_diff
 from lightning_rollout_debug.worst_tokens import (
     FIELDS,
     MAX_WORST_TOKENS_K,

@@ -36,7 +36,7 @@ from lightning_rollout_debug.canvas import (
     rgb_array,
 )
 from lightning_rollout_debug.profile import Profile
-from lightning_rollout_debug.rows import LOG_PROB_FLOOR
+from lightning_rollout_debug.tokens import LOG_PROB_FLOOR
 
 # Heatmap: one square cell of JOINT_CELL_PX per bin, from the bin of the log-prob floor up.
 JOINT_CELL_PX = 4

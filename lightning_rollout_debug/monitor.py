@@ -28,7 +28,6 @@ from lightning_rollout_debug.alerts import (
     DriftMonitor,
     RolloutAlertError,
     RolloutAlertWarning,
-    enabled_metric_names,
     resolve_alert_ranges,
     resolve_drift_factors,
 )
@@ -66,22 +65,13 @@ from lightning_rollout_debug.extras import (
     update_together,
 )
 from lightning_rollout_debug.layout import merge_states
-from lightning_rollout_debug.packages import TENSORBOARD_LOGGERS
+from lightning_rollout_debug.logs import WindowLogs
 from lightning_rollout_debug.profile import Profile
 from lightning_rollout_debug.ranks import Ranks, global_rank, loop_ranks
 from lightning_rollout_debug.stats import (
     MismatchStats,
 )
-from lightning_rollout_debug.tensorboard import (
-    PROFILE_IMAGES_EVERY_N_STEPS,
-    dashboard_layout,
-    log_scalars,
-    logger_prefix,
-    use_fast_event_checksums,
-    write_extras,
-    write_layout,
-    write_profile,
-)
+from lightning_rollout_debug.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS
 
 POSITIVE_LOG_PROB_TOLERANCE = 1e-3
 """Log-probs above this (nats) are reported: no log-probability is above 0."""
@@ -298,14 +288,21 @@ class RolloutDebugMonitor:
         """The :class:`~lightning_rollout_debug.profile.Profile` of the last logged window
         (quantiles, by position, by probability, joint counts), if it is kept."""
         self._partial_profile = False  # a restored window without its extras: no profile
-        self._pictures_span: int | None = None  # the span of steps last drawn in
+        self._logs = WindowLogs(
+            prefix=prefix,
+            groups=self.groups,
+            dashboard_layout=dashboard_layout,
+            profile_images=profile_images,
+            profile_images_every_n_steps=self.profile_images_every_n_steps,
+            strict=strict,
+            warn_once=self._warn_once,
+        )
         self._alerts = AlertMonitor(self.alert_ranges)
         self._drift = DriftMonitor(self.drift_factors, self.drift_baseline)
         self._rank: int | None = None  # shown in the worst-tokens table; None: asked of torch
         self._warned: set[str] = set()
         self.diagnosed: set[str] = set()
         """The kinds of mistake warned about so far (each once per run)."""
-        self._layouts_written: set[str] = set()
 
     # ------------------------------------------------------------------ the loop's calls
     def update(self, *sources: Any) -> None:
@@ -538,7 +535,7 @@ class RolloutDebugMonitor:
         self._drift.reset()
         self.should_stop = False
         self._warned.clear()
-        self._pictures_span = None
+        self._logs.restart()
         if not keep_window:
             self._empty_window()
             self._drift.restart()
@@ -609,92 +606,11 @@ class RolloutDebugMonitor:
         }
         if ranks.is_global_zero:  # the merged window: said and written once
             self._check_log_prob_signs(stats, step)
-            if any(isinstance(logger, TENSORBOARD_LOGGERS) for logger in loggers):
-                use_fast_event_checksums()
-            if scalars:
-                for logger in loggers:
-                    self._log_scalars_to(logger, scalars, step)
-            self._write_tensorboard(loggers, extras, step, show_rank=ranks.world_size > 1)
+            show_rank = ranks.world_size > 1
+            self._logs.write(loggers, scalars, extras, self.profile, step, show_rank=show_rank)
         # After the writes: with strict=True the window a mistake is named from is logged.
         self._diagnose(stats, metrics, ranks.is_global_zero)
         return scalars, metrics
-
-    def _log_scalars_to(self, logger: Any, scalars: Mapping[str, float], step: int) -> None:
-        """Log the scalars to one logger.
-
-        One that fails warns once per kind of error (raises with ``strict=True``), and the
-        other loggers still get them.
-        """
-        try:
-            log_scalars(logger, scalars, step)
-        except Exception as error:
-            if self.strict:
-                raise
-            self._warn_once(
-                f"logger:{type(logger).__name__}:{type(error).__name__}",
-                f"could not log the scalars to {type(logger).__name__} at step {step} "
-                f"({error!r}); the other loggers have them, and training goes on.",
-            )
-
-    def _write_tensorboard(
-        self, loggers: Sequence[Any], extras: ExtrasSummary | None, step: int, *, show_rank: bool
-    ) -> None:
-        """Histograms, worst tokens, pictures and (once per log directory) the layout.
-
-        A logger whose extras fail to be written warns once per kind of error (raises
-        with ``strict=True``); the scalars are logged already, and training goes on.
-        """
-        # An empty window draws nothing and leaves its span to the next logged step.
-        pictures = self.profile is not None and self.profile.tokens > 0 and self._pictures_due(step)
-        for logger in loggers:
-            if not isinstance(logger, TENSORBOARD_LOGGERS):
-                continue
-            try:
-                self._write_extras_to(logger, extras, step, pictures, show_rank=show_rank)
-            except Exception as error:
-                if self.strict:
-                    raise
-                self._warn_once(
-                    f"tensorboard:{type(error).__name__}",
-                    f"could not write the TensorBoard extras (histograms, worst tokens, "
-                    f"pictures, layout) at step {step} ({error!r}); the scalars are logged "
-                    "and training goes on. profile_images=False, histograms=False, "
-                    "worst_tokens_k=0 or dashboard_layout=False turns a part off.",
-                )
-
-    def _write_extras_to(
-        self,
-        logger: Any,
-        extras: ExtrasSummary | None,
-        step: int,
-        pictures: bool,
-        *,
-        show_rank: bool,
-    ) -> None:
-        """The extras of one logged step, written to one TensorBoard logger.
-
-        Under the logger's own prefix too, as its scalars are: the charts find them.
-        """
-        writer = logger.experiment
-        prefix = logger_prefix(logger) + self.prefix
-        if self.dashboard_layout and logger.log_dir not in self._layouts_written:
-            self._layouts_written.add(logger.log_dir)
-            names = enabled_metric_names(self.groups)
-            write_layout(writer, dashboard_layout(prefix, names))
-        if extras is not None:
-            write_extras(writer, prefix, extras, step, show_rank=show_rank)
-        if pictures:
-            write_profile(writer, prefix, self.profile, step)
-
-    def _pictures_due(self, step: int) -> bool:
-        """Whether ``step`` is the first logged step of its span of steps to draw in."""
-        if not self.profile_images:
-            return False
-        span = step // self.profile_images_every_n_steps
-        if span == self._pictures_span:
-            return False
-        self._pictures_span = span
-        return True
 
     def _check_log_prob_signs(self, stats: MismatchStats, step: int) -> None:
         """Warn once per key when the window holds log-probs above 0 (read off the host copy)."""

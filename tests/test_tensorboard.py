@@ -52,8 +52,8 @@ from lightning_rollout_debug.bins import (
 from lightning_rollout_debug.catalog import DASHBOARD
 from lightning_rollout_debug.extras import TokenExtras
 from lightning_rollout_debug.ranks import Ranks
-from lightning_rollout_debug.rows import LOG_PROB_FLOOR
 from lightning_rollout_debug.tensorboard import dashboard_layout, use_fast_event_checksums
+from lightning_rollout_debug.tokens import LOG_PROB_FLOOR
 from lightning_rollout_debug.worst_tokens import WORST_FIELDS, earliest_top
 
 pytestmark = [
@@ -878,7 +878,7 @@ def test_extras_that_fail_to_be_written_never_stop_the_fit(
     def failing(*args: Any, **kwargs: Any) -> None:
         raise ValueError("no picture today")
 
-    monkeypatch.setattr("lightning_rollout_debug.monitor.write_profile", failing)
+    monkeypatch.setattr("lightning_rollout_debug.logs.write_profile", failing)
     batches = [batch(seed) for seed in range(4)]
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
     callback = RolloutDebugCallback(profile_images_every_n_steps=1, strict=strict)

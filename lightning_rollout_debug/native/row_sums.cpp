@@ -286,7 +286,7 @@ inline bool any(i32 flags) {
 #endif
 }
 
-// (e^x - 1 - x) / x^2 for |x| < 1/2: the series of `_exp_tail` to x^8 / 8!.
+// (e^x - 1 - x) / x^2 for |x| < 1/2: the series of `exp_tail` (tokens.py) to x^8 / 8!.
 inline f32 exp_tail(f32 x) {
   f32 tail = splat<f32>(2.48015873015873e-05f);
   tail = tail * x + 0.0001984126984126984f;
