@@ -79,6 +79,11 @@ def next_column(x: Tensor) -> Tensor:
     return torch.nn.functional.pad(x[:, 1:], (0, 1)) if x.shape[1] else x
 
 
+def previous_column(x: Tensor) -> Tensor:
+    """Each column's left neighbour: ``x[:, t - 1]``, and zero (False) before the first."""
+    return torch.nn.functional.pad(x[:, :-1], (1, 0)) if x.shape[1] else x
+
+
 def masked_actor(rollout_log_probs: Tensor, old_log_probs: Tensor, counting: Tensor) -> Tensor:
     """Each row's counting tokens whose trainer's log-prob is ``-inf`` and rollout's not.
 
@@ -112,7 +117,7 @@ def zero_run(zero: Tensor, counting: Tensor) -> Tensor:
     """
     if zero.shape[1] == 0:
         return zero.sum(1, dtype=torch.int32)
-    previous = torch.nn.functional.pad(zero[:, :-1], (1, 0))
+    previous = previous_column(zero)
     count = (zero & previous).sum(1, dtype=torch.int32)
     # The last counting column t and whether a run of zeros starts there, as the largest
     # 2 t + lone(t): a reduction in the same loop as the count, no second pass.
