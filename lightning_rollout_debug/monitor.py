@@ -4,7 +4,7 @@ The engine behind every front door that follows a training loop. It finds the te
 each batch (:mod:`.batch`), adds them to a window of statistics and extras on the batch's
 device (:mod:`.stats`, :mod:`.extras`), and at a logged step merges the window of every
 rank with one collective, copies it to the host once, logs the scalars and writes the
-TensorBoard extras (:mod:`.tensorboard`), checks the alerts (:mod:`.alerts`) and starts
+TensorBoard extras (:mod:`.logs`), checks the alerts (:mod:`.alerts`) and starts
 a new window; :mod:`.checkpoint` writes the window's checkpoint state and reads it back.
 :class:`~lightning_rollout_debug.RolloutDebugCallback` is this engine with a Lightning
 Trainer deciding when to log and how ranks gather.
@@ -68,9 +68,7 @@ from lightning_rollout_debug.layout import merge_states
 from lightning_rollout_debug.logs import WindowLogs
 from lightning_rollout_debug.profile import Profile
 from lightning_rollout_debug.ranks import Ranks, global_rank, loop_ranks
-from lightning_rollout_debug.stats import (
-    MismatchStats,
-)
+from lightning_rollout_debug.stats import MismatchStats
 from lightning_rollout_debug.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS
 
 POSITIVE_LOG_PROB_TOLERANCE = 1e-3
