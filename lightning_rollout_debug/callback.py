@@ -312,7 +312,7 @@ class RolloutDebugCallback(Callback):
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if state is not None and trainer.world_size > 1:
             # Every rank updates at every batch: each holds the window's batch count.
-            stats, extras = self.monitor._merged(self._ranks(trainer))
+            stats, extras = self.monitor._window.merged(self._ranks(trainer))
             state.update(self.monitor._saved(stats, extras, self._config()))
 
     @override

@@ -2,17 +2,17 @@
 
 The engine behind every front door that follows a training loop. It finds the tensors of
 each batch (:mod:`.batch`), adds them to a window of statistics and extras on the batch's
-device (:mod:`.stats`, :mod:`.extras`), and at a logged step merges the window of every
-rank with one collective, copies it to the host once, logs the scalars and writes the
-TensorBoard extras (:mod:`.logs`), checks the alerts (:mod:`.alerts`) and starts
-a new window; :mod:`.checkpoint` writes the window's checkpoint state and reads it back.
+device (:mod:`.stats`, :mod:`.extras`, held by :mod:`.window`), and at a logged step
+merges the window of every rank with one collective, copies it to the host once, logs
+the scalars and writes the TensorBoard extras (:mod:`.logs`), checks the alerts
+(:mod:`.alerts`) and starts a new window; :mod:`.checkpoint` writes the window's
+checkpoint state and reads it back.
 :class:`~lightning_rollout_debug.RolloutDebugCallback` is this engine with a Lightning
 Trainer deciding when to log and how ranks gather.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -49,7 +49,7 @@ from lightning_rollout_debug.batch import (
     tensor_sources,
 )
 from lightning_rollout_debug.catalog import GROUPS, Window
-from lightning_rollout_debug.checkpoint import StateReader, saved_state
+from lightning_rollout_debug.checkpoint import StateReader
 from lightning_rollout_debug.diagnosis import (
     Diagnosis,
     RolloutDiagnosisError,
@@ -58,18 +58,17 @@ from lightning_rollout_debug.diagnosis import (
     diagnose,
 )
 from lightning_rollout_debug.extras import (
-    ExtrasSummary,
     TokenExtras,
     token_ids_for,
     token_ids_mismatch,
     update_together,
 )
-from lightning_rollout_debug.layout import merge_states
 from lightning_rollout_debug.logs import WindowLogs
 from lightning_rollout_debug.profile import Profile
 from lightning_rollout_debug.ranks import Ranks, global_rank, loop_ranks
 from lightning_rollout_debug.stats import MismatchStats
 from lightning_rollout_debug.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS
+from lightning_rollout_debug.window import DeviceWindow
 
 POSITIVE_LOG_PROB_TOLERANCE = 1e-3
 """Log-probs above this (nats) are reported: no log-probability is above 0."""
@@ -263,7 +262,6 @@ class RolloutDebugMonitor:
         self.drift_factors = resolve_drift_factors(drift_factors, self.groups)
         self.drift_baseline = int(drift_baseline)
         self.should_stop = False
-        self.batches_in_window = 0
         self._stats = MismatchStats(
             is_threshold=is_threshold,
             seq_ratio_bounds=seq_ratio_bounds,
@@ -282,10 +280,10 @@ class RolloutDebugMonitor:
             if histograms or worst_tokens_k or profile
             else None
         )
+        self._window = DeviceWindow(self._stats, self._extras)
         self.profile: Profile | None = None
         """The :class:`~lightning_rollout_debug.profile.Profile` of the last logged window
         (quantiles, by position, by probability, joint counts), if it is kept."""
-        self._partial_profile = False  # a restored window without its extras: no profile
         self._logs = WindowLogs(
             prefix=prefix,
             groups=self.groups,
@@ -301,6 +299,15 @@ class RolloutDebugMonitor:
         self._warned: set[str] = set()
         self.diagnosed: set[str] = set()
         """The kinds of mistake warned about so far (each once per run)."""
+
+    @property
+    def batches_in_window(self) -> int:
+        """The updates since the window began, skipped batches too."""
+        return self._window.batches
+
+    @batches_in_window.setter
+    def batches_in_window(self, batches: int) -> None:
+        self._window.batches = batches
 
     # ------------------------------------------------------------------ the loop's calls
     def update(self, *sources: Any) -> None:
@@ -375,7 +382,8 @@ class RolloutDebugMonitor:
         group first, so every rank must call it, as ``fabric.save`` does; its batch count
         is then the most batches any rank's window holds.
         """
-        return self._saved_over(loop_ranks(None, self.process_group), self._config())
+        ranks = loop_ranks(None, self.process_group)
+        return self._window.saved_over(ranks, self._config(), self._drift)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue the window of :meth:`state_dict`.
@@ -535,66 +543,22 @@ class RolloutDebugMonitor:
         self._warned.clear()
         self._logs.restart()
         if not keep_window:
-            self._empty_window()
+            self._window.empty()
             self._drift.restart()
             self.diagnosed.clear()
         elif device is not None:
-            self._stats.load_state(self._stats.state.to(device))
-            if self._extras is not None:
-                self._extras.load_state(self._extras.state.to(device))
-
-    def _empty_window(self) -> None:
-        self._stats.reset()
-        if self._extras is not None:
-            self._extras.reset()
-        self.batches_in_window = 0
-        self._partial_profile = False
-
-    def _merged(self, ranks: Ranks) -> tuple[MismatchStats, Tensor | None]:
-        """The window merged over ``ranks``: one collective of one float64 vector.
-
-        The packed statistics and the packed extras (histogram bins, worst-token
-        candidates) travel together, the same length on every rank, empty window or not.
-        Returns the merged statistics and the merged extras state (``None`` without
-        extras), both on the device.
-        """
-        extras = None if self._extras is None else self._extras.state
-        if ranks.gather is None:
-            return self._stats, extras
-        device = ranks.device or self._stats.device or torch.device("cpu")
-        parts = [self._stats.state.to(device)]
-        if extras is not None:
-            parts.append(extras.to(device))
-        width = parts[0].numel()
-        local = torch.cat(parts)
-        gathered = ranks.gather(local).reshape(-1, local.numel()).to(torch.float64)
-        stats = copy.copy(self._stats)
-        stats.load_state(merge_states(gathered[:, :width]))
-        if self._extras is not None:
-            extras = self._extras.merge_states(gathered[:, width:])
-        return stats, extras
-
-    def _host_window(self, ranks: Ranks) -> tuple[MismatchStats, ExtrasSummary | None]:
-        """The merged window, copied to the host in one transfer: statistics and extras."""
-        stats, extras = self._merged(ranks)
-        state = stats.state
-        host = torch.cat([state] if extras is None else [state, extras.to(state.device)]).cpu()
-        on_host = copy.copy(stats)
-        on_host.load_state(host[: state.numel()])
-        if extras is None or self._extras is None:
-            return on_host, None
-        return on_host, self._extras.summary(host[state.numel() :])
+            self._window.move_to(device)
 
     # ------------------------------------------------------------------ logged steps
     def _write(
         self, step: int, loggers: Sequence[Any], ranks: Ranks
     ) -> tuple[dict[str, float], dict[str, float]]:
         """Merge and log the window at ``step``, then empty it: (logged scalars, metrics)."""
-        stats, extras = self._host_window(ranks)
+        stats, extras = self._window.on_host(ranks)
         # A window restored without its extras has a profile of only part of its tokens:
         # no quantiles and no pictures for it.
-        partial = self._partial_profile
-        self._empty_window()
+        partial = self._window.partial_profile
+        self._window.empty()
         self.profile = None if extras is None or partial else extras.profile
         metrics = stats.compute(self.profile)
         scalars = {
@@ -666,44 +630,19 @@ class RolloutDebugMonitor:
         }
 
     def _saved(
-        self,
-        stats: MismatchStats,
-        extras: Tensor | None,
-        config: Mapping[str, Any],
-        batches: int | None = None,
+        self, stats: MismatchStats, extras: Tensor | None, config: Mapping[str, Any]
     ) -> dict[str, Any]:
-        """A checkpoint state of the window ``stats`` and ``extras``.
-
-        ``batches``: the window's updates (by default this process's).
-        """
-        settings = None if self._extras is None else self._extras.settings()
-        batches = self.batches_in_window if batches is None else batches
-        return saved_state(stats, extras, batches, config, self._drift, settings)
-
-    def _saved_over(self, ranks: Ranks, config: Mapping[str, Any]) -> dict[str, Any]:
-        """A checkpoint state of the window merged over ``ranks``; every rank must call it.
-
-        Its batch count is the most updates of any rank's window, in a second collective:
-        in a loop where a rank fed none since the last log (a pipeline stage without the
-        log-probs), that rank would otherwise save a window of tokens and no batch, which
-        reads as damaged.
-        """
-        stats, extras = self._merged(ranks)
-        batches = self.batches_in_window
-        if ranks.gather is not None:
-            device = ranks.device or self._stats.device or torch.device("cpu")
-            count = torch.tensor([float(batches)], dtype=torch.float64, device=device)
-            batches = int(ranks.gather(count).max().item())
-        return self._saved(stats, extras, config, batches)
+        """A checkpoint state of the window ``stats`` and ``extras``, this process's updates."""
+        return self._window.saved(stats, extras, config, self._drift)
 
     def _load(self, state_dict: Any, config: Mapping[str, Any]) -> bool:
-        """Restore a window of :meth:`_saved` (see :meth:`load_state_dict`); whether it was."""
-        self._empty_window()
+        """Restore a saved window (see :meth:`load_state_dict`); whether it was."""
+        self._window.empty()
         self._drift.restart()
         restored = self._state_reader().read(state_dict, config)
         if restored is None:
             return False
-        self.batches_in_window, self._partial_profile = restored
+        self._window.batches, self._window.partial_profile = restored
         return True
 
     def _state_reader(self) -> StateReader:

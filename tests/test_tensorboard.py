@@ -699,7 +699,7 @@ def test_all_ranks_sends_stats_and_extras_in_one_collective() -> None:
         return torch.stack([tensor, other])
 
     ranks = Ranks(world_size=2, is_global_zero=True, gather=all_gather)
-    stats, extras = monitors[0]._host_window(ranks)
+    stats, extras = monitors[0]._window.on_host(ranks)
     assert len(sent) == 1 and sent[0].dtype == torch.float64
     tokens = sum(len(counting(data)["r"]) for data in batches)
     assert stats.compute()["rollout_tokens"] == tokens
