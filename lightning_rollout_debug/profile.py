@@ -192,6 +192,7 @@ def profile_from_tokens(
     position = column_buckets(a.shape[1], device).expand_as(a).flatten()
     probability = probability_buckets(a).flatten()
     side = len(JOINT_BINS.edges) + 1
+    wide_diff = wide(diff)
     # (the slot within its part, the value added, the part's size), in the block's order.
     parts = [
         *(
@@ -201,9 +202,9 @@ def profile_from_tokens(
         (position, weight, POSITION_BUCKETS),
         (probability, weight, PROBABILITY_BUCKETS),
         (joint_bins(a, b).flatten(), weight, side * side),
-        (position, wide(diff), POSITION_BUCKETS),
+        (position, wide_diff, POSITION_BUCKETS),
         (position, wide(k3), POSITION_BUCKETS),
-        (probability, wide(diff), PROBABILITY_BUCKETS),
+        (probability, wide_diff, PROBABILITY_BUCKETS),
         (probability, wide(log_diff), PROBABILITY_BUCKETS),
     ]
     starts = list(itertools.accumulate((size for _, _, size in parts), initial=0))

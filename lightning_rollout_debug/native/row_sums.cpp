@@ -1105,7 +1105,8 @@ void mask_bytes(const void* mask, int64_t count, uint8_t* bytes) {
 }
 
 // One row, a block of tokens at a time. A mask of another dtype than bool is first
-// turned into bytes for the block (in L1), which keeps the arithmetic the same for all.
+// turned into bytes for the block, and bfloat16 log-probs into float32 (in L1), which
+// keeps the arithmetic the same for all.
 // kProfile: `extras` (not null) keeps the profile too.
 template <bool kCatalog, bool kInputSums, bool kProfile>
 void reduce_row(const char* b_row, const char* a_row, int log_prob_kind, const char* m_row,
