@@ -333,6 +333,30 @@ struct Last {
   f32 a{}, b{}, k3{};
 };
 
+// A vector's log-probs as the sums take them: floored at -20, and 0 where the token does
+// not count (masked out, or a log-prob not finite).
+struct Tokens {
+  f32 a, b;
+  i32 counting, finite;
+  i32 masked_actor;  // a trainer's -inf where the rollout's is finite and not a dummy 0
+};
+
+__attribute__((always_inline)) inline Tokens tokens_of(f32 a, f32 b, i32 masked) {
+  const f32 minus_inf = splat<f32>(-kInf);
+  const f32 floor = splat<f32>(kLogProbFloor);
+  const f32 zero = splat<f32>(0.0f);
+  const i32 masked_actor = (a == minus_inf) & (b > minus_inf) & (b != 0.0f);
+  a = floor > a ? floor : a;  // NaN stays NaN
+  b = floor > b ? floor : b;
+  const i32 finite = (a < kInf) & (b < kInf);
+  const i32 counting = masked & finite;
+  return {select(counting, a, zero), select(counting, b, zero), counting, finite, masked_actor};
+}
+
+// Where a row's sums of the inputs are taken: not at all, in the statistics' loop, or in
+// a loop of their own over each block of the row.
+enum Inputs { kNoInputs, kInline, kApart };
+
 // The running sums of one row.
 struct RowSums {
   Count count, nonfinite, high, low, zero_b, masked_actor, pairs;
@@ -349,21 +373,16 @@ struct RowSums {
   // The last vector's values, for the extras.
   Last last;
 
-  template <bool kCatalog, bool kInputSums, bool kProfile>
-  __attribute__((always_inline)) void add(f32 a, f32 b, i32 masked, const Options& options) {
+  template <bool kCatalog, int kInputs, bool kProfile>
+  __attribute__((always_inline)) void add(f32 a_in, f32 b_in, i32 masked,
+                                          const Options& options) {
     const f32 minus_inf = splat<f32>(-kInf);
     const f32 zero = splat<f32>(0.0f);
-    const f32 floor = splat<f32>(kLogProbFloor);
-    // A trainer's -inf where the rollout's is finite and not a dummy 0: masked logits.
-    const i32 masked_a = (a == minus_inf) & (b > minus_inf) & (b != 0.0f);
-    a = floor > a ? floor : a;  // NaN stays NaN
-    b = floor > b ? floor : b;
-    const i32 finite = (a < kInf) & (b < kInf);
-    const i32 counting = masked & finite;
+    const Tokens t = tokens_of(a_in, b_in, masked);
+    const f32 a = t.a, b = t.b;
+    const i32 counting = t.counting;
     count.add(counting);
-    nonfinite.add(masked & ~finite);
-    a = select(counting, a, zero);
-    b = select(counting, b, zero);
+    nonfinite.add(masked & ~t.finite);
     const f32 r_ = a - b;
     const i32 near = abs(r_) < 0.5f;
     const f32 curvature = r_ * r_ * exp_tail(r_);  // e^r - 1 - r
@@ -383,43 +402,11 @@ struct RowSums {
     last.counting = counting;
     // sum(r) from the float64 differences: a float32 r rounds (by up to 1e-6 at |r| = 20),
     // and a difference of the two sides' sums cancels.
-    if constexpr (kCatalog || kInputSums) r.add_difference(a, b);
+    if constexpr (kCatalog || kInputs != kNoInputs) r.add_difference(a, b);
     max_a.add(select(counting, a, minus_inf));
     max_b.add(select(counting, b, minus_inf));
     max_diff.add(select(counting, diff_, minus_inf));
-    if constexpr (kInputSums) {
-      sum_a.add(a);
-      sum_b.add(b);
-      // The moments of the log-probs at lags -1, 0 and +1 along the row (a and b are zero
-      // where a token does not count, so their products are too).
-      aa.add_product(a, a);
-      bb.add_product(b, b);
-      ab.add_product(a, b);
-      const f32 a_before = shifted(prev_a, a), b_before = shifted(prev_b, b);
-      const i32 pair = shifted(prev_counting, counting) & counting;
-      pairs.add(pair);
-      ab_next.add_product(a_before, b);  // a_t b_(t+1)
-      ab_prev.add_product(a, b_before);  // a_(t+1) b_t
-      // The sides of the pairs (t, t + 1): a_t and b_(t+1) at lag +1, a_(t+1) and b_t at -1.
-      const f32 plus_a_ = select(pair, a_before, zero), plus_b_ = select(pair, b, zero);
-      const f32 minus_a_ = select(pair, a, zero), minus_b_ = select(pair, b_before, zero);
-      plus_a.add(plus_a_);
-      plus_a2.add_product(plus_a_, plus_a_);
-      plus_b.add(plus_b_);
-      plus_b2.add_product(plus_b_, plus_b_);
-      minus_a.add(minus_a_);
-      minus_a2.add_product(minus_a_, minus_a_);
-      minus_b.add(minus_b_);
-      minus_b2.add_product(minus_b_, minus_b_);
-      const i32 zero = counting & (b == 0.0f) & (a < kPaddingActor);
-      zero_b.add(zero);
-      masked_actor.add(counting & masked_a);
-      zero_run.add(zero, shifted(prev_zero, zero), counting);
-      prev_a = a;
-      prev_b = b;
-      prev_counting = counting;
-      prev_zero = zero;
-    }
+    if constexpr (kInputs == kInline) add_inputs(t);
     const f32 wide_pa = select(counting, pa_, zero);
     const f32 wide_pb = select(counting, pb_, zero);
     const f32 wide_diff = select(counting, diff_, zero);
@@ -470,6 +457,45 @@ struct RowSums {
       const f32 ratio_m1 = select(near, r_ + curvature, far - 1.0f);
       last.k3 = select(near, curvature, ratio_m1 - r_);
     }
+  }
+
+  // The sums of the inputs: in the statistics' loop (`kInline`), or in a loop of their own
+  // over the same block of the row (`kApart`).
+  __attribute__((always_inline)) void add_inputs(const Tokens& t) {
+    const f32 zero = splat<f32>(0.0f);
+    const f32 a = t.a, b = t.b;
+    const i32 counting = t.counting;
+    sum_a.add(a);
+    sum_b.add(b);
+    // The moments of the log-probs at lags -1, 0 and +1 along the row (a and b are zero
+    // where a token does not count, so their products are too).
+    aa.add_product(a, a);
+    bb.add_product(b, b);
+    ab.add_product(a, b);
+    const f32 a_before = shifted(prev_a, a), b_before = shifted(prev_b, b);
+    const i32 pair = shifted(prev_counting, counting) & counting;
+    pairs.add(pair);
+    ab_next.add_product(a_before, b);  // a_t b_(t+1)
+    ab_prev.add_product(a, b_before);  // a_(t+1) b_t
+    // The sides of the pairs (t, t + 1): a_t and b_(t+1) at lag +1, a_(t+1) and b_t at -1.
+    const f32 plus_a_ = select(pair, a_before, zero), plus_b_ = select(pair, b, zero);
+    const f32 minus_a_ = select(pair, a, zero), minus_b_ = select(pair, b_before, zero);
+    plus_a.add(plus_a_);
+    plus_a2.add_product(plus_a_, plus_a_);
+    plus_b.add(plus_b_);
+    plus_b2.add_product(plus_b_, plus_b_);
+    minus_a.add(minus_a_);
+    minus_a2.add_product(minus_a_, minus_a_);
+    minus_b.add(minus_b_);
+    minus_b2.add_product(minus_b_, minus_b_);
+    const i32 zeros = counting & (b == 0.0f) & (a < kPaddingActor);
+    zero_b.add(zeros);
+    masked_actor.add(counting & t.masked_actor);
+    zero_run.add(zeros, shifted(prev_zero, zeros), counting);
+    prev_a = a;
+    prev_b = b;
+    prev_counting = counting;
+    prev_zero = zeros;
   }
 
   void write(double* out) const {
@@ -1108,10 +1134,10 @@ void mask_bytes(const void* mask, int64_t count, uint8_t* bytes) {
 // turned into bytes for the block, and bfloat16 log-probs into float32 (in L1), which
 // keeps the arithmetic the same for all.
 // kProfile: `extras` (not null) keeps the profile too.
-template <bool kCatalog, bool kInputSums, bool kProfile>
-void reduce_row(const char* b_row, const char* a_row, int log_prob_kind, const char* m_row,
-                int mask_kind, int64_t width, const Options& options, double* out,
-                RowExtras* extras) {
+template <bool kCatalog, int kInputs, bool kProfile>
+void reduce_row_blocks(const char* b_row, const char* a_row, int log_prob_kind,
+                       const char* m_row, int mask_kind, int64_t width, const Options& options,
+                       double* out, RowExtras* extras) {
   RowSums sums;
   PendingExtras<kCatalog, kProfile> pending{extras};
   uint8_t bytes[kBlock];
@@ -1137,6 +1163,15 @@ void reduce_row(const char* b_row, const char* a_row, int log_prob_kind, const c
       widen_bfloat16(reinterpret_cast<const uint16_t*>(b_row) + start, count, b_block);
     }
     const int64_t whole = count - count % kLanes;
+    // The last tokens of the row, padded with masked-out zeros.
+    alignas(64) float a_tail[kLanes] = {}, b_tail[kLanes] = {};
+    uint8_t m_tail[kLanes] = {};
+    if (whole < count) {
+      const int64_t rest = count - whole;
+      std::memcpy(a_tail, a + whole, rest * sizeof(float));
+      std::memcpy(b_tail, b + whole, rest * sizeof(float));
+      std::memcpy(m_tail, flags + whole, rest);
+    }
     for (int64_t j = 0; j < whole; j += kLanes) {
       // The next kilobytes of the row on their way: its streams otherwise outrun the
       // hardware prefetcher (for a block of bfloat16 rows, a harmless hint).
@@ -1146,24 +1181,41 @@ void reduce_row(const char* b_row, const char* a_row, int log_prob_kind, const c
       for (int64_t line = 0; line < mask_size * kLanes; line += 64) {
         __builtin_prefetch(mask_ahead + line);
       }
-      sums.add<kCatalog, kInputSums, kProfile>(floats_of(a + j), floats_of(b + j),
-                                               nonzero(flags + j), options);
+      sums.add<kCatalog, kInputs, kProfile>(floats_of(a + j), floats_of(b + j),
+                                            nonzero(flags + j), options);
       if (extras) pending.add(sums.last, start + j);
     }
-    if (whole < count) {  // the last tokens of the row, padded with masked-out zeros
-      float a_tail[kLanes] = {}, b_tail[kLanes] = {};
-      uint8_t m_tail[kLanes] = {};
-      const int64_t rest = count - whole;
-      std::memcpy(a_tail, a + whole, rest * sizeof(float));
-      std::memcpy(b_tail, b + whole, rest * sizeof(float));
-      std::memcpy(m_tail, flags + whole, rest);
-      sums.add<kCatalog, kInputSums, kProfile>(floats_of(a_tail), floats_of(b_tail),
-                                               nonzero(m_tail), options);
+    if (whole < count) {
+      sums.add<kCatalog, kInputs, kProfile>(floats_of(a_tail), floats_of(b_tail),
+                                            nonzero(m_tail), options);
       if (extras) pending.add(sums.last, start + whole);
+    }
+    if constexpr (kInputs == kApart) {  // the same block again, from L1
+      for (int64_t j = 0; j < whole; j += kLanes) {
+        sums.add_inputs(tokens_of(floats_of(a + j), floats_of(b + j), nonzero(flags + j)));
+      }
+      if (whole < count) {
+        sums.add_inputs(tokens_of(floats_of(a_tail), floats_of(b_tail), nonzero(m_tail)));
+      }
     }
   }
   if (extras) pending.flush();
   sums.write(out);
+}
+
+// One row. With every group, the running sums of the inputs and of the statistics
+// outnumber the 32 vector registers of AVX-512: without the profile, the inputs' take a
+// second loop over each block (0.83x the time for every group). With the profile they
+// share the first, whose memory increments leave the arithmetic units room for them; and
+// with 16 registers both loops would spill (1.01x to 1.07x the time apart).
+template <bool kCatalog, bool kInputSums, bool kProfile>
+void reduce_row(const char* b_row, const char* a_row, int log_prob_kind, const char* m_row,
+                int mask_kind, int64_t width, const Options& options, double* out,
+                RowExtras* extras) {
+  constexpr bool kApartFits = kLanes == 16 && !kProfile;
+  constexpr int kInputs = !kInputSums ? kNoInputs : kApartFits ? kApart : kInline;
+  reduce_row_blocks<kCatalog, kInputs, kProfile>(b_row, a_row, log_prob_kind, m_row, mask_kind,
+                                                 width, options, out, extras);
 }
 
 void reduce_rows(const char* rollout, const char* old, int log_prob_kind, const char* mask,
