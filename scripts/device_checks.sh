@@ -35,7 +35,10 @@ step() {  # step NAME COMMAND...
 }
 
 step environment "$python" -c "import torch; print(torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
-step tests "$python" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_host_sync.py tests/test_tensorboard.py
+# In one process, without the project's addopts (two pytest-xdist workers): the CUDA tests
+# count launches and synchronisations with the GPU to themselves, and need no xdist.
+step tests "$python" -m pytest -q -p no:cacheprovider -p no:xdist -o addopts=-ra \
+  tests/test_cuda.py tests/test_host_sync.py tests/test_tensorboard.py
 step launches "$python" benchmarks/bench_launches.py --device "$device" --names
 step sizes "$python" benchmarks/bench_sizes.py --device "$device" --repeats 5 --largest 512x8192
 step update_parts "$python" benchmarks/bench_update_parts.py --device "$device" --rounds 50
