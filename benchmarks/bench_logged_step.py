@@ -8,8 +8,12 @@ the callback runs on the host, timed in interleaved rounds (medians):
 * **summary**: the extras' host summary (histograms, worst tokens, the profile's
   token count and quantiles);
 * **profile views**: the profile's buckets by position and by probability and its joint
-  histogram, read when the pictures are drawn (or asked for);
-* **draw**, **PNG**: drawing the three pictures and encoding them;
+  counts, read when the pictures are drawn;
+* **draw**, **PNG**: drawing the three pictures and encoding them (ISA-L's deflate where
+  the ``isal`` package is installed, else zlib's);
+* **PNG, zlib** and **PNG, Pillow**: the same PNGs with zlib's deflate at level 3 (where
+  ``isal`` has no wheel), and Pillow's own PNG encoder at that level (what the pictures
+  were encoded with before);
 * **checksum in Python**: TensorBoard's CRC-32C of the PNGs' bytes, which its writer
   thread computes in Python for every byte of every event;
 * **checksum in C**: the same values from google-crc32c, the writer's checksum once the
@@ -29,6 +33,8 @@ tokens counted, the default; ``--mask padded``: right-padded responses).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import itertools
 import math
 import statistics
@@ -36,10 +42,12 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from PIL import Image
 from pytorch_lightning.loggers import TensorBoardLogger
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tensorboard.summary.writer import record_writer
@@ -49,11 +57,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_metrics import kernel_width
 from bench_trainer import QUIET, RolloutBatches
 
-from lightning_rollout_debug import RolloutDebugCallback
+from lightning_rollout_debug import RolloutDebugCallback, canvas
 from lightning_rollout_debug.canvas import encode_png
 from lightning_rollout_debug.pictures import profile_images
 from lightning_rollout_debug.profile import PROFILE_SIZE, read_profile
 from lightning_rollout_debug.tensorboard import log_scalars, use_fast_event_checksums
+
+
+@contextlib.contextmanager
+def zlib_deflate() -> Iterator[None]:
+    """The pictures' PNGs compressed by zlib at level 3 while inside."""
+    saved = canvas.DEFLATE, canvas.PNG_COMPRESS_LEVEL
+    canvas.DEFLATE, canvas.PNG_COMPRESS_LEVEL = zlib, 3
+    try:
+        yield
+    finally:
+        canvas.DEFLATE, canvas.PNG_COMPRESS_LEVEL = saved
+
+
+def pillow_png(image: Image.Image) -> bytes:
+    """The picture as Pillow's PNG encoder writes it, at zlib level 3."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", compress_level=3)
+    return buffer.getvalue()
 
 
 def parts(rows: int, width: int, mask: str) -> tuple[dict[str, Callable[[], object]], int, int]:
@@ -72,9 +98,13 @@ def parts(rows: int, width: int, mask: str) -> tuple[dict[str, Callable[[], obje
     assert use_fast_event_checksums()
     in_c = record_writer.masked_crc32c
 
+    def zlib_pngs() -> object:
+        with zlib_deflate():
+            return [encode_png(image) for image in images.values()]
+
     def views() -> object:
         fresh = read_profile(block)
-        return fresh.by_position, fresh.by_probability, fresh.joint_histogram
+        return fresh.by_position, fresh.by_probability, fresh.joint_counts
 
     metrics = stats.compute(profile)
     scalars = {f"training/{name}": v for name, v in metrics.items() if not math.isnan(v)}
@@ -88,6 +118,8 @@ def parts(rows: int, width: int, mask: str) -> tuple[dict[str, Callable[[], obje
         "profile views": views,
         "draw": lambda: profile_images(profile),
         "PNG": lambda: [encode_png(image) for image in images.values()],
+        "PNG, zlib": zlib_pngs,
+        "PNG, Pillow": lambda: [pillow_png(image) for image in images.values()],
         "checksum in Python": lambda: [masked_crc32c(png) for png in pngs],
         "checksum in C": lambda: [in_c(png) for png in pngs],
         "scalars, an event each": lambda: logger.log_metrics(scalars, step=next(steps)),
@@ -116,7 +148,8 @@ def main() -> None:
             times[name].append(time.perf_counter() - start)
     print(
         f"torch {torch.__version__}, {kernel_width()}; a window of {args.rows}x{args.width}, "
-        f"{args.mask} mask; medians of {args.rounds} interleaved rounds"
+        f"{args.mask} mask; PNGs by {canvas.DEFLATE.__name__}; medians of {args.rounds} "
+        "interleaved rounds"
     )
     for name, values in times.items():
         print(f"  {name:22} {statistics.median(values) * 1e3:7.3f} ms")

@@ -35,7 +35,7 @@ from lightning_rollout_debug.canvas import (
     put_text,
     rgb_array,
 )
-from lightning_rollout_debug.profile import Profile
+from lightning_rollout_debug.profile import JOINT_EDGES, Profile
 from lightning_rollout_debug.tokens import LOG_PROB_FLOOR
 
 # Heatmap: one square cell of JOINT_CELL_PX per bin, from the bin of the log-prob floor up.
@@ -94,18 +94,24 @@ def _joint_coordinate(edges: Sequence[float], p: float) -> float:
     return where - shown.start
 
 
-def _colour_bar(
-    image: Image.Image, draw: ImageDraw.ImageDraw, left: int, side: int, most: float
-) -> None:
-    """A vertical viridis bar from count 0 to ``most`` on the ``log(1 + count)`` scale.
+def _colour_bar(image: Image.Image, draw: ImageDraw.ImageDraw, left: int, side: int) -> None:
+    """A vertical viridis bar (the fullest cell at the top), framed.
 
-    It ends level with the bottom of the heatmap (of ``side`` pixels), below its label.
+    It ends level with the bottom of the heatmap (of ``side`` pixels), below its label;
+    :func:`_colour_bar_marks` puts the counts beside it.
     """
     top, bottom = _JOINT_TOP + 20, _JOINT_TOP + side
-    height = bottom - top
-    ramp = VIRIDIS_START + np.linspace(HEAT_SHADES - 1, 0, height).round().astype(np.uint8)
+    ramp = VIRIDIS_START + np.linspace(HEAT_SHADES - 1, 0, bottom - top).round().astype(np.uint8)
     image.paste(index_image(np.repeat(ramp[:, None], 10, 1)), (left, top))
     draw.rectangle([(left - 1, top - 1), (left + 10, bottom)], outline=INK[FRAME_COLOUR])
+
+
+def _colour_bar_marks(
+    image: Image.Image, draw: ImageDraw.ImageDraw, left: int, side: int, most: float
+) -> None:
+    """The counts on the colour bar from 0 to ``most``, on the ``log(1 + count)`` scale."""
+    top, bottom = _JOINT_TOP + 20, _JOINT_TOP + side
+    height = bottom - top
     scale = math.log1p(most)
     marks = [1.0]
     while marks[-1] * 10 <= most:
@@ -149,9 +155,8 @@ def joint_image(profile: Profile) -> Image.Image | None:
     """The joint picture as a "P" image with the whole palette; ``None`` for an empty profile."""
     if profile.tokens < 1:
         return None
-    joint = profile.joint_histogram
-    counts = np.asarray(joint.counts, dtype=np.float64)
-    shown = joint_shown_bins(joint.edges)
+    counts = profile.joint_counts
+    shown = joint_shown_bins(JOINT_EDGES)
     cells = counts[shown.start :, shown.start :][::-1]  # top row: the highest trainer bin
     side = len(shown) * JOINT_CELL_PX
 
@@ -168,12 +173,12 @@ def joint_image(profile: Profile) -> Image.Image | None:
             [(x, y), (x + JOINT_CELL_PX - 1, y - JOINT_CELL_PX + 1)], INK[DIAGONAL_COLOUR]
         )
 
-    image = _joint_frame(tuple(joint.edges)).copy()
+    image = _joint_frame(JOINT_EDGES).copy()
     draw = ImageDraw.Draw(image)
     image.paste(heat, (_JOINT_LEFT, _JOINT_TOP))
     right = _JOINT_LEFT + side
     top = _JOINT_TOP
-    _colour_bar(image, draw, right + 16, side, most)
+    _colour_bar_marks(image, draw, right + 16, side, most)
 
     total = float(counts.sum())
     shares = (
@@ -191,8 +196,8 @@ def joint_image(profile: Profile) -> Image.Image | None:
 def _joint_frame(edges: tuple[float, ...]) -> Image.Image:
     """What a heatmap over these bins holds whatever its counts, drawn once.
 
-    The frame, the title, the ticks, the axis labels and the names of the shares. Not to
-    be drawn on: :func:`joint_image` draws on a copy.
+    The frame, the title, the ticks, the axis labels, the colour bar and the names of the
+    shares. Not to be drawn on: :func:`joint_image` draws on a copy.
     """
     side = len(joint_shown_bins(edges)) * JOINT_CELL_PX
     image = blank_image()
@@ -200,6 +205,7 @@ def _joint_frame(edges: tuple[float, ...]) -> Image.Image:
     left, top = _JOINT_LEFT, _JOINT_TOP
     right, bottom = left + side, top + side
     draw.rectangle([(left - 1, top - 1), (right, bottom)], outline=INK[FRAME_COLOUR])
+    _colour_bar(image, draw, right + 16, side)
     put_text(
         image,
         "Tokens by trainer and rollout probability: log(1 + count)",

@@ -74,6 +74,9 @@ JOINT_BINS = LogBins(-10, 15, signed=False, steps=4)
 """Bins of ``-log p`` for the joint histogram: below ``2**-10`` (``p > 0.999``), four
 per octave up to ``2**5`` nats, above (62 bins a side)."""
 
+JOINT_EDGES: tuple[float, ...] = tuple(-edge for edge in reversed(JOINT_BINS.edges))
+"""The joint histogram's edges in ascending log-prob (``JointHistogram.edges``)."""
+
 _LOG2_E = 1.4426950408889634
 
 
@@ -329,7 +332,17 @@ class Profile:
     @functools.cached_property
     def joint_histogram(self) -> JointHistogram:
         """Counts over (trainer log-prob bin, rollout log-prob bin)."""
-        return _joint(self._parts["joint"], len(JOINT_BINS.edges) + 1)
+        return JointHistogram(JOINT_EDGES, tuple(map(tuple, self.joint_counts.tolist())))
+
+    @property
+    def joint_counts(self) -> np.ndarray:
+        """``joint_histogram.counts`` as a read-only ``[bins, bins]`` float64 array.
+
+        A view of the block: what the heatmap draws, without building the tuples.
+        """
+        side = len(JOINT_EDGES) + 1
+        # The block's bins are of -log p: both axes reversed give ascending log-probs.
+        return self._parts["joint"].reshape(side, side)[::-1, ::-1]
 
     def __repr__(self) -> str:
         return (
@@ -427,10 +440,3 @@ def _position_buckets(
             )
         )
     return buckets
-
-
-def _joint(counts: np.ndarray, side: int) -> JointHistogram:
-    """The joint counts with both axes in ascending log-prob (the bins are of ``-log p``)."""
-    edges = tuple(-edge for edge in reversed(JOINT_BINS.edges))
-    rows = counts.reshape(side, side)[::-1, ::-1].tolist()
-    return JointHistogram(edges, tuple(map(tuple, rows)))
