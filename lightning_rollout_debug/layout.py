@@ -41,7 +41,8 @@ RULES = ("count", "mean", "comoment", "sum", "max", "min", "top")
 """The merge rules a block may declare."""
 
 _EMPTY = {"max": -math.inf, "min": math.inf}  # every other rule starts at 0
-_FOLD = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
+_FOLDS = ("sum", "max", "min")  # the rules a merge folds down the states
+_EXTREME = {"max": torch.amax, "min": torch.amin}
 
 compiling = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
 """Whether torch.compile is tracing the caller (``torch.compiler`` has it from torch 2.3)."""
@@ -105,8 +106,9 @@ def _ranked(candidates: Tensor, ties: Sequence[int]) -> Tensor:
 class Layout:
     """A packed float64 state: blocks of named slots and their merge rules.
 
-    Adjacent blocks that fold alike (sums, maxima, minima) merge in one operation, so a
-    merge costs a handful of kernels whatever the number of slots.
+    The sums merge in one reduction down the states, and adjacent blocks of maxima or of
+    minima in one operation each, so a merge costs a handful of kernels whatever the number
+    of slots.
     """
 
     def __init__(self, blocks: Sequence[Block]) -> None:
@@ -136,6 +138,7 @@ class Layout:
             for name in block.names
         ]
         self._folds = self._fold_runs()
+        self._has_sums = any(rule == "sum" for rule, _ in self._folds)
         self._empty: dict[torch.device, tuple[Tensor, tuple[Tensor, ...]]] = {}
         self._pair_columns: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
@@ -149,7 +152,7 @@ class Layout:
         """Maximal runs of adjacent blocks that fold with the same reduction."""
         runs: list[tuple[str, slice]] = []
         for block, where in self.slices:
-            if block.rule not in _FOLD:
+            if block.rule not in _FOLDS:
                 continue
             if runs and runs[-1][0] == block.rule and runs[-1][1].stop == where.start:
                 runs[-1] = (block.rule, slice(runs[-1][1].start, where.stop))
@@ -220,8 +223,12 @@ class Layout:
     def merge(self, states: Tensor) -> Tensor:
         """Merge states stacked as ``[n, size]`` into one, exactly, on their device."""
         merged = torch.empty(0, dtype=torch.float64, device=states.device)
+        # One sum down the whole states serves every run of sums (its other columns are
+        # not read): a reduction of contiguous rows, not one per strided run.
+        total = states.sum(0) if self._has_sums else states.new_empty(0)
         parts: list[tuple[int, Tensor]] = [
-            (where.start, _FOLD[rule](states[:, where], 0)) for rule, where in self._folds
+            (where.start, total[where] if rule == "sum" else _EXTREME[rule](states[:, where], 0))
+            for rule, where in self._folds
         ]
         count = None
         for block, where in self.slices:

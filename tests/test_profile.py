@@ -6,6 +6,7 @@ float64; bucket edges are recomputed here from their formulas, not imported.
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,44 @@ def test_windows_and_ranks_merge_exactly() -> None:
     assert profile is not None
     assert_profile(profile.as_dict(), reference_profile(batches))
     assert profile.by_position[-1].stop == 700
+
+
+@pytest.mark.parametrize("compile", [None, False], ids=["native", "torch"])
+def test_a_long_window_and_its_copy_hold_their_own_batches(compile: bool | None) -> None:
+    """Past several folds of waiting states, and copied mid-window, each window is exact.
+
+    70 batches (folds at 32 and 64) give the merge of every batch's own state and the
+    profile of the float64 reference; a copy taken after 40 goes on with batches of its
+    own and leaves the original as it was.
+    """
+    batches = [skewed_batch(seed, rows=2, width=24 + seed % 5) for seed in range(70)]
+    for data in batches:  # float32 both, as the native kernel takes them
+        data["old_log_probs"] = data["old_log_probs"].float()
+    options: dict[str, Any] = {"worst_tokens_k": 6, "profile": True, "compile": compile}
+    window, single = TokenExtras(**options), TokenExtras(**options)
+    states = []
+    for index, data in enumerate(batches):
+        window.update(*(data[key] for key in KEYS), batch_index=index)
+        single.reset()
+        single.update(*(data[key] for key in KEYS), batch_index=index)
+        states.append(single.state)
+        if index == 39:
+            copied = copy.copy(window)
+    own = []
+    for index, data in enumerate(batches[:10]):  # the copy's own batches, under new indices
+        copied.update(*(data[key] for key in KEYS), batch_index=100 + index)
+        single.reset()
+        single.update(*(data[key] for key in KEYS), batch_index=100 + index)
+        own.append(single.state)
+
+    for got, parts in ((window.state, states[:70]), (copied.state, states[:40] + own)):
+        want = window.merge_states(torch.stack(parts))
+        assert window.state_problems(got) == []
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+        assert window.summary(got).worst_tokens == window.summary(want).worst_tokens
+    profile = window.summary(window.state).profile
+    assert profile is not None
+    assert_profile(profile.as_dict(), reference_profile(batches))
 
 
 def test_the_window_stays_within_64_kib() -> None:
