@@ -12,7 +12,7 @@ compiling or running any of them. It needs the ``triton`` package, not a GPU:
 
 Each Triton kernel is one launch; an operation inductor leaves to ATen (``aten.topk``,
 listed by name) launches one or more. It counts the compiled graphs only: the few
-operations around them (two fills for the extras' labels, the window's fold every 16
+operations around them (two fills for the extras' labels, the window's fold every 32
 updates) are not in it, and the extras run once per 2**18 tokens (their chunks);
 ``bench_launches.py --device cuda`` counts everything where a GPU is lent. Written
 against torch 2.13's inductor, whose internals it patches: other versions may need other

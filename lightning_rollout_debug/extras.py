@@ -367,9 +367,15 @@ class TokenExtras(ThreadSafeWindow):
             per_row.update({f"{moment}:{name}": value for moment, value in rows.items()})
         totals = over_rows(per_row) if per_row else {}
         profile = None
+        counted: dict[str, Tensor] = {}
         if self.profile:
             k3 = kl_k3_tokens(prob_actor, prob_rollout, r)
-            profile = profile_from_tokens(a, b, r, counting, diff, k3, totals)
+            # The log ratio's bins add up in the profile's scatter-add (compiled: no kernel
+            # of their own).
+            ratio = dict(self._histograms).get("rollout_log_ratio_hist")
+            also = None if ratio is None else (ratio.index(r.flatten()), len(ratio.edges) + 1)
+            profile, counts = profile_from_tokens(a, b, r, counting, diff, k3, totals, also)
+            counted = {} if counts is None else {"rollout_log_ratio_hist": counts}
         finer = {}
         if profile is not None:  # the profile's fine bins of abs(pa - pb) lead its block
             fine = QUANTILE_BINS[0][2]
@@ -377,7 +383,15 @@ class TokenExtras(ThreadSafeWindow):
         for name, spec in self._histograms:
             moments = moments_of({key: totals[f"{key}:{name}"] for key in MOMENT_ROWS})
             parts.append(
-                histogram_state(values[name], counting, weight, spec, finer.get(name), moments)
+                histogram_state(
+                    values[name],
+                    counting,
+                    weight,
+                    spec,
+                    finer.get(name),
+                    moments,
+                    counted.get(name),
+                )
             )
         if self.worst_tokens_k:
             origin = (first_row, batch_index, rank)

@@ -92,6 +92,7 @@ def histogram_state(
     bins: QuarterOctaveBins,
     finer: tuple[LogBins, Tensor] | None = None,
     moments: Tensor | None = None,
+    counts: Tensor | None = None,
 ) -> Tensor:
     """``[bin counts..., num, min, max, sum, sum_squares]`` of ``values`` where ``keep``.
 
@@ -102,8 +103,24 @@ def histogram_state(
     these bins' range), the counts are added up from them: the same whole numbers as
     counting the values. ``moments``: the five moments, where the caller has reduced
     :func:`moment_rows` already (with other quantities' rows,
-    :func:`~lightning_rollout_debug.rows.over_rows`).
+    :func:`~lightning_rollout_debug.rows.over_rows`). ``counts``: the bin counts, where
+    the caller has counted them (in the profile's scatter-add).
     """
+    if counts is None:
+        counts = _bin_counts(values, weight, bins, finer)
+    if moments is None:
+        rows = (torch.atleast_2d(x) for x in (values, keep, weight))
+        moments = moments_of(over_rows(moment_rows(*rows)))
+    return torch.cat([counts, moments])
+
+
+def _bin_counts(
+    values: Tensor,
+    weight: Tensor,
+    bins: QuarterOctaveBins,
+    finer: tuple[LogBins, Tensor] | None,
+) -> Tensor:
+    """The counts of :func:`histogram_state`: from the fine bins where they nest, else counted."""
     size = len(bins.edges) + 1
     fine = None if finer is None else finer[0]
     if (
@@ -120,14 +137,9 @@ def histogram_state(
         steps = torch.arange(-1, len(fine.edges), device=values.device)
         steps = (steps >> (fine.bits - bins.bits)) - bins.steps * (bins.low - fine.low)
         of_bin = steps.clamp(-1, bins.top) + 1 == torch.arange(size, device=values.device)[:, None]
-        counts = torch.where(of_bin, finer[1], 0.0).sum(1)
-    else:
-        counts = torch.zeros(size, dtype=torch.float64, device=values.device)
-        counts.scatter_add_(0, bins.index(values.flatten()), weight.flatten())
-    if moments is None:
-        rows = (torch.atleast_2d(x) for x in (values, keep, weight))
-        moments = moments_of(over_rows(moment_rows(*rows)))
-    return torch.cat([counts, moments])
+        return torch.where(of_bin, finer[1], 0.0).sum(1)  # type: ignore[index]
+    counts = torch.zeros(size, dtype=torch.float64, device=values.device)
+    return counts.scatter_add_(0, bins.index(values.flatten()), weight.flatten())
 
 
 MOMENT_ROWS = ("num", "neg_min", "max_value", "sum", "sum_squares")

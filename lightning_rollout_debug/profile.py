@@ -173,14 +173,18 @@ def profile_from_tokens(
     diff: Tensor,
     k3: Tensor,
     totals: Mapping[str, Tensor] | None = None,
-) -> Tensor:
+    counted: tuple[Tensor, int] | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """The profile block from the element-wise quantities (zero where a token does not count).
 
     ``totals``: the totals of :func:`profile_rows`, where the caller has reduced them
-    already (with other quantities' rows, :func:`~.rows.over_rows`).
+    already (with other quantities' rows, :func:`~.rows.over_rows`). ``counted``: the
+    ``(bin of each token, number of bins)`` of another count of the counting tokens (a
+    histogram's), added in the same scatter-add.
 
-    Every count and every sum by bucket is one scatter-add into the block: compiled, one
-    kernel computes each token's slots and adds to them.
+    Every count and every sum by bucket is one scatter-add: compiled, one kernel computes
+    each token's slots and adds to them. Returns the block and the counts of ``counted``
+    (``None`` without it).
     """
     f64 = torch.float64
     device = a.device
@@ -210,6 +214,8 @@ def profile_from_tokens(
         (probability, wide_diff, PROBABILITY_BUCKETS),
         (probability, wide(log_diff), PROBABILITY_BUCKETS),
     ]
+    if counted is not None:  # after the block's own parts
+        parts.append((counted[0], weight, counted[1]))
     starts = list(itertools.accumulate((size for _, _, size in parts), initial=0))
     summed = torch.zeros(starts[-1], dtype=f64, device=device)
     if compiling():  # one kernel adds every part; the concatenations are never stored
@@ -227,7 +233,9 @@ def profile_from_tokens(
             torch.full((), float(a.shape[1]), dtype=f64, device=device),
         ]
     )
-    return torch.cat([summed, maxima])
+    own = starts[-1] - (0 if counted is None else counted[1])
+    extra = None if counted is None else summed[own:]
+    return torch.cat([summed[:own], maxima]), extra
 
 
 # ---------------------------------------------------------------------- reading
