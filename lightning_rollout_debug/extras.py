@@ -388,9 +388,9 @@ class TokenExtras(ThreadSafeWindow):
                     counting,
                     weight,
                     spec,
-                    finer.get(name),
-                    moments,
-                    counted.get(name),
+                    finer=finer.get(name),
+                    moments=moments,
+                    counts=counted.get(name),
                 )
             )
         if self.worst_tokens_k:
