@@ -11,6 +11,7 @@
 #include <cstring>
 #include <type_traits>
 #include <algorithm>
+#include <memory>
 #include <new>
 #include <thread>
 #include <utility>
@@ -269,6 +270,24 @@ inline f32 exp(f32 x) {
   p = p * f + 2.0f;
   const i32 exponent = (__builtin_convertvector(n, i32) + 126) << 23;
   return p * reinterpret_cast<f32>(exponent);
+}
+
+// x clamped to [low, high] in each lane (GCC turns the compares of its vector types into
+// compares and blends: two instructions where a max or a min is one).
+inline i32 clamp(i32 x, int low, int high) {
+#if defined(__AVX512F__) && ROLLOUT_LANES == 16
+  const __m512i above = _mm512_max_epi32(reinterpret_cast<__m512i>(x), _mm512_set1_epi32(low));
+  return reinterpret_cast<i32>(_mm512_min_epi32(above, _mm512_set1_epi32(high)));
+#elif defined(__AVX2__) && ROLLOUT_LANES == 8
+  const __m256i above = _mm256_max_epi32(reinterpret_cast<__m256i>(x), _mm256_set1_epi32(low));
+  return reinterpret_cast<i32>(_mm256_min_epi32(above, _mm256_set1_epi32(high)));
+#elif defined(__SSE4_1__) && ROLLOUT_LANES == 4
+  const __m128i above = _mm_max_epi32(reinterpret_cast<__m128i>(x), _mm_set1_epi32(low));
+  return reinterpret_cast<i32>(_mm_min_epi32(above, _mm_set1_epi32(high)));
+#else
+  x = x < low ? splat<i32>(low) : x;
+  return x > high ? splat<i32>(high) : x;
+#endif
 }
 
 // Whether any lane is set.
@@ -546,10 +565,7 @@ inline i32 signed_bin(f32 x, int low, int octaves) {
   const i32 negative = bits < 0;  // -1 where negative
   // For x < 0 the bins close on the other side: one ulp less turns "<=" into "<".
   const i32 steps = ((bits & 0x7fffffff) + negative) >> 21;
-  i32 side = steps - ((127 + low) << 2);
-  side = side < -1 ? splat<i32>(-1) : side;
-  side = side > top ? splat<i32>(top) : side;
-  side = side + 1;
+  const i32 side = clamp(steps - ((127 + low) << 2), -1, top) + 1;
   return (negative ? -side : side) + (top + 1);
 }
 
@@ -559,10 +575,8 @@ inline i32 signed_bin(f32 x, int low, int octaves) {
 template <int kBits>
 inline i32 log_bin(f32 x, int low, int octaves) {
   const int top = octaves << kBits;
-  i32 bin = (reinterpret_cast<i32>(x) >> (23 - kBits)) - ((127 + low) << kBits);
-  bin = bin < -1 ? splat<i32>(-1) : bin;
-  bin = bin > top ? splat<i32>(top) : bin;
-  return bin + 1;
+  const i32 bin = (reinterpret_cast<i32>(x) >> (23 - kBits)) - ((127 + low) << kBits);
+  return clamp(bin, -1, top) + 1;
 }
 
 inline i32 unsigned_bin(f32 x, int low, int octaves) { return log_bin<2>(x, low, octaves); }
@@ -646,10 +660,8 @@ inline i32 signed_fine_bin(f32 r) {
   // For r < 0 the magnitude one ulp less: -1 for -0.0, shifted to -1 too.
   const i32 below = negative ? magnitude - 1 : bits;
   const i32 steps = (below >> kShift) - ((127 + kLogLow) << kFineBits);
-  i32 up = steps < -1 ? splat<i32>(-1) : steps;
-  up = up > kTop ? splat<i32>(kTop) : up;
-  i32 down = steps < -2 ? splat<i32>(-2) : steps;
-  down = down > kTop ? splat<i32>(kTop) : down;
+  const i32 up = clamp(steps, -1, kTop);
+  const i32 down = clamp(steps, -2, kTop);
   const i32 on_edge = (magnitude & ((1 << kShift) - 1)) == 0;  // -1 on an edge
   return negative ? kLogBins + 2 * (down + 2) - on_edge : up + 1;
 }
@@ -798,17 +810,27 @@ struct ProfileTables {
   float diff_max = -kInf, log_max = -kInf;
   int64_t idle = 0;  // tokens that do not count, counted in the slots of zeros
 
-  // At the end of a block: its lanes' sums added in (lane by lane), then cleared.
+  // At the end of a block: its lanes' sums added in (lane by lane, a lane's four sums in
+  // vectors as wide as `add_quad`'s), then cleared.
   void end_block() {
+    constexpr int kWide = kLanes / 2 < 4 ? kLanes / 2 : 4;
+    typedef double Part __attribute__((vector_size(kWide * sizeof(double))));
     for (int slot = 0; slot < kProbabilityBuckets; ++slot) {
-      const double* sums = lanes + slot * kLanes * 4;
+      double* sums = lanes + slot * kLanes * 4;
+      Part totals[4 / kWide] = {};
+      for (int lane = 0; lane < kLanes; ++lane) {
+        for (int k = 0; k < 4 / kWide; ++k) {
+          Part quad;
+          std::memcpy(&quad, sums + 4 * lane + kWide * k, sizeof quad);
+          totals[k] += quad;
+        }
+      }
+      std::memset(sums, 0, kLanes * 4 * sizeof(double));
       for (int kind = 0; kind < 3; ++kind) {
-        double total = 0;
-        for (int lane = 0; lane < kLanes; ++lane) total += sums[lane * 4 + kind];
-        block[b_probability_tokens + kind * kProbabilityBuckets + slot] += total;
+        block[b_probability_tokens + kind * kProbabilityBuckets + slot] +=
+            totals[kind / kWide][kind % kWide];
       }
     }
-    std::memset(lanes, 0, kLaneSums * sizeof(double));
   }
 };
 
@@ -1255,31 +1277,34 @@ void reduce_rows(const char* rollout, const char* old, int log_prob_kind, const 
   }
 }
 
-// Adds the 2^kBits copies of each count of a part ([slot][copy]) to `totals`.
+// The 2^kBits copies of each count of a part ([slot][copy]) added up into `totals`.
 template <int kBits>
 void add_copies(const int32_t* counts, int64_t* totals) {
   for (int slot = 0; slot < kCounted; ++slot) {
     int64_t total = 0;
     for (int copy = 0; copy < (1 << kBits); ++copy) total += counts[(slot << kBits) + copy];
-    totals[slot] += total;
+    totals[slot] = total;
   }
 }
 
-// The profile block from the threads' counts and maxima and the blocks' sums; `idle`
-// tokens that do not count are taken off the counts of the slots of zeros. With `coarse`,
-// the histograms' bins are added up from the fine counts there too.
-void write_profile(const std::vector<int32_t>& counts, int64_t parts, int copy_bits,
-                   const std::vector<double>& block_sums, int64_t blocks,
-                   const std::vector<float>& maxima, int64_t width, int64_t idle,
-                   const ExtrasRequest& request, double* coarse, double* out) {
-  std::vector<int64_t> totals(kCounted, 0);
-  for (int64_t part = 0; part < parts; ++part) {
-    const int32_t* own = counts.data() + (part * kCounted << copy_bits);
-    switch (copy_bits) {
-      case 0: add_copies<0>(own, totals.data()); break;
-      case 1: add_copies<1>(own, totals.data()); break;
-      default: add_copies<2>(own, totals.data()); break;
-    }
+void add_copies(const int32_t* counts, int copy_bits, int64_t* totals) {
+  switch (copy_bits) {
+    case 0: add_copies<0>(counts, totals); break;
+    case 1: add_copies<1>(counts, totals); break;
+    default: add_copies<2>(counts, totals); break;
+  }
+}
+
+// The profile block from the parts' counts (their copies added up), their maxima and the
+// blocks' sums; `idle` tokens that do not count are taken off the counts of the slots of
+// zeros. With `coarse`, the histograms' bins are added up from the fine counts there too.
+void write_profile(const int64_t* part_totals, int64_t parts, const double* block_sums,
+                   int64_t blocks, const std::vector<float>& maxima, int64_t width,
+                   int64_t idle, const ExtrasRequest& request, double* coarse, double* out) {
+  std::vector<int64_t> totals(part_totals, part_totals + kCounted);
+  for (int64_t part = 1; part < parts; ++part) {
+    const int64_t* own = part_totals + part * kCounted;
+    for (int slot = 0; slot < kCounted; ++slot) totals[slot] += own[slot];
   }
   // The tokens that do not count were counted at d = r = +0 and a = b = +0 (-a = -0.0).
   const f32 zero = splat<f32>(0.0f);
@@ -1335,10 +1360,14 @@ void run(const void* rollout, const void* old, int log_prob_kind, const void* ma
   const bool counted = request && request->histograms && !fine_only;
   std::vector<int32_t> counts(counted ? parts * kCopies * stride : 0);
   const int copy_bits = profile ? profile_copy_bits(rows * width / parts) : 0;
-  const int64_t copies = int64_t{1} << copy_bits;
-  std::vector<int32_t> profile_counts(profile ? parts * kCounted * copies : 0);
-  std::vector<double> lane_sums(profile ? parts * kLaneSums : 0);
-  std::vector<double> block_sums(profile ? blocks * kBlockSlots : 0);
+  const int64_t counted_size = int64_t{kCounted} << copy_bits;  // a part's copies
+  // The profile's tables, each part's cleared by the part itself (in parallel, into its
+  // thread's caches), and its counts added up over their copies there too.
+  const auto tables_of = [profile](int64_t size) { return profile ? size : 0; };
+  std::unique_ptr<int32_t[]> profile_counts(new int32_t[tables_of(parts * counted_size)]);
+  std::unique_ptr<double[]> lane_sums(new double[tables_of(parts * kLaneSums)]);
+  std::unique_ptr<double[]> block_sums(new double[tables_of(blocks * kBlockSlots)]);
+  std::unique_ptr<int64_t[]> part_totals(new int64_t[tables_of(parts * kCounted)]);
   std::vector<float> maxima(profile ? 2 * parts : 0);
   std::vector<int64_t> idle(profile ? parts : 0);
   auto part = [&](int64_t index) {
@@ -1353,16 +1382,21 @@ void run(const void* rollout, const void* old, int log_prob_kind, const void* ma
                   rows * last / blocks, level, options, out, request, own, nullptr, &worst);
       return;
     }
-    ProfileTables tables{profile_counts.data() + index * kCounted * copies, copy_bits,
-                         lane_numbers() & static_cast<int32_t>(copies - 1),
-                         lane_sums.data() + index * kLaneSums, nullptr};
+    int32_t* own_counts = profile_counts.get() + index * counted_size;
+    double* own_lanes = lane_sums.get() + index * kLaneSums;
+    std::fill(own_counts, own_counts + counted_size, 0);
+    std::fill(own_lanes, own_lanes + kLaneSums, 0.0);
+    ProfileTables tables{own_counts, copy_bits, lane_numbers() & ((1 << copy_bits) - 1),
+                         own_lanes, nullptr};
     for (int64_t block = first; block < last; ++block) {
-      tables.block = block_sums.data() + block * kBlockSlots;
+      tables.block = block_sums.get() + block * kBlockSlots;
+      std::fill(tables.block, tables.block + kBlockSlots, 0.0);
       reduce_rows(b, a, log_prob_kind, m, mask_kind, width, rows * block / blocks,
                   rows * (block + 1) / blocks, level, options, out, request, own, &tables,
                   &worst);
       tables.end_block();
     }
+    add_copies(own_counts, copy_bits, part_totals.get() + index * kCounted);
     maxima[2 * index] = tables.diff_max;
     maxima[2 * index + 1] = tables.log_max;
     idle[index] = tables.idle;
@@ -1392,7 +1426,7 @@ void run(const void* rollout, const void* old, int log_prob_kind, const void* ma
   if (profile) {
     int64_t idle_tokens = 0;
     for (const int64_t tokens : idle) idle_tokens += tokens;
-    write_profile(profile_counts, parts, copy_bits, block_sums, blocks, maxima, width,
+    write_profile(part_totals.get(), parts, block_sums.get(), blocks, maxima, width,
                   idle_tokens, *request, fine_only ? request->bins : nullptr,
                   profile_block(*request));
   }
