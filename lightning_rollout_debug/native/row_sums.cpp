@@ -665,8 +665,9 @@ inline i32 signed_fine_bin(f32 r) {
   const i32 on_edge = (magnitude & ((1 << kShift) - 1)) == 0;  // -1 on an edge
   return negative ? kLogBins + 2 * (down + 2) - on_edge : up + 1;
 }
-// Per lane, float64 sums by probability bucket ([bucket][lane][tokens, d, |r|, 0]: one
-// 256-bit add per token), added into the sums of the block of rows at its end.
+// Per lane, float64 sums by probability bucket ([bucket][lane][tokens, d, |r|, k3]: one
+// 256-bit add per token; k3 is not read), added into the sums of the block of rows at its
+// end.
 constexpr int kLaneSums = kProbabilityBuckets * kLanes * 4;
 typedef double f64x4 __attribute__((vector_size(32)));
 // Adds the four doubles of lane kLane, of the doubles of all lanes in order, to `sums`.
@@ -843,9 +844,12 @@ struct RowExtras {
   Sum r_sum, r_sq, d_sum, d_sq;
   // The profile: maxima of d and |r|, and the sums of the current position bucket.
   Max profile_d_max, profile_r_max;
-  Count position_tokens, idle;
+  Count idle;
   Count bins_idle;  // tokens that do not count, counted in the histograms' bins of zeros
-  Sum position_diff, position_k3;
+  // The current position bucket's sums of the lanes' (tokens, d, |r|, k3): the even and
+  // the odd vectors of `add_profile`'s quads added up apart (with 4 lanes, those hold a
+  // lane's first two sums and its last two).
+  f64 position_quads[2] = {};
   int position_bucket = -1;
   float keys[kMaxWorst];
   int64_t positions[kMaxWorst];
@@ -931,24 +935,6 @@ struct RowExtras {
     ProfileTables& t = *profile;
     profile_d_max.add(select(counting, d, minus_inf));
     profile_r_max.add(select(counting, abs_r, minus_inf));
-    // Past the first vector all lanes share a bucket: [2^(i-1), 2^i) holds whole vectors.
-    if (position >= kLanes) {
-      const int bucket = std::min(position_bucket_of(position), kPositionBuckets - 1);
-      if (bucket != position_bucket) {
-        end_position();
-        position_bucket = bucket;
-      }
-      position_tokens.add(counting);
-      position_diff.add(d);
-      position_k3.add(k3);
-    } else {
-      for (int lane = 0; lane < kLanes; ++lane) {
-        const int bucket = position_bucket_of(lane);
-        t.block[b_position_tokens + bucket] += ones[lane];
-        t.block[b_position_diff + bucket] += d[lane];
-        t.block[b_position_k3 + bucket] += k3[lane];
-      }
-    }
     // floor(-a log2 e) in float32, as torch computes it, clamped to the buckets first
     // (truncation is the floor there).
     f32 scaled = -a * kLog2E;
@@ -963,23 +949,40 @@ struct RowExtras {
     const i32 joint = log_bin<kJointBits>(-a, kJointLow, kJointOctaves) * kJointSide +
                       log_bin<kJointBits>(-b, kJointLow, kJointOctaves);
     const i32 joint_at = ((joint + kJointCounted) << shift) + t.copy_lane;
-    // (tokens, d, |r|, 0) of each lane as four doubles: a 4 x kLanes transpose.
+    // (tokens, d, |r|, k3) of each lane as four doubles: a 4 x kLanes transpose. The
+    // probability buckets add the first three, the position bucket all but |r|.
     const f32 tokens = __builtin_convertvector(ones, f32);
-    const f32 zero = splat<f32>(0.0f);
     const f32 tokens_d[2] = {interleave<0>(tokens, d), interleave<1>(tokens, d)};
-    const f32 r_zero[2] = {interleave<0>(abs_r, zero), interleave<1>(abs_r, zero)};
+    const f32 r_k3[2] = {interleave<0>(abs_r, k3), interleave<1>(abs_r, k3)};
     // The doubles of lanes 0, 1, ... in order, four a lane, kept in registers.
     f64 quads[8];
     for (int half = 0; half < 2; ++half) {
       // Pairs of floats moved as one 64-bit element each.
       const f64 pairs = reinterpret_cast<f64>(tokens_d[half]);
-      const f64 others = reinterpret_cast<f64>(r_zero[half]);
+      const f64 others = reinterpret_cast<f64>(r_k3[half]);
       const f32 low = reinterpret_cast<f32>(interleave<0>(pairs, others));
       const f32 high = reinterpret_cast<f32>(interleave<1>(pairs, others));
       quads[4 * half] = lower(low);
       quads[4 * half + 1] = upper(low);
       quads[4 * half + 2] = lower(high);
       quads[4 * half + 3] = upper(high);
+    }
+    // Past the first vector all lanes share a bucket: [2^(i-1), 2^i) holds whole vectors.
+    if (position >= kLanes) {
+      const int bucket = std::min(position_bucket_of(position), kPositionBuckets - 1);
+      if (bucket != position_bucket) {
+        end_position();
+        position_bucket = bucket;
+      }
+      position_quads[0] += (quads[0] + quads[2]) + (quads[4] + quads[6]);
+      position_quads[1] += (quads[1] + quads[3]) + (quads[5] + quads[7]);
+    } else {
+      for (int lane = 0; lane < kLanes; ++lane) {
+        const int bucket = position_bucket_of(lane);
+        t.block[b_position_tokens + bucket] += ones[lane];
+        t.block[b_position_diff + bucket] += d[lane];
+        t.block[b_position_k3 + bucket] += k3[lane];
+      }
     }
     // The four slots of each lane as 16-bit fields of one 64-bit word: one load a lane.
     const i32 counted_at = diff_at | (log_at << 16), summed_at = joint_at | (lane_at << 16);
@@ -1002,12 +1005,18 @@ struct RowExtras {
   void end_position() {
     if (position_bucket < 0) return;
     double* block = profile->block;
-    block[b_position_tokens + position_bucket] += position_tokens.total();
-    block[b_position_diff + position_bucket] += position_diff.total();
-    block[b_position_k3 + position_bucket] += position_k3.total();
-    position_tokens = Count{};
-    position_diff = Sum{};
-    position_k3 = Sum{};
+    double sums[kLanes];  // whole quads, one after the other
+    std::memcpy(sums, position_quads, sizeof sums);
+    double tokens = 0, diff = 0, k3 = 0;
+    for (int at = 0; at < kLanes; at += 4) {
+      tokens += sums[at];
+      diff += sums[at + 1];
+      k3 += sums[at + 3];
+    }
+    block[b_position_tokens + position_bucket] += tokens;
+    block[b_position_diff + position_bucket] += diff;
+    block[b_position_k3 + position_bucket] += k3;
+    position_quads[0] = position_quads[1] = f64{};
   }
 
   void insert(float key, int64_t position) {
