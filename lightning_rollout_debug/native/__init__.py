@@ -334,7 +334,8 @@ def _pass(
             return None
         done.settings = _settings(extras)
         done.extras_rows = torch.empty(rows, EXTRAS_MOMENTS + 2 * extras.k, dtype=torch.float64)
-        done.bins = torch.zeros(extras.summed_size(), dtype=torch.float64)
+        # Every bin and the whole profile block are written by the pass.
+        done.bins = torch.empty(extras.summed_size(), dtype=torch.float64)
         pointers = [done.settings.data_ptr(), done.extras_rows.data_ptr(), done.bins.data_ptr()]
     try:
         status = function(
