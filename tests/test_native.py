@@ -488,15 +488,17 @@ def test_native_profile_counts_every_column_in_its_bucket() -> None:
         assert got["probability_tokens"][PROBABILITY_BUCKETS - 1] == 3 * width  # pa = e^-0.25
 
 
+@pytest.mark.parametrize("shape", [(37, 5000), (100, 3000)])
 def test_native_profile_does_not_depend_on_the_thread_count(
-    monkeypatch: pytest.MonkeyPatch,
+    shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Threads take blocks of rows and keep their own tables; the float64 sums are added
     in the order of the blocks, so any number of threads gives the same bits (of the
-    histograms added up from the fine bins too)."""
+    histograms added up from the fine bins too). 100x3000: more blocks of 4096 tokens
+    than the kernel keeps, so its blocks take more."""
     monkeypatch.setattr(native, "_TOKENS_PER_THREAD", 1 << 10)
     rng = np.random.default_rng(44)
-    batch = make_batch(rng, (37, 5000), regime="mixed", mask_kind="counts", special_rate=0.01)
+    batch = make_batch(rng, shape, regime="mixed", mask_kind="counts", special_rate=0.01)
     request = TokenExtras(profile=True).kernel_request()
     threads = torch.get_num_threads()
     blocks = []
