@@ -14,8 +14,8 @@ the monitor calls them:
 * **rest**: everything else of the logged step (the host copy, metrics, scalars,
   histograms, worst tokens, diagnoses, alerts);
 
-and, beside them, an update. Medians over the windows after the first two (which warm
-up).
+and, beside them, an update, and a whole window: its updates and its logged step.
+Medians over the windows after the first two (which warm up).
 
     python benchmarks/bench_logged_step_in_loop.py [--rows 64 --width 2048 --windows 24]
                                                    [--updates 49] [--mask random|padded]
@@ -81,7 +81,8 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
         name: RolloutDebugMonitor(**QUIET, **kwargs) for name, kwargs in CONFIGURATIONS.items()
     }
     found: dict[str, dict[str, list[float]]] = {
-        name: {part: [] for part in [*PARTS, "rest", "logged step", "update"]} for name in monitors
+        name: {part: [] for part in [*PARTS, "rest", "logged step", "update", "window"]}
+        for name in monitors
     }
     step = 0
     with tempfile.TemporaryDirectory() as folder:
@@ -89,10 +90,12 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
         for _ in range(args.windows):
             for name, monitor in monitors.items():
                 times = found[name]
+                updates = 0.0
                 for _ in range(args.updates):
                     start = time.perf_counter()
                     monitor.update(batch)
                     times["update"].append(time.perf_counter() - start)
+                    updates += times["update"][-1]
                 step += args.updates + 1
                 spent: dict[str, list[float]] = {part: [] for part in PARTS}
                 with contextlib.ExitStack() as stack:
@@ -105,6 +108,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
                     times[part].append(sum(seconds))
                 times["rest"].append(logged - sum(map(sum, spent.values())))
                 times["logged step"].append(logged)
+                times["window"].append(updates + logged)
         logger.finalize("success")
     return found
 

@@ -74,7 +74,7 @@ from lightning_rollout_debug.profile import (
     read_profile,
 )
 from lightning_rollout_debug.rows import ROW_FIELDS, over_rows, rows_for
-from lightning_rollout_debug.stats import MismatchStats, ThreadSafeWindow
+from lightning_rollout_debug.stats import _PENDING, MismatchStats, ThreadSafeWindow
 from lightning_rollout_debug.tokens import counting_tokens, exp, kl_k3_tokens, prob_diff
 from lightning_rollout_debug.worst_tokens import (
     FIELDS,
@@ -126,7 +126,9 @@ class TokenExtras(ThreadSafeWindow):
     with :meth:`update` (from several threads if need be: adding a batch to the window
     holds a lock); :attr:`state` is one packed float64 vector of fixed length
     :attr:`size`, and :meth:`merge_states` merges several (windows, or every rank's) into
-    one. :meth:`summary` reads a merged state on the host.
+    one. :meth:`summary` reads a merged state on the host. With the profile, a CPU batch
+    of the native kernel has its profile block added into the window's in place (its
+    pass holds the lock), so a window holds one profile block however many batches wait.
 
     Args:
         histograms: keep the two fixed-bin histograms of :data:`HISTOGRAMS`.
@@ -189,6 +191,15 @@ class TokenExtras(ThreadSafeWindow):
         self._state: Tensor | None = None
         self._pending: list[Tensor] = []
         self._lock = threading.Lock()
+        # With the profile, the batches of the CPU kernel: their profile is added up in
+        # place (a merge of thousands of slots a batch saved), the rest waits.
+        self._head_layout = extras_layout(self._histograms, worst_tokens_k)
+        self._added: Tensor | None = None
+        """A packed state whose profile block holds those batches' profile (the other
+        slots: the last batch's)."""
+        self._added_head: Tensor | None = None  # its slots before the profile block
+        self._heads: list[Tensor] = []
+        """Their packed states without the profile block (:attr:`_head_layout`), waiting."""
 
     # ------------------------------------------------------------------ state
     def settings(self) -> dict[str, Any]:
@@ -253,10 +264,9 @@ class TokenExtras(ThreadSafeWindow):
         batch, width = mask.shape
         device = mask.device
         parts = []
-        found = self.kernel_states(inputs, token_ids, batch_index, rank)
-        if found is not None:
-            parts.append(found[1])
-        elif batch * width > 0:
+        if self._kernel_add(inputs, token_ids, batch_index, rank)[0]:
+            return
+        if batch * width > 0:
             rows = max(1, self.chunk_tokens // width)
             # As tensors made by fill kernels (no copy from the host): a compiler would
             # otherwise specialise on every new batch index.
@@ -285,8 +295,11 @@ class TokenExtras(ThreadSafeWindow):
         self._add(parts, device)
 
     # ------------------------------------------------------------ native kernel
-    def kernel_request(self) -> native.ExtrasRequest | None:
-        """What the native kernel accumulates for these extras (``None``: k too large)."""
+    def kernel_request(self, *, add_profile: bool = False) -> native.ExtrasRequest | None:
+        """What the native kernel accumulates for these extras (``None``: k too large).
+
+        ``add_profile``: the pass's profile is added into the state it is finished into.
+        """
         if self.worst_tokens_k > native.MAX_WORST_TOKENS:
             return None
         return native.ExtrasRequest(
@@ -295,6 +308,7 @@ class TokenExtras(ThreadSafeWindow):
             histograms=bool(self._histograms),
             k=self.worst_tokens_k,
             profile=self.profile,
+            add_profile=add_profile and self.profile,
         )
 
     def kernel_states(
@@ -304,15 +318,19 @@ class TokenExtras(ThreadSafeWindow):
         batch_index: int,
         rank: int,
         stats: MismatchStats | None = None,
+        *,
+        into: Tensor | None = None,
     ) -> tuple[Tensor | None, Tensor | None] | None:
         """One native pass over a CPU batch: ``(statistics state, extras state)``.
 
         The statistics' state is that of ``stats`` (``None``: not computed).  ``None``
         where the kernel does not apply (off the CPU, an empty batch, ``k`` above
-        :data:`~.native.MAX_WORST_TOKENS`, ``compile=False``, other dtypes).
+        :data:`~.native.MAX_WORST_TOKENS`, ``compile=False``, other dtypes). ``into``:
+        with the profile, a packed extras state the batch's is finished into, its profile
+        block added to (the extras' state returned).
         """
         batch, width = inputs.mask.shape
-        request = self.kernel_request()
+        request = self.kernel_request(add_profile=into is not None)
         compile = self.compile if stats is None else stats.compile
         cpu = inputs.mask.device.type == "cpu"
         if not (cpu and batch * width > 0 and request and native_wanted(compile)):
@@ -334,7 +352,78 @@ class TokenExtras(ThreadSafeWindow):
             token_ids=token_ids,
             batch_index=batch_index,
             rank=rank,
+            into=into,
         )
+
+    def _kernel_add(
+        self,
+        inputs: MismatchInputs,
+        token_ids: Tensor | None,
+        batch_index: int,
+        rank: int,
+        stats: MismatchStats | None = None,
+    ) -> tuple[bool, Tensor | None]:
+        """Add a CPU batch with one native pass: whether it did, and the statistics' state.
+
+        The statistics' state is that of ``stats`` (``None``: not computed). With the
+        profile the pass holds the window's lock: the kernel adds the batch's profile
+        block into the window's in place, and the rest of its state waits.
+        """
+        device = inputs.mask.device
+        if device.type != "cpu":
+            return False, None
+        if not self.profile:
+            found = self.kernel_states(inputs, token_ids, batch_index, rank, stats)
+            if found is None:
+                return False, None
+            self._add([found[1]], device)  # type: ignore[list-item]
+            return True, found[0]
+        with self._lock:
+            self._move(device)
+            # The first batch's packed state is the window's to add the next ones into.
+            found = self.kernel_states(
+                inputs, token_ids, batch_index, rank, stats, into=self._added
+            )
+            if found is None or found[1] is None:
+                return False, None
+            if self._added is None:
+                self._added = found[1]
+            if self._added_head is None:  # a view, made once a window
+                self._added_head = self._added[: self._profile_at]
+            self._heads.append(self._added_head.clone())
+            if len(self._heads) >= _PENDING:
+                self._heads = [self._head_layout.merge(torch.stack(self._heads))]
+        return True, found[0]
+
+    def _replace(self, state: Tensor | None) -> None:
+        super()._replace(state)
+        self._added, self._added_head, self._heads = None, None, []
+
+    def _device(self) -> torch.device | None:
+        found = super()._device()
+        return found if found is not None or not self._heads else self._heads[0].device
+
+    def _fold(self) -> None:
+        """Merge the waiting states, the kernel's batches as one (the caller holds the lock)."""
+        if self._heads and self._added is not None:
+            if len(self._heads) > 1:  # one: the slots hold the last batch's already
+                self._added[: self._profile_at] = self._head_layout.merge(torch.stack(self._heads))
+            self._pending.append(self._added)
+            self._added, self._added_head, self._heads = None, None, []
+        super()._fold()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_heads"] = list(self._heads)
+        if self._added is not None:  # added into in place: a copy holds its own
+            state["_added"], state["_added_head"] = self._added.clone(), None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if "_heads" not in state:  # pickled before the kernel added profiles in place
+            self._head_layout = extras_layout(self._histograms, self.worst_tokens_k)
+            self._added, self._added_head, self._heads = None, None, []
 
     def _chunk_state(
         self,
@@ -478,11 +567,8 @@ def update_together(
     fused update), its single pass fills both windows. Returns ``False``, having added
     nothing, where it does not: the caller then updates each window on its own.
     """
-    found = extras.kernel_states(inputs, token_ids, batch_index, rank, stats)
-    if found is None:
+    taken, statistics = extras._kernel_add(inputs, token_ids, batch_index, rank, stats)
+    if not taken:
         return False
-    statistics, extras_state = found
-    device = inputs.mask.device
-    stats._add([statistics, *token_id_states(inputs, stats.groups)], device)
-    extras._add([extras_state], device)
+    stats._add([statistics, *token_id_states(inputs, stats.groups)], inputs.mask.device)  # type: ignore[list-item]
     return True

@@ -84,12 +84,16 @@ class ThreadSafeWindow:
             raise ValueError(f"A packed state has shape ({self.size},); got {tuple(state.shape)}.")
         copied = state.detach().to(torch.float64).clone()
         with self._lock:
-            self._state, self._pending = copied, []
+            self._replace(copied)
 
     def reset(self) -> None:
         """Start a new, empty window."""
         with self._lock:
-            self._state, self._pending = None, []
+            self._replace(None)
+
+    def _replace(self, state: Tensor | None) -> None:
+        """Make ``state`` the whole window (``None``: empty); the caller holds the lock."""
+        self._state, self._pending = state, []
 
     def _add(self, parts: Sequence[Tensor], device: torch.device | None = None) -> None:
         """Add packed states to the window, under the lock.
@@ -97,14 +101,18 @@ class ThreadSafeWindow:
         The window ends on ``device`` (by default where it is, else where ``parts`` are).
         """
         with self._lock:
-            current = self._device()
-            target = device or current or parts[0].device
-            if current is not None and current != target:
-                self._fold()
-                self._state = self._state.to(target)  # type: ignore[union-attr]
+            target = device or self._device() or parts[0].device
+            self._move(target)
             self._pending.extend(part.to(target) for part in parts)
             if len(self._pending) >= _PENDING:
                 self._fold()
+
+    def _move(self, device: torch.device) -> None:
+        """Keep the window on ``device`` from now on; the caller holds the lock."""
+        current = self._device()
+        if current is not None and current != device:
+            self._fold()
+            self._state = self._state.to(device)  # type: ignore[union-attr]
 
     def _device(self) -> torch.device | None:
         if self._state is not None:

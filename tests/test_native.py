@@ -539,6 +539,77 @@ def test_native_profile_with_the_statistics_in_one_pass(
     _assert_same_profile(_profile_parts(found[1][-PROFILE_SIZE:]), _profile_of(eager))
 
 
+def test_a_pass_adds_its_profile_into_the_state_it_is_finished_into(
+    native_calls: list[bool],
+) -> None:
+    """Finished ``into`` a window's packed extras, a batch's profile block is added to the
+    window's (counts and sums add, the maxima and the width keep the larger), and the
+    other slots are the batch's own."""
+    rng = np.random.default_rng(47)
+    first, second = (
+        make_batch(rng, shape, regime="mixed", mask_kind="prefix", special_rate=0.01)
+        for shape in ((6, 500), (9, 300))
+    )
+    extras = TokenExtras(worst_tokens_k=4, profile=True)
+    found = [
+        extras.kernel_states(check_inputs(batch.rollout, batch.old, batch.mask), None, 0, 0)
+        for batch in (first, second)
+    ]
+    assert found[0] is not None and found[1] is not None
+    window, batch_state = found[0][1], found[1][1]
+    assert window is not None and batch_state is not None
+    into = window.clone()
+    inputs = check_inputs(second.rollout, second.old, second.mask)
+    added = extras.kernel_states(inputs, None, 0, 0, into=into)
+    assert added is not None and added[1] is into and native_calls == [True] * 3
+    head = extras.size - PROFILE_SIZE
+    assert torch.equal(into[:head], batch_state[:head])
+    sums = PROFILE_SIZE - 3  # the profile block ends with its maxima and the width
+    torch.testing.assert_close(
+        into[head : head + sums], window[head : head + sums] + batch_state[head : head + sums]
+    )
+    assert torch.equal(into[-3:], torch.maximum(window[-3:], batch_state[-3:]))
+    assert into[-1] == 500  # the wider batch's width
+
+    request = extras.kernel_request(add_profile=True)
+    with pytest.raises(ValueError, match=f"packed extras \\({extras.size} values\\)"):
+        native.states(
+            *(inputs.rollout_log_probs, inputs.old_log_probs, inputs.mask),
+            frozenset(),
+            2.0,
+            ROW_FIELDS,
+            extras=request,
+            into=torch.zeros(3, dtype=torch.float64),
+        )
+
+
+def test_a_cpu_window_adds_up_its_batches_profiles_in_place(native_calls: list[bool]) -> None:
+    """A window fed by the kernel holds one profile block however many batches wait (the
+    rest of each batch's state waits), and gives the merge of every batch's own state."""
+    rng = np.random.default_rng(48)
+    window = TokenExtras(worst_tokens_k=4, profile=True)
+    states = []
+    for index in range(31):  # fewer than a fold's worth: every batch still waits
+        batch = make_batch(rng, (3, 40 + index), regime="mixed", mask_kind="prefix")
+        window.update(batch.rollout, batch.old, batch.mask, batch_index=index)
+        inputs = check_inputs(batch.rollout, batch.old, batch.mask)
+        own = window.kernel_states(inputs, None, index, 0)
+        assert own is not None
+        states.append(own[1])
+    assert all(native_calls) and len(native_calls) == 62
+    held = {  # the memory of every tensor the window holds, views counted once
+        tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
+        for value in vars(window).values()
+        for tensor in (value if isinstance(value, list) else [value])
+        if isinstance(tensor, torch.Tensor)
+    }
+    head = window.size - PROFILE_SIZE
+    assert sum(held.values()) <= 8 * (window.size + 31 * head)
+    got = window.state
+    torch.testing.assert_close(got, window.merge_states(torch.stack(states)), rtol=1e-12, atol=0)
+    assert window.state_problems(got) == []
+
+
 @pytest.mark.parametrize("profile", [False, True])
 def test_the_histograms_beside_the_catalog_match_the_torch_extras(
     profile: bool, native_calls: list[bool]

@@ -108,7 +108,9 @@ class ExtrasRequest:
     ``ratio_bins`` and ``diff_bins`` are ``(low, octaves)`` of quarter-octave bins: signed
     for ``r``, unsigned for ``|pa - pb|`` (``bins.QuarterOctaveBins``). ``profile`` adds
     the profile block of :mod:`..profile` (its bins and buckets are the kernel's own,
-    checked against that module when the kernel is loaded).
+    checked against that module when the kernel is loaded). ``add_profile``: the pass's
+    profile block is added into the one of the packed extras it is finished into (a
+    window's profile so far), not written over it.
     """
 
     ratio_bins: tuple[int, int]
@@ -116,10 +118,12 @@ class ExtrasRequest:
     histograms: bool
     k: int
     profile: bool = False
+    add_profile: bool = False
 
     def settings(self) -> list[int]:
         """The integers the kernel reads."""
-        flags = [int(self.histograms), self.k, int(self.profile)]
+        profile = 2 if self.profile and self.add_profile else int(self.profile)
+        flags = [int(self.histograms), self.k, profile]
         return [*self.ratio_bins, *self.diff_bins, *flags]
 
     def bin_count(self) -> int:
@@ -217,6 +221,7 @@ def states(
     token_ids: Tensor | None = None,
     batch_index: int = 0,
     rank: int = 0,
+    into: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None] | None:
     """One pass over a CPU batch, finished into packed states: ``(statistics, extras)``.
 
@@ -225,15 +230,37 @@ def states(
     labelled with ``batch_index``, ``rank`` and ``token_ids`` (``[B, T]`` integers, or
     ``None``). Either is ``None`` when not asked for; the whole result is ``None`` where
     :func:`row_sums` would be.
+
+    ``into``: with ``extras.add_profile``, the packed extras (a contiguous float64 CPU
+    tensor) the extras are finished into: its profile block, a window's, gets the pass's
+    added; its other slots are written. It is the extras' state returned. Nothing is
+    added to it when the result is ``None``.
     """
+    if extras is not None and extras.add_profile and not _packed_extras(into, extras):
+        raise ValueError(
+            "`into` must be a contiguous float64 CPU tensor of the packed extras "
+            f"({extras.state_size()} values) when the profile is added into it"
+        )
     done = _pass(rollout_log_probs, old_log_probs, mask, needed, is_threshold, fields, extras)
     if done is None:
         return None
     try:
-        return _finish(done, needed, fields, statistics, extras, token_ids, batch_index, rank)
+        return _finish(done, needed, fields, statistics, extras, token_ids, batch_index, rank, into)
     except Exception as error:  # ctypes refusing the arguments: the torch path takes over
         _give_up(f"the kernel's finishing step failed ({error!r})")
         return None
+
+
+def _packed_extras(into: Tensor | None, extras: ExtrasRequest) -> bool:
+    """Whether ``into`` can be finished into: the packed extras, contiguous, on the CPU."""
+    return (
+        into is not None
+        and type(into) is Tensor
+        and into.dtype == torch.float64
+        and into.device.type == "cpu"
+        and into.is_contiguous()
+        and into.shape == (extras.state_size(),)
+    )
 
 
 def _finish(
@@ -245,6 +272,7 @@ def _finish(
     token_ids: Tensor | None,
     batch_index: int,
     rank: int,
+    into: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None] | None:
     """The packed states of a pass (see :func:`states`); ``None`` if the kernel refused."""
     finish_state, finish_extras = _kernel["finish"]
@@ -257,7 +285,11 @@ def _finish(
         finish_state(done.table.data_ptr(), rows, bits, groups, low, high,
                      statistics_state.data_ptr())  # fmt: skip
     if extras is not None:
-        extras_state = torch.empty(extras.state_size(), dtype=torch.float64)
+        extras_state = (
+            into
+            if extras.add_profile and into is not None
+            else torch.empty(extras.state_size(), dtype=torch.float64)
+        )
         ids, id_kind = None, 0
         if token_ids is not None:
             ids = token_ids if token_ids.dtype in _ID_KINDS else token_ids.to(torch.int64)

@@ -541,7 +541,9 @@ struct ExtrasRequest {
   int diff_low, diff_octaves;    // unsigned bins of |pa - pb|: 4 * octaves + 2 of them
   int histograms;                // 0: no histograms
   int k;                         // worst tokens kept per row (0 ... kMaxWorst)
-  int profile;                   // 0: no profile
+  int profile;                   // 0: no profile; 1: the profile block in `bins` and in the
+                                 // packed extras; 2: in `bins`, and added into the packed
+                                 // extras' block (a window's profile so far)
   double* rows;                  // [rows, kMoments + 2 k]: moments, then (|r|, position) pairs
   double* bins;                  // [ratio bins + diff bins] summed over the rows, then the
                                  // profile block (kProfileSize)
@@ -1664,6 +1666,16 @@ void write_candidates(const void* rollout, const void* old, int kind, const void
   }
 }
 
+// Adds a pass's profile block into a window's: counts and sums add, and the last parts,
+// the maxima and the width, keep the larger value (the window's starts at -inf).
+static_assert(part_at(p_diff_max) + 3 == kProfileSize && part_at(p_width) + 1 == kProfileSize,
+              "the maxima and the width end the profile block");
+void add_profile(const double* pass, double* window) {
+  constexpr int kSums = part_at(p_diff_max);
+  for (int i = 0; i < kSums; ++i) window[i] += pass[i];
+  for (int i = kSums; i < kProfileSize; ++i) window[i] = std::max(window[i], pass[i]);
+}
+
 // The packed extras (`TokenExtras` in extras.py) from the kernel's per-row extras: each
 // histogram's bins and [num, min, max, sum, sum of squares], then the k candidates with
 // the largest |r| among all rows' (ties: the earlier token), read back from the inputs,
@@ -1696,8 +1708,10 @@ void write_extras(const void* rollout, const void* old, int kind, const void* id
   if (x.k) {
     write_candidates(rollout, old, kind, ids, id_kind, rows, width, x, batch_index, rank, out);
   }
-  if (x.profile) {
+  if (x.profile == 1) {
     std::memcpy(out + x.k * kWorstFields, profile_block(x), kProfileSize * sizeof(double));
+  } else if (x.profile == 2) {
+    add_profile(profile_block(x), out + x.k * kWorstFields);
   }
 }
 
@@ -1748,6 +1762,7 @@ extern "C" int rollout_finish_state(const double* table, int64_t rows, uint64_t 
 
 // The packed extras from the per-row extras and bins of `rollout_row_sums` (`ints` as
 // there). `ids`: null, or token ids (`id_kind` 1: int32, 2: int64) shown in the table.
+// With profile 2, `state`'s profile block is a window's: the pass's is added into it.
 extern "C" int rollout_finish_extras(const void* rollout, const void* old, int log_prob_kind,
                                      const void* ids, int id_kind, int64_t rows,
                                      int64_t width, const int* ints, const double* extras_rows,
@@ -1756,7 +1771,7 @@ extern "C" int rollout_finish_extras(const void* rollout, const void* old, int l
   const ExtrasRequest x{ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6],
                         const_cast<double*>(extras_rows), const_cast<double*>(bins)};
   if (x.k < 0 || x.k > kMaxWorst || (log_prob_kind != 0 && log_prob_kind != 1)) return 3;
-  if ((x.histograms || x.profile) && !bins) return 3;
+  if (x.profile < 0 || x.profile > 2 || ((x.histograms || x.profile) && !bins)) return 3;
   write_extras(rollout, old, log_prob_kind, ids, id_kind, rows, width, x, batch_index, rank,
                state);
   return 0;
@@ -1769,7 +1784,7 @@ extern "C" const char* rollout_row_column(int index) {
 
 // log_prob_kind: 0 float32, 1 bfloat16. mask_kind: 0 bool/uint8, 1 int32, 2 int64,
 // 3 float32. `extras`: null, or what the extras take: the histograms' bins (`ints`:
-// ratio low, ratio octaves, diff low, diff octaves, histograms on, k, profile on) and
+// ratio low, ratio octaves, diff low, diff octaves, histograms on, k, profile: 0, 1 or 2) and
 // where they go (`rows`: [rows, 8 + 2 k], `bins`: the histograms' bins, then the profile
 // block). Returns 0, or non-zero for arguments it does not know.
 extern "C" int rollout_row_sums(const void* rollout, const void* old, const void* mask,
@@ -1784,7 +1799,8 @@ extern "C" int rollout_row_sums(const void* rollout, const void* old, const void
     request = ExtrasRequest{ints[0], ints[1], ints[2],     ints[3], ints[4],
                             ints[5], ints[6], extras_rows, bins};
     const bool summed = request.histograms || request.profile;
-    if (request.k < 0 || request.k > kMaxWorst || (summed && !bins) || !extras_rows) {
+    if (request.k < 0 || request.k > kMaxWorst || request.profile < 0 || request.profile > 2 ||
+        (summed && !bins) || !extras_rows) {
       return 3;
     }
     if (request.histograms && !bins_fit(request)) return 3;
