@@ -419,12 +419,6 @@ class TokenExtras(ThreadSafeWindow):
             state["_added"], state["_added_head"] = self._added.clone(), None
         return state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        if "_heads" not in state:  # pickled before the kernel added profiles in place
-            self._head_layout = extras_layout(self._histograms, self.worst_tokens_k)
-            self._added, self._added_head, self._heads = None, None, []
-
     def _chunk_state(
         self,
         rollout_log_probs: Tensor,
