@@ -187,6 +187,16 @@ inline f64 upper(f32 x) {
   const __m512d halves = _mm512_castps_pd(reinterpret_cast<__m512>(x));
   return reinterpret_cast<f64>(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(halves, 1))));
 }
+#elif defined(__AVX__) && ROLLOUT_LANES == 8
+// GCC widens 4 floats to 4 doubles two at a time and joins the halves; one instruction
+// does it.
+inline f64 lower(f32 x) {
+  return reinterpret_cast<f64>(_mm256_cvtps_pd(_mm256_castps256_ps128(reinterpret_cast<__m256>(x))));
+}
+
+inline f64 upper(f32 x) {
+  return reinterpret_cast<f64>(_mm256_cvtps_pd(_mm256_extractf128_ps(reinterpret_cast<__m256>(x), 1)));
+}
 #elif defined(__SSE2__) && ROLLOUT_LANES == 4  // GCC widens 2 floats one at a time
 inline f64 lower(f32 x) { return reinterpret_cast<f64>(_mm_cvtps_pd(reinterpret_cast<__m128>(x))); }
 
