@@ -677,6 +677,40 @@ inline i32 signed_fine_bin(f32 r) {
   const i32 on_edge = (magnitude & ((1 << kShift) - 1)) == 0;  // -1 on an edge
   return negative ? kLogBins + 2 * (down + 2) - on_edge : up + 1;
 }
+// The four values of each lane widened to float64, lanes 0, 1, ... in order, four
+// doubles a lane, in 8 vectors of kLanes / 2 doubles: a 4 x kLanes transpose.
+inline void lane_quads(f32 w, f32 x, f32 y, f32 z, f64 quads[8]) {
+#if defined(__AVX__) && ROLLOUT_LANES == 8
+  // Within each 128-bit half: lanes k and k + 4 in one vector, widened half by half (GCC
+  // moved the lanes across the halves, with twice as many shuffles).
+  const __m256 wx[2] = {_mm256_unpacklo_ps(reinterpret_cast<__m256>(w), reinterpret_cast<__m256>(x)),
+                        _mm256_unpackhi_ps(reinterpret_cast<__m256>(w), reinterpret_cast<__m256>(x))};
+  const __m256 yz[2] = {_mm256_unpacklo_ps(reinterpret_cast<__m256>(y), reinterpret_cast<__m256>(z)),
+                        _mm256_unpackhi_ps(reinterpret_cast<__m256>(y), reinterpret_cast<__m256>(z))};
+  for (int k = 0; k < 4; ++k) {
+    const __m256d pairs = _mm256_castps_pd(wx[k / 2]), others = _mm256_castps_pd(yz[k / 2]);
+    const __m256 both = _mm256_castpd_ps(k % 2 ? _mm256_unpackhi_pd(pairs, others)
+                                               : _mm256_unpacklo_pd(pairs, others));
+    quads[k] = reinterpret_cast<f64>(_mm256_cvtps_pd(_mm256_castps256_ps128(both)));
+    quads[k + 4] = reinterpret_cast<f64>(_mm256_cvtps_pd(_mm256_extractf128_ps(both, 1)));
+  }
+#else
+  const f32 wx[2] = {interleave<0>(w, x), interleave<1>(w, x)};
+  const f32 yz[2] = {interleave<0>(y, z), interleave<1>(y, z)};
+  for (int half = 0; half < 2; ++half) {
+    // Pairs of floats moved as one 64-bit element each.
+    const f64 pairs = reinterpret_cast<f64>(wx[half]);
+    const f64 others = reinterpret_cast<f64>(yz[half]);
+    const f32 low = reinterpret_cast<f32>(interleave<0>(pairs, others));
+    const f32 high = reinterpret_cast<f32>(interleave<1>(pairs, others));
+    quads[4 * half] = lower(low);
+    quads[4 * half + 1] = upper(low);
+    quads[4 * half + 2] = lower(high);
+    quads[4 * half + 3] = upper(high);
+  }
+#endif
+}
+
 // Per lane, float64 sums by probability bucket ([bucket][lane][tokens, d, |r|, k3]: one
 // 256-bit add per token; k3 is not read), added into the sums of the block of rows at its
 // end.
@@ -965,24 +999,10 @@ struct RowExtras {
     const i32 joint = log_bin<kJointBits>(-a, kJointLow, kJointOctaves) * kJointSide +
                       log_bin<kJointBits>(-b, kJointLow, kJointOctaves);
     const i32 joint_at = ((joint + kJointCounted) << shift) + t.copy_lane;
-    // (tokens, d, |r|, k3) of each lane as four doubles: a 4 x kLanes transpose. The
-    // probability buckets add the first three, the position bucket all but |r|.
-    const f32 tokens = __builtin_convertvector(ones, f32);
-    const f32 tokens_d[2] = {interleave<0>(tokens, d), interleave<1>(tokens, d)};
-    const f32 r_k3[2] = {interleave<0>(abs_r, k3), interleave<1>(abs_r, k3)};
-    // The doubles of lanes 0, 1, ... in order, four a lane, kept in registers.
+    // (tokens, d, |r|, k3) of each lane as four doubles. The probability buckets add the
+    // first three, the position bucket all but |r|.
     f64 quads[8];
-    for (int half = 0; half < 2; ++half) {
-      // Pairs of floats moved as one 64-bit element each.
-      const f64 pairs = reinterpret_cast<f64>(tokens_d[half]);
-      const f64 others = reinterpret_cast<f64>(r_k3[half]);
-      const f32 low = reinterpret_cast<f32>(interleave<0>(pairs, others));
-      const f32 high = reinterpret_cast<f32>(interleave<1>(pairs, others));
-      quads[4 * half] = lower(low);
-      quads[4 * half + 1] = upper(low);
-      quads[4 * half + 2] = lower(high);
-      quads[4 * half + 3] = upper(high);
-    }
+    lane_quads(__builtin_convertvector(ones, f32), d, abs_r, k3, quads);
     // Past the first vector all lanes share a bucket: [2^(i-1), 2^i) holds whole vectors.
     if (position >= kLanes) {
       const int bucket = std::min(position_bucket_of(position), kPositionBuckets - 1);
