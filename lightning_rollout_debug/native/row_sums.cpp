@@ -327,7 +327,9 @@ inline f32 exp_tail(f32 x) {
   return tail;
 }
 
-inline f32 abs(f32 x) { return x < 0.0f ? -x : x; }
+// The sign bit cleared: one AND, where a compare, a negation and a select took AVX2 three
+// or four instructions. -0.0 becomes +0.0, which compares and adds as it does.
+inline f32 abs(f32 x) { return reinterpret_cast<f32>(reinterpret_cast<i32>(x) & 0x7fffffff); }
 
 // Rollout log-probs of 0 where padding puts them (`zero_run` in rows.py): right after
 // another of the row, or the row's last counting token.
