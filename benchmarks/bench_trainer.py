@@ -30,7 +30,7 @@ every configuration paid before the callback gave it google-crc32c's in C).
 
     python benchmarks/bench_trainer.py [--rows 64 --width 2048 --block 50 --rounds 6]
                                        [--accelerator gpu] [--mask random|padded]
-                                       [--checksum c|python]
+                                       [--checksum c|python] [--lanes 8]
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_metrics import kernel_width, make_batch
+from bench_metrics import kernel_width, make_batch, use_lanes
 from configurations import NO_PROFILE, SCALARS_ONLY
 
 from lightning_rollout_debug import RolloutDebugCallback
@@ -263,9 +263,16 @@ def main(argv: list[str] | None = None) -> None:
         choices=("c", "python"),
         help="the event writer's checksum: google-crc32c's (the callback's), or TensorBoard's",
     )
+    parser.add_argument(
+        "--lanes",
+        type=int,
+        choices=(4, 8),
+        help="build the native kernel with this many lanes and without AVX-512",
+    )
     args = parser.parse_args(argv)
     if args.block < 50 or args.block % 50:
         parser.error(f"--block must be a multiple of 50, got {args.block}")
+    use_lanes(args.lanes)
     warnings.filterwarnings("ignore")
     if args.checksum == "python":
         # A checksum the callback did not put there is one it leaves alone.

@@ -14,7 +14,7 @@ of the tokens counted), or with ``--mask random`` that of ``bench_trainer.py`` (
 of padding costs them nothing.
 
     python benchmarks/bench_update_parts.py [--shapes 64x2048,256x4096] [--rounds 200]
-                                            [--mask padded|random]
+                                            [--mask padded|random] [--lanes 8]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_launches import update_of
-from bench_metrics import kernel_width, make_batch
+from bench_metrics import kernel_width, make_batch, use_lanes
 from bench_trainer import RolloutBatches
 from configurations import NO_PROFILE, SCALARS_ONLY, WITH_PROFILE
 
@@ -52,7 +52,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--mask", default="padded", choices=("padded", "random"))
+    parser.add_argument(
+        "--lanes",
+        type=int,
+        choices=(4, 8),
+        help="build the native kernel with this many lanes and without AVX-512",
+    )
     args = parser.parse_args()
+    use_lanes(args.lanes)
     warnings.filterwarnings("ignore")
     print(
         f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads, "
