@@ -406,8 +406,12 @@ class TokenExtras(ThreadSafeWindow):
     def _fold(self) -> None:
         """Merge the waiting states, the kernel's batches as one (the caller holds the lock)."""
         if self._heads and self._added is not None:
-            if len(self._heads) > 1:  # one: the slots hold the last batch's already
-                self._added[: self._profile_at] = self._head_layout.merge(torch.stack(self._heads))
+            # One waiting head may be a merge of a fold's worth: always written back.
+            self._added[: self._profile_at] = (
+                self._heads[0]
+                if len(self._heads) == 1
+                else self._head_layout.merge(torch.stack(self._heads))
+            )
             self._pending.append(self._added)
             self._added, self._added_head, self._heads = None, None, []
         super()._fold()

@@ -583,20 +583,25 @@ def test_a_pass_adds_its_profile_into_the_state_it_is_finished_into(
         )
 
 
-def test_a_cpu_window_adds_up_its_batches_profiles_in_place(native_calls: list[bool]) -> None:
+@pytest.mark.parametrize("batches", [31, 32, 33])
+def test_a_cpu_window_adds_up_its_batches_profiles_in_place(
+    batches: int, native_calls: list[bool]
+) -> None:
     """A window fed by the kernel holds one profile block however many batches wait (the
-    rest of each batch's state waits), and gives the merge of every batch's own state."""
+    rest of each batch's state waits), and gives the merge of every batch's own state:
+    31 batches all wait, the 32nd merges the waiting rest into one, and a 33rd waits
+    beside that merge."""
     rng = np.random.default_rng(48)
     window = TokenExtras(worst_tokens_k=4, profile=True)
     states = []
-    for index in range(31):  # fewer than a fold's worth: every batch still waits
+    for index in range(batches):
         batch = make_batch(rng, (3, 40 + index), regime="mixed", mask_kind="prefix")
         window.update(batch.rollout, batch.old, batch.mask, batch_index=index)
         inputs = check_inputs(batch.rollout, batch.old, batch.mask)
         own = window.kernel_states(inputs, None, index, 0)
         assert own is not None
         states.append(own[1])
-    assert all(native_calls) and len(native_calls) == 62
+    assert all(native_calls) and len(native_calls) == 2 * batches
     held = {  # the memory of every tensor the window holds, views counted once
         tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
         for value in vars(window).values()
