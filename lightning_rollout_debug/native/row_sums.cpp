@@ -1028,21 +1028,37 @@ struct RowExtras {
         t.block[b_position_k3 + bucket] += k3[lane];
       }
     }
-    // The four slots of each lane as 16-bit fields of one 64-bit word: one load a lane.
+    // The four slots of each lane as 16-bit fields. With 16 lanes, those of a lane form one
+    // 64-bit word: one load a lane, the fields taken apart in registers. With 8 or 4 lanes,
+    // each field is loaded on its own: fewer instructions a lane, 0.94x the defaults' pass
+    // with 8 lanes, where the words took 1.03x with 16.
     const i32 counted_at = diff_at | (log_at << 16), summed_at = joint_at | (lane_at << 16);
-    alignas(64) uint64_t slots[kLanes];
-    const i32 words[2] = {interleave<0>(counted_at, summed_at),
-                          interleave<1>(counted_at, summed_at)};
-    std::memcpy(slots, words, sizeof slots);
     int32_t* counted = t.counts;
     double* lanes = t.lanes;
-    for_each_lane([&](auto lane) __attribute__((always_inline)) {
-      const uint64_t word = slots[lane];
-      ++counted[word & 0xffff];
-      ++counted[(word >> 16) & 0xffff];
-      ++counted[(word >> 32) & 0xffff];
-      add_quad<decltype(lane)::value>(lanes + (word >> 48), quads);
-    });
+    if constexpr (kLanes == 16) {
+      alignas(64) uint64_t slots[kLanes];
+      const i32 words[2] = {interleave<0>(counted_at, summed_at),
+                            interleave<1>(counted_at, summed_at)};
+      std::memcpy(slots, words, sizeof slots);
+      for_each_lane([&](auto lane) __attribute__((always_inline)) {
+        const uint64_t word = slots[lane];
+        ++counted[word & 0xffff];
+        ++counted[(word >> 16) & 0xffff];
+        ++counted[(word >> 32) & 0xffff];
+        add_quad<decltype(lane)::value>(lanes + (word >> 48), quads);
+      });
+    } else {
+      alignas(32) uint16_t fields[2][2 * kLanes];  // [counted, summed][lane][low, high]
+      std::memcpy(fields[0], &counted_at, sizeof counted_at);
+      std::memcpy(fields[1], &summed_at, sizeof summed_at);
+      for_each_lane([&](auto lane) __attribute__((always_inline)) {
+        constexpr int at = 2 * decltype(lane)::value;
+        ++counted[fields[0][at]];
+        ++counted[fields[0][at + 1]];
+        ++counted[fields[1][at]];
+        add_quad<decltype(lane)::value>(lanes + fields[1][at + 1], quads);
+      });
+    }
   }
 
   // The sums of the current position bucket into the block's.
