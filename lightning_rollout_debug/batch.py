@@ -368,6 +368,31 @@ def check_token_ids(
     _check_readable(tensors)
 
 
+def token_ids_for(ids: Any, mask: Tensor) -> Tensor | None:
+    """``ids`` if it is an integer ``[B, T]`` tensor matching ``mask``, else ``None``."""
+    return ids if token_ids_mismatch(ids, mask) is None else None
+
+
+def token_ids_mismatch(ids: Any, mask: Tensor) -> str | None:
+    """Why ``ids`` are not the token ids of ``mask``'s tokens (``None``: they are).
+
+    Example:
+        >>> token_ids_mismatch(torch.zeros(2, 3), torch.ones(2, 3))
+        'has dtype torch.float32, not an integer dtype'
+        >>> token_ids_mismatch(torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 3))
+        "has shape (2, 4), not the mask's (2, 3)"
+    """
+    if not isinstance(ids, Tensor):
+        return f"is a {type(ids).__name__}, not a tensor"
+    if ids.dtype not in TOKEN_ID_DTYPES:
+        return f"has dtype {ids.dtype}, not an integer dtype"
+    if ids.shape != mask.shape:
+        return f"has shape {tuple(ids.shape)}, not the mask's {tuple(mask.shape)}"
+    if ids.device != mask.device:
+        return f"is on {ids.device}, not on the log-probs' {mask.device}"
+    return None
+
+
 def _check_one_device(tensors: dict[str, Tensor]) -> None:
     devices = {name: value.device for name, value in tensors.items()}
     if len(set(devices.values())) > 1:

@@ -47,6 +47,8 @@ from lightning_rollout_debug.batch import (
     extract_inputs,
     lookup,
     tensor_sources,
+    token_ids_for,
+    token_ids_mismatch,
 )
 from lightning_rollout_debug.catalog import GROUPS, Window
 from lightning_rollout_debug.checkpoint import StateReader
@@ -57,12 +59,7 @@ from lightning_rollout_debug.diagnosis import (
     active_dropout,
     diagnose,
 )
-from lightning_rollout_debug.extras import (
-    TokenExtras,
-    token_ids_for,
-    token_ids_mismatch,
-    update_together,
-)
+from lightning_rollout_debug.extras import TokenExtras, update_together
 from lightning_rollout_debug.logs import WindowLogs
 from lightning_rollout_debug.profile import Profile
 from lightning_rollout_debug.ranks import Ranks, global_rank, loop_ranks
