@@ -6,7 +6,9 @@ pictures), without the profile (histograms and worst tokens: the defaults before
 profile) and with the defaults; configurations interleave in one process, and the
 medians over rounds are printed with their ratio to scalars only. On CPUs each is one
 pass of the native kernel, so the ratios are what each extra costs that pass; on the
-steps that do not log, the update is the whole of the callback's cost.
+steps that do not log, the update is the whole of the callback's cost. The profile's
+share is also printed per counted token: what the defaults add to the update without the
+profile, a figure that does not move with the rest of the update.
 
 The batch is that of the other benchmarks (right-padded rows of random lengths, about 62%
 of the tokens counted), or with ``--mask random`` that of ``bench_trainer.py`` (a random
@@ -95,6 +97,11 @@ def main() -> None:
         no_profile = statistics.median(times["no profile"])
         defaults = statistics.median(times["defaults"])
         print(f"  defaults / no profile: {defaults / no_profile:.2f}x")
+        tokens = counted * shape[0] * shape[1]
+        print(
+            f"  the profile: {(defaults - no_profile) * 1e6:+.1f} µs an update, "
+            f"{(defaults - no_profile) * 1e9 / tokens:.2f} ns per counted token"
+        )
 
 
 if __name__ == "__main__":
