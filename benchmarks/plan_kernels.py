@@ -8,15 +8,15 @@ atomically as a GPU does) and counts the kernels the generated wrapper calls, wi
 compiling or running any of them. It needs the ``triton`` package, not a GPU:
 
     pip install triton
-    python benchmarks/plan_kernels.py [--shape 8x512] [--names]
+    python benchmarks/plan_kernels.py [--shapes 8x512,64x2048,256x4096,1x65536] [--names]
+        [--defaults-only]
 
 Each Triton kernel is one launch; an operation inductor leaves to ATen (``aten.topk``,
-listed by name) launches one or more. It counts the compiled graphs only: the few
-operations around them (two fills for the extras' labels, the window's fold every 32
-updates) are not in it, and the extras run once per 2**18 tokens (their chunks);
-``bench_launches.py --device cuda`` counts everything where a GPU is lent. Written
-against torch 2.13's inductor, whose internals it patches: other versions may need other
-patches.
+listed by name) launches one or more. It counts the compiled graph, planned afresh at each
+shape: the update is that one graph (statistics and extras together), and the window's
+fold, every 32 updates, is outside it; ``bench_launches.py --device cuda`` counts
+everything where a GPU is lent. Written against torch 2.13's inductor, whose internals it
+patches: other versions may need other patches.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import argparse
 import re
 import sys
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_metrics import make_batch
 from configurations import SCALARS_ONLY
 
-from lightning_rollout_debug import RolloutDebugCallback
-from lightning_rollout_debug.backends import _compiled
-from lightning_rollout_debug.extras import TokenExtras
-from lightning_rollout_debug.rows import batch_state
+from lightning_rollout_debug import RolloutDebugCallback, backends
+from lightning_rollout_debug.token_pass import PassPlan, constants
 
 _WRAPPERS: list[str] = []
 
@@ -93,11 +90,14 @@ def plan_for_a_gpu() -> None:
     GraphLowering.codegen = keep  # type: ignore[method-assign]
 
 
-def kernels(function: Callable[..., torch.Tensor], *args: Any) -> list[str]:
-    """The Triton kernels, in launch order, of ``function`` compiled as the update compiles it."""
+def kernels(plan: PassPlan, *tensors: torch.Tensor) -> list[str]:
+    """The kernels, in launch order, of the pass ``plan`` compiled as an update compiles it.
+
+    Empty where the pass is already compiled for these shapes (nothing new is written).
+    """
     _WRAPPERS.clear()
     try:
-        _compiled(function)(*args)
+        backends._compiled(plan)(*tensors)
     except Exception as error:  # the first kernel call stops the graph
         if not isinstance(error, _Planned) and "_Planned" not in repr(error):
             raise
@@ -108,50 +108,37 @@ def kernels(function: Callable[..., torch.Tensor], *args: Any) -> list[str]:
     return [name.removesuffix(".run") for name in names]
 
 
-def planned(callback: RolloutDebugCallback, batch: dict[str, torch.Tensor]) -> dict[str, list[str]]:
-    """The kernels of the statistics' and the extras' compiled functions for ``callback``."""
-    stats, extras = callback.monitor._stats, callback.monitor._extras
+def planned(options: dict[str, Any], batch: dict[str, torch.Tensor]) -> list[str]:
+    """The kernels of one compiled update of a callback built with ``options``, planned afresh."""
+    monitor = RolloutDebugCallback(alert_ranges={}, **options).monitor
+    plan = backends.pass_plan(monitor._stats, monitor._extras)
     tensors = (batch["rollout_log_probs"], batch["old_log_probs"], batch["response_mask"])
-    found = {
-        "statistics": kernels(
-            lambda *t: batch_state(
-                *t,
-                None,
-                None,
-                groups=stats.groups,
-                is_threshold=stats.is_threshold,
-                seq_ratio_bounds=stats.seq_ratio_bounds,
-            ),
-            *tensors,
-        )
-    }
-    if extras is not None:
-        labels = [torch.zeros((), dtype=torch.float64) for _ in range(2)]
-        found["extras"] = kernels(
-            lambda *t: TokenExtras._chunk_state(extras, *t, None, 0, *labels), *tensors
-        )
-    return found
+    constants(torch.float32, batch["response_mask"])  # made before the trace, as an update does
+    torch._dynamo.reset()
+    backends._compiling["functions"].clear()
+    return kernels(plan, *tensors)
 
 
 def main() -> None:
-    """Print the planned kernels of scalars only and of the defaults."""
+    """Print the planned kernels of scalars only and of the defaults at each shape."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="8x512")
-    parser.add_argument("--names", action="store_true", help="list the kernels by name")
+    parser.add_argument("--shapes", default="8x512,64x2048,256x4096,1x65536")
+    parser.add_argument("--names", action="store_true", help="list the defaults' kernels")
+    parser.add_argument("--defaults-only", action="store_true", help="skip scalars only")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     plan_for_a_gpu()
-    shape = tuple(int(n) for n in args.shape.split("x"))
-    batch = make_batch(shape, torch.float32, "cpu")
-    print(f"torch {torch.__version__}: Triton kernels planned per update, {args.shape}")
-    for label, options in (("scalars only", SCALARS_ONLY), ("defaults", {})):
-        found = planned(RolloutDebugCallback(alert_ranges={}, **options), batch)  # type: ignore[arg-type]
-        parts = ", ".join(f"{part} {len(names)}" for part, names in found.items())
-        print(f"{label:>13}: {sum(map(len, found.values()))} ({parts})")
+    print(f"torch {torch.__version__}: Triton kernels planned per compiled update")
+    print(f"{'shape':>11} {'scalars only':>13} {'defaults':>9}")
+    for text in args.shapes.split(","):
+        shape = tuple(int(n) for n in text.split("x"))
+        batch = make_batch(shape, torch.float32, "cpu")
+        scalars = [] if args.defaults_only else planned(SCALARS_ONLY, batch)
+        defaults = planned({}, batch)
+        print(f"{text:>11} {len(scalars):>13} {len(defaults):>9}", flush=True)
         if args.names:
-            for part, names in found.items():
-                for name in names:
-                    print(f"{'':>15}{part}: {name[:110]}")
+            for name in defaults:
+                print(f"{'':>13}{name}")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import numbers
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,12 +36,7 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug import native
-from lightning_rollout_debug.backends import (
-    compile_problems,
-    native_wanted,
-    run_fused,
-    token_id_states,
-)
+from lightning_rollout_debug.backends import add_batch, compile_problems, native_wanted
 from lightning_rollout_debug.batch import (
     MismatchInputs,
     check_inputs,
@@ -53,33 +48,17 @@ from lightning_rollout_debug.bins import (
     PROBS_DIFF_BINS,
     QuarterOctaveBins,
 )
-from lightning_rollout_debug.histograms import (
-    MOMENT_ROWS,
-    Histogram,
-    histogram_blocks,
-    histogram_state,
-    moment_rows,
-    moments_of,
-    read_histograms,
-)
+from lightning_rollout_debug.finish import finish_extras
+from lightning_rollout_debug.histograms import Histogram, histogram_blocks, read_histograms
 from lightning_rollout_debug.layout import Layout
-from lightning_rollout_debug.profile import (
-    PROFILE_SIZE,
-    QUANTILE_BINS,
-    Profile,
-    profile_blocks,
-    profile_from_tokens,
-    profile_rows,
-    read_profile,
-)
-from lightning_rollout_debug.rows import ROW_FIELDS, over_rows, rows_for
+from lightning_rollout_debug.profile import PROFILE_SIZE, Profile, profile_blocks, read_profile
+from lightning_rollout_debug.rows import ROW_FIELDS, rows_for
 from lightning_rollout_debug.stats import _PENDING, MismatchStats, ThreadSafeWindow
-from lightning_rollout_debug.tokens import counting_tokens, exp, kl_k3_tokens, prob_diff
+from lightning_rollout_debug.token_pass import TokenSums
 from lightning_rollout_debug.worst_tokens import (
     FIELDS,
     MAX_WORST_TOKENS_K,
     WorstToken,
-    candidates,
     read_worst_tokens,
     worst_tokens_block,
 )
@@ -134,8 +113,8 @@ class TokenExtras(ThreadSafeWindow):
         worst_tokens_k: keep the ``k`` tokens with the largest ``abs(r)``; 0 keeps none.
         profile: keep the :mod:`~lightning_rollout_debug.profile` of the window:
             quantiles, profiles by position and by probability, the joint histogram.
-        chunk_tokens: rows are processed in chunks of about this many tokens, which
-            bounds the temporary memory of an update.
+        chunk_tokens: the most tokens one pass of the torch arithmetic reads (default
+            4,194,304): a larger batch is read in passes of whole rows.
         compile: fuse an update, as :class:`~lightning_rollout_debug.MismatchStats`
             does: on CPUs through the native kernel (``k`` up to 64), on accelerators
             with ``torch.compile`` (``None``: every batch, never compiling on a CPU,
@@ -161,7 +140,7 @@ class TokenExtras(ThreadSafeWindow):
         histograms: bool = True,
         worst_tokens_k: int = 10,
         profile: bool = False,
-        chunk_tokens: int = 1 << 18,
+        chunk_tokens: int | None = None,
         compile: bool | None = None,
     ) -> None:
         problems = extras_problems(
@@ -169,8 +148,12 @@ class TokenExtras(ThreadSafeWindow):
         )
         if not isinstance(profile, bool):
             problems.append(f"`profile` must be True or False, got {profile!r}.")
-        if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-            problems.append(f"`chunk_tokens` must be a positive int, got {chunk_tokens!r}.")
+        if chunk_tokens is not None and (
+            isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1
+        ):
+            problems.append(
+                f"`chunk_tokens` must be None (auto) or a positive int, got {chunk_tokens!r}."
+            )
         problems += compile_problems(compile)
         if problems:
             raise ValueError("Invalid TokenExtras arguments:\n- " + "\n- ".join(problems))
@@ -260,38 +243,11 @@ class TokenExtras(ThreadSafeWindow):
         inputs = check_inputs(rollout_log_probs, old_log_probs, mask)
         if token_ids is not None:
             check_token_ids(token_ids, token_ids, mask, names=("token_ids", "token_ids", "mask"))
-        batch, width = mask.shape
-        device = mask.device
-        parts = []
-        if self._kernel_add(inputs, token_ids, batch_index, rank)[0]:
-            return
-        if batch * width > 0:
-            rows = max(1, self.chunk_tokens // width)
-            # As tensors made by fill kernels (no copy from the host): a compiler would
-            # otherwise specialise on every new batch index.
-            labels = [
-                torch.full((), float(value), dtype=torch.float64, device=device)
-                for value in (batch_index, rank)
-            ]
+        add_batch(inputs, token_ids, stats=None, extras=self, batch=batch_index, rank=rank)
 
-            def chunks(state_of: Callable[..., Tensor], fused: bool) -> list[Tensor]:
-                return [
-                    state_of(
-                        self,
-                        inputs.rollout_log_probs[start : start + rows],
-                        inputs.old_log_probs[start : start + rows],
-                        inputs.mask[start : start + rows],
-                        None if token_ids is None else token_ids[start : start + rows],
-                        start,
-                        labels[0],
-                        labels[1],
-                    )
-                    for start in range(0, batch, rows)
-                ]
-
-            compile = self.compile if device.type != "cpu" else bool(self.compile)
-            parts += run_fused(TokenExtras._chunk_state, compile, chunks)
-        self._add(parts, device)
+    def finish(self, sums: Sequence[TokenSums]) -> Tensor:
+        """The packed extras of the tokens of the passes ``sums``."""
+        return finish_extras(sums, self.layout)
 
     # ------------------------------------------------------------ native kernel
     def kernel_request(self, *, add_profile: bool = False) -> native.ExtrasRequest | None:
@@ -422,70 +378,6 @@ class TokenExtras(ThreadSafeWindow):
             state["_added"], state["_added_head"] = self._added.clone(), None
         return state
 
-    def _chunk_state(
-        self,
-        rollout_log_probs: Tensor,
-        old_log_probs: Tensor,
-        mask: Tensor,
-        token_ids: Tensor | None,
-        first_row: int,
-        batch_index: Tensor,
-        rank: Tensor,
-    ) -> Tensor:
-        f64 = torch.float64
-        a, b, r, masked, finite = counting_tokens(rollout_log_probs, old_log_probs, mask)
-        counting = masked & finite
-        parts = []
-        # Every reduction over the tokens goes along the rows first, and the rows' parts are
-        # reduced together (compiled: one kernel for the rows, one for the totals).
-        values = {"rollout_log_ratio_hist": r}
-        weight = counting.to(f64)
-        per_row: dict[str, Tensor] = {}
-        if self._histograms or self.profile:
-            # The same abs(pa - pb) as the statistics; r and the diff are zero where a
-            # token does not count.
-            prob_actor, prob_rollout = exp(a), exp(b)
-            values["rollout_probs_diff_hist"] = diff = prob_diff(prob_actor, prob_rollout, r)
-        if self.profile:
-            per_row.update(profile_rows(counting, diff, r))
-        for name, _ in self._histograms:
-            rows = moment_rows(values[name], counting, weight)
-            per_row.update({f"{moment}:{name}": value for moment, value in rows.items()})
-        totals = over_rows(per_row) if per_row else {}
-        profile = None
-        counted: dict[str, Tensor] = {}
-        if self.profile:
-            k3 = kl_k3_tokens(prob_actor, prob_rollout, r)
-            # The log ratio's bins add up in the profile's scatter-add (compiled: no kernel
-            # of their own).
-            ratio = dict(self._histograms).get("rollout_log_ratio_hist")
-            also = None if ratio is None else (ratio.index(r.flatten()), len(ratio.edges) + 1)
-            profile, counts = profile_from_tokens(a, b, r, counting, diff, k3, totals, also)
-            counted = {} if counts is None else {"rollout_log_ratio_hist": counts}
-        finer = {}
-        if profile is not None:  # the profile's fine bins of abs(pa - pb) lead its block
-            fine = QUANTILE_BINS[0][2]
-            finer["rollout_probs_diff_hist"] = (fine, profile[: len(fine.edges) + 1])
-        for name, spec in self._histograms:
-            moments = moments_of({key: totals[f"{key}:{name}"] for key in MOMENT_ROWS})
-            parts.append(
-                histogram_state(
-                    values[name],
-                    counting,
-                    weight,
-                    spec,
-                    finer=finer.get(name),
-                    moments=moments,
-                    counts=counted.get(name),
-                )
-            )
-        if self.worst_tokens_k:
-            origin = (first_row, batch_index, rank)
-            parts.append(candidates(a, b, r, counting, token_ids, origin, k=self.worst_tokens_k))
-        if profile is not None:
-            parts.append(profile)
-        return torch.cat(parts)
-
     # --------------------------------------------------------------- summary
     def summary(self, state: Tensor | Sequence[float]) -> ExtrasSummary:
         """Read a (merged) packed state: histograms by tag and worst tokens, worst first.
@@ -521,26 +413,3 @@ def extras_layout(
     if profile:
         blocks += profile_blocks()
     return Layout(blocks)
-
-
-@torch.no_grad()
-def update_together(
-    stats: MismatchStats,
-    extras: TokenExtras,
-    inputs: MismatchInputs,
-    token_ids: Tensor | None,
-    *,
-    batch_index: int,
-    rank: int,
-) -> bool:
-    """Add a checked batch to the statistics and the extras in ONE read of the batch.
-
-    On CPUs, where the native kernel takes the batch (float32 or bfloat16 log-probs, a
-    fused update), its single pass fills both windows. Returns ``False``, having added
-    nothing, where it does not: the caller then updates each window on its own.
-    """
-    taken, statistics = extras._kernel_add(inputs, token_ids, batch_index, rank, stats)
-    if not taken:
-        return False
-    stats._add([statistics, *token_id_states(inputs, stats.groups)], inputs.mask.device)  # type: ignore[list-item]
-    return True

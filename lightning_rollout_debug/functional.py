@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.arguments import prefix_problems
+from lightning_rollout_debug.backends import add_batch
 from lightning_rollout_debug.batch import (
     check_inputs,
     check_token_ids,
@@ -24,7 +25,7 @@ from lightning_rollout_debug.batch import (
     tensor_sources,
 )
 from lightning_rollout_debug.catalog import METRIC_NAMES, SEED_FUNCTION_NAMES, pearson_from_moments
-from lightning_rollout_debug.extras import TokenExtras, update_together
+from lightning_rollout_debug.extras import TokenExtras
 from lightning_rollout_debug.rows import paired_moments
 from lightning_rollout_debug.stats import MismatchStats
 
@@ -159,13 +160,10 @@ def mismatch_metrics(
         groups=[group for group in METRIC_NAMES if with_ids or group != "token_ids"],
     )
     extras = TokenExtras(histograms=False, worst_tokens_k=0, profile=True)
-    inputs = check_inputs(rollout_log_probs, old_log_probs, response_mask)
-    # On CPUs the native kernel reads the batch once for the statistics and the profile.
-    if with_ids or not update_together(stats, extras, inputs, None, batch_index=0, rank=0):
-        stats.update(
-            rollout_log_probs, old_log_probs, response_mask, rollout_token_ids, trainer_token_ids
-        )
-        extras.update(rollout_log_probs, old_log_probs, response_mask)
+    inputs = check_inputs(
+        rollout_log_probs, old_log_probs, response_mask, rollout_token_ids, trainer_token_ids
+    )
+    add_batch(inputs, None, stats=stats, extras=extras)  # one read for both
     profile = extras.summary(extras.state).profile
     return _prefixed(stats.compute(profile), prefix)
 

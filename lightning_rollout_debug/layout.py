@@ -89,7 +89,7 @@ class Block:
         return len(self.names) * (self.k if self.rule == "top" else 1)
 
 
-def _ranked(candidates: Tensor, ties: Sequence[int]) -> Tensor:
+def ranked(candidates: Tensor, ties: Sequence[int]) -> Tensor:
     """The order of ``candidates`` (rows), best first.
 
     The largest first field first; of equal ones the smallest ``ties`` columns, most
@@ -249,7 +249,7 @@ class Layout:
                 parts.append((where.start, states[:, where].sum(0) + spread.sum(0)))
             elif block.rule == "top":
                 candidates = states[:, where].reshape(-1, len(block.names))
-                best = _ranked(candidates, [block.names.index(name) for name in block.ties])
+                best = ranked(candidates, [block.names.index(name) for name in block.ties])
                 parts.append((where.start, candidates.index_select(0, best[: block.k]).flatten()))
         if not parts:
             return merged

@@ -39,6 +39,7 @@ from lightning_rollout_debug.arguments import (
     once,
     process_group_problems,
 )
+from lightning_rollout_debug.backends import add_batch
 from lightning_rollout_debug.batch import (
     RESPONSES_KEY,
     BatchError,
@@ -59,7 +60,7 @@ from lightning_rollout_debug.diagnosis import (
     active_dropout,
     diagnose,
 )
-from lightning_rollout_debug.extras import TokenExtras, update_together
+from lightning_rollout_debug.extras import TokenExtras
 from lightning_rollout_debug.logs import WindowLogs
 from lightning_rollout_debug.profile import Profile
 from lightning_rollout_debug.ranks import Ranks, global_rank, loop_ranks
@@ -409,11 +410,9 @@ class RolloutDebugMonitor:
                 self._warn_once("mask-fallback", fallback)
             rank = self._rank if self._rank is not None else global_rank()
             token_ids = _token_ids(found, inputs)
-            together = self._extras is not None and update_together(
-                self._stats, self._extras, inputs, token_ids, batch_index=index, rank=rank
+            add_batch(
+                inputs, token_ids, stats=self._stats, extras=self._extras, batch=index, rank=rank
             )
-            if not together:
-                self._stats._update_inputs(inputs)  # extract_inputs checked them
             self._count_pads(inputs, token_ids, sources)
         except BatchError as error:
             # No local may hold the error (its traceback holds this frame, and with it the
@@ -426,9 +425,6 @@ class RolloutDebugMonitor:
             self._warn_once(
                 type(error).__name__, f"Could not update the statistics ({error!r}); skipped."
             )
-            return
-        if self._extras is not None and not together:
-            self._update_extras(self._extras, inputs, token_ids, index, rank)
 
     def _count_pads(
         self, inputs: MismatchInputs, token_ids: Tensor | None, sources: Sequence[Any]
@@ -449,33 +445,6 @@ class RolloutDebugMonitor:
             )
             return
         self._stats.count_pads(inputs.mask, token_ids, self.pad_token_id)
-
-    def _update_extras(
-        self,
-        extras: TokenExtras,
-        inputs: MismatchInputs,
-        token_ids: Tensor | None,
-        index: int,
-        rank: int,
-    ) -> None:
-        """Add the batch to the histograms and worst tokens (its statistics are counted)."""
-        try:
-            extras.update(
-                inputs.rollout_log_probs,
-                inputs.old_log_probs,
-                inputs.mask,
-                token_ids,
-                batch_index=index,
-                rank=rank,
-            )
-        except Exception as error:
-            if self.strict:
-                raise
-            self._warn_once(
-                f"extras:{type(error).__name__}",
-                f"Could not add a batch to the histograms and worst tokens ({error!r}); they "
-                "miss it, the statistics count it.",
-            )
 
     def _skip_batch(self, error: BatchError) -> None:
         if self.strict:

@@ -21,16 +21,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_rollout_debug.backends import compile_problems, statistics_states
+from lightning_rollout_debug.backends import add_batch, compile_problems
 from lightning_rollout_debug.batch import MismatchInputs, check_inputs
 from lightning_rollout_debug.catalog import GROUPS, METRIC_NAMES, metrics_from_state
+from lightning_rollout_debug.finish import finish_statistics
 from lightning_rollout_debug.layout import STATE, STATE_SIZE, identity_state, merge_states
 from lightning_rollout_debug.profile import Profile
 from lightning_rollout_debug.rows import pad_slots
+from lightning_rollout_debug.token_pass import TokenSums
 
 _PENDING = 32
-"""Batch states a window holds before merging them: one merge of many costs what one of
-two does, so a step's fixed cost stays small."""
+"""Batches a window holds before finishing and merging them: one fold of many costs what
+one of two does, so a step's fixed cost stays small."""
 
 _SETTING_OF_GROUP = {"importance_ratio": "is_threshold", "sequence": "seq_ratio_bounds"}
 """The setting whose value a group's sums are counted with."""
@@ -41,14 +43,15 @@ not from the statistics' state, and the token-id comparisons count their own upd
 
 
 class ThreadSafeWindow:
-    """A packed window that merges batch states lazily and whose changes hold a lock.
+    """A packed window that merges batches lazily and whose changes hold a lock.
 
-    Added states wait in a list and are merged, exactly, in one operation when
-    :attr:`state` is read or when :data:`_PENDING` of them have gathered, so adding a batch
-    costs no merge. Several threads may feed one instance. Copies and pickles get a lock
-    of their own (a lock itself cannot be pickled). A subclass sets ``size``, ``_state``
-    (``None``: empty), ``_pending`` and ``_lock``, and defines :meth:`merge_states` and
-    :meth:`identity_state`.
+    Added batches wait in a list, as packed states or as the sums of a torch pass
+    (:class:`~.token_pass.TokenSums`), and are finished and merged, exactly, in one go
+    when :attr:`state` is read or when :data:`_PENDING` of them have gathered, so adding a
+    batch costs no merge. Several threads may feed one instance. Copies and pickles get a
+    lock of their own (a lock itself cannot be pickled). A subclass sets ``size``,
+    ``_state`` (``None``: empty), ``_pending`` and ``_lock``, and defines
+    :meth:`merge_states`, :meth:`identity_state` and :meth:`finish`.
     """
 
     _lock: threading.Lock
@@ -62,6 +65,10 @@ class ThreadSafeWindow:
 
     def identity_state(self, device: torch.device | str | None = None) -> Tensor:
         """The packed state of an empty window."""
+        raise NotImplementedError
+
+    def finish(self, sums: Sequence[TokenSums]) -> Tensor:
+        """The packed state of the tokens of the passes ``sums``."""
         raise NotImplementedError
 
     @property
@@ -95,15 +102,16 @@ class ThreadSafeWindow:
         """Make ``state`` the whole window (``None``: empty); the caller holds the lock."""
         self._state, self._pending = state, []
 
-    def _add(self, parts: Sequence[Tensor], device: torch.device | None = None) -> None:
-        """Add packed states to the window, under the lock.
+    def _add(self, parts: Sequence[Tensor | TokenSums], device: torch.device | None = None) -> None:
+        """Add packed states or pass sums to the window, under the lock.
 
         The window ends on ``device`` (by default where it is, else where ``parts`` are).
         """
         with self._lock:
-            target = device or self._device() or parts[0].device
+            target = device or self._device() or _device_of(parts[0])
             self._move(target)
-            self._pending.extend(part.to(target) for part in parts)
+            moved = (part.to(target) if isinstance(part, Tensor) else part for part in parts)
+            self._pending.extend(moved)
             if len(self._pending) >= _PENDING:
                 self._fold()
 
@@ -117,13 +125,19 @@ class ThreadSafeWindow:
     def _device(self) -> torch.device | None:
         if self._state is not None:
             return self._state.device
-        return self._pending[0].device if self._pending else None
+        return _device_of(self._pending[0]) if self._pending else None
 
     def _fold(self) -> None:
-        """Merge the waiting states into the window (the caller holds the lock)."""
+        """Finish and merge the waiting batches into the window (the caller holds the lock)."""
         if not self._pending:
             return
-        parts = self._pending if self._state is None else [self._state, *self._pending]
+        target = self._device()
+        sums = [part for part in self._pending if isinstance(part, TokenSums)]
+        parts = [part for part in self._pending if isinstance(part, Tensor)]
+        if sums:
+            parts.append(self.finish(sums).to(target))
+        if self._state is not None:
+            parts.insert(0, self._state)
         self._state = parts[0] if len(parts) == 1 else self.merge_states(torch.stack(parts))
         self._pending = []
 
@@ -136,6 +150,14 @@ class ThreadSafeWindow:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+
+
+def _device_of(part: Tensor | TokenSums) -> torch.device:
+    """Where a packed state or the sums of a pass are."""
+    if isinstance(part, Tensor):
+        return part.device
+    first = part.first
+    return first.device if isinstance(first, Tensor) else first[0].device
 
 
 class MismatchStats(ThreadSafeWindow):
@@ -164,9 +186,9 @@ class MismatchStats(ThreadSafeWindow):
             size, never compiles on a CPU, and falls back to eager arithmetic, with one
             warning, where neither is available; ``False`` never fuses; ``True`` fuses
             every block (with ``torch.compile`` on a CPU where the kernel does not apply).
-        chunk_tokens: without compilation, rows are processed in chunks of about this
-            many tokens, which bounds the temporary memory of an update (default:
-            65,536 on the CPU, 4,194,304 on accelerators).
+        chunk_tokens: the most tokens one pass of the torch arithmetic reads (default
+            4,194,304): a larger batch is read in passes of whole rows, which bounds the
+            temporary memory of an update.
 
     Example:
         >>> import torch
@@ -298,23 +320,11 @@ class MismatchStats(ThreadSafeWindow):
     @torch.no_grad()
     def _update_inputs(self, inputs: MismatchInputs) -> None:
         """Add one batch whose tensors :func:`~.batch.check_inputs` has checked."""
-        batch, width = inputs.mask.shape
-        device = inputs.mask.device
-        if batch * width > 0:
-            parts = statistics_states(
-                inputs,
-                groups=self.groups,
-                is_threshold=self.is_threshold,
-                seq_ratio_bounds=self.seq_ratio_bounds,
-                compile=self.compile,
-                chunk_tokens=self.chunk_tokens,
-            )
-        else:
-            parts = [identity_state(device)]
-            if "token_ids" in self.groups and inputs.rollout_token_ids is not None:
-                # An empty batch with token ids still compared ids: zero differences, not NaN.
-                parts[0][STATE.at["id_updates"]] = 1.0
-        self._add(parts, device)
+        add_batch(inputs, None, stats=self, extras=None)
+
+    def finish(self, sums: Sequence[TokenSums]) -> Tensor:
+        """The packed statistics of the tokens of the passes ``sums``."""
+        return finish_statistics(sums, self.seq_ratio_bounds)
 
     @torch.no_grad()
     def count_pads(self, mask: Tensor, token_ids: Tensor, pad_token_id: int) -> None:

@@ -59,12 +59,16 @@ SLOW_MODULES: dict[str, str] = {
 SLOW_TESTS: dict[str, str] = {
     "test_stats.py::test_sixteen_ranks_merge_to_the_statistics_of_all_tokens": "16 ranks",
     "test_tensorboard.py::test_two_ranks_histograms_and_worst_tokens_cover_both": "two ranks",
+    "test_torch_path.py::test_triton_plans_a_handful_of_kernels_for_the_default_update": (
+        "plans inductor's Triton code at four shapes"
+    ),
 }
 """Single tests (all their parametrisations) that are slow, and why."""
 
 SLOW_FIXTURES: dict[str, str] = {
     "example": "trains examples/grpo_mismatch.py",
     "inductor_only": "compiles with torch.compile",
+    "torch_path": "traces or compiles with torch.compile",
 }
 """Fixtures that make any test using them slow, and why."""
 

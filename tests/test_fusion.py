@@ -26,8 +26,10 @@ from lightning_rollout_debug import (
     native,
 )
 from lightning_rollout_debug.extras import TokenExtras
+from lightning_rollout_debug.token_pass import PassPlan
 
 LOG_RATIO_TAG = "training/rollout_log_ratio_hist"
+COMPILE_FAILED = "torch.compile of the rollout metrics failed"
 NAMES = [n for g in GROUPS if g != "token_ids" for n in METRIC_NAMES[g]]
 
 
@@ -143,7 +145,7 @@ def test_traced_updates_shift_tensors_only(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(
         torch, "compile", lambda function, **_: compile(function, dynamic=True, backend=capture)
     )
-    monkeypatch.setattr(backends, "_fusion", {"functions": {}, "failed": {}})
+    monkeypatch.setattr(backends, "_compiling", {"functions": {}, "failed": {}})
     monkeypatch.setattr(native, "_pass", lambda *args, **kwargs: None)
     torch._dynamo.reset()
     rollout, old, mask, ids, _ = _batch(torch.float32)
@@ -153,7 +155,7 @@ def test_traced_updates_shift_tensors_only(monkeypatch: pytest.MonkeyPatch) -> N
         extras.update(rollout, old, mask, ids, batch_index=2)
     finally:
         torch._dynamo.reset()
-    assert len(graphs) >= 2 and not backends._fusion["failed"]
+    assert len(graphs) >= 2 and not backends._compiling["failed"]
     shifts = [
         node.format_node()
         for graph in graphs
@@ -165,23 +167,26 @@ def test_traced_updates_shift_tensors_only(monkeypatch: pytest.MonkeyPatch) -> N
     assert shifts == []
 
 
-def test_a_part_that_fails_to_compile_leaves_the_others_compiled(
+def test_a_pass_that_fails_to_compile_leaves_the_others_compiled(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The extras failing to compile (one warning) keep the statistics compiled."""
-    compiled_calls: list[str] = []
+    """The extras' pass failing to compile (one warning, naming the torch release and what
+    to pass) stays eager alone: the statistics' pass stays compiled."""
+    compiled_calls: list[PassPlan] = []
 
     def compile_failing_for_the_extras(function: Any, **_: Any) -> Any:
+        plan = function.args[0]
+
         def run(*args: Any, **kwargs: Any) -> Any:
-            if function is TokenExtras._chunk_state:
+            if plan.worst_tokens_k:
                 raise RuntimeError("cannot trace this")
-            compiled_calls.append(function.__name__)
+            compiled_calls.append(plan)
             return function(*args, **kwargs)
 
         return run
 
     monkeypatch.setattr(torch, "compile", compile_failing_for_the_extras)
-    monkeypatch.setattr(backends, "_fusion", {"functions": {}, "failed": {}})
+    monkeypatch.setattr(backends, "_compiling", {"functions": {}, "failed": {}})
     monkeypatch.setattr(native, "_pass", lambda *args, **kwargs: None)
     rollout, old, mask, ids, _ = _batch(torch.float32)
     stats, extras = MismatchStats(compile=True), TokenExtras(worst_tokens_k=4, compile=True)
@@ -192,10 +197,11 @@ def test_a_part_that_fails_to_compile_leaves_the_others_compiled(
             stats.update(rollout, old, mask)
             extras.update(rollout, old, mask, ids, batch_index=index)
             eager.update(rollout, old, mask, ids, batch_index=index)
-    assert compiled_calls == ["batch_state", "batch_state"]
-    assert list(backends._fusion["failed"]) == [TokenExtras._chunk_state]
-    (warning,) = [w for w in caught if "torch.compile is not usable" in str(w.message)]
-    assert "TokenExtras._chunk_state" in str(warning.message)
+    assert [plan.groups for plan in compiled_calls] == [stats.groups, stats.groups]
+    assert [plan.worst_tokens_k for plan in backends._compiling["failed"]] == [4]
+    (warning,) = [w for w in caught if COMPILE_FAILED in str(w.message)]
+    assert f"torch {torch.__version__}" in str(warning.message)
+    assert "compile=False" in str(warning.message)
     assert torch.equal(extras.state, eager.state)
     assert_metrics_close(
         stats.compute(), reference_metrics([rollout, rollout], [old, old], [mask, mask])
@@ -258,7 +264,7 @@ def test_a_failing_torch_compile_counts_every_batch_eagerly(
 ) -> None:
     """``torch.compile`` raising when called or when its result first runs: one warning,
     then eager arithmetic for the statistics and the extras; no batch is skipped."""
-    monkeypatch.setattr(backends, "_fusion", {"functions": {}, "failed": {}})
+    monkeypatch.setattr(backends, "_compiling", {"functions": {}, "failed": {}})
     monkeypatch.setattr(torch, "compile", _compile_raising_at(when))
     batches = make_batches(4, batch_size=[3, 4, 2, 5], width=[7, 5, 9, 6], seed=21)
     callback = RolloutDebugCallback(compile=True, worst_tokens_k=3)
@@ -271,7 +277,7 @@ def test_a_failing_torch_compile_counts_every_batch_eagerly(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(RolloutModule(batches))
-    compile_warnings = [w for w in caught if "torch.compile is not usable" in str(w.message)]
+    compile_warnings = [w for w in caught if COMPILE_FAILED in str(w.message)]
     assert len(compile_warnings) == 1, [str(w.message) for w in caught]
     assert not [w for w in caught if issubclass(w.category, RolloutDebugWarning)]
     scalars = read_scalars(tmp_path / "tb" / "version_0")

@@ -213,15 +213,21 @@ def test_the_exponential_is_accurate_over_the_log_prob_range() -> None:
 
 # ---------------------------------------------------------------------- the extras
 def _assert_same_extras(native_extras: TokenExtras, eager: TokenExtras, rel: float = 1e-9) -> None:
-    """The same bins and worst tokens; the histograms' float64 sums within ``rel``."""
+    """The same bins and worst tokens; the histograms' float64 sums within ``rel``.
+
+    The sums within 1e-6: the torch arithmetic sums each row in float32 (its squares about
+    the row's mean), the kernel in float64.
+    """
     got, want = (extras.summary(extras.state) for extras in (native_extras, eager))
     assert got.histograms.keys() == want.histograms.keys()
     for tag, histogram in want.histograms.items():
         other = got.histograms[tag]
         assert other.counts == histogram.counts, tag  # the same bits, the same bins
-        assert (other.num, other.min, other.max) == (histogram.num, histogram.min, histogram.max)
-        assert other.sum == pytest.approx(histogram.sum, rel=rel, abs=1e-9)
-        assert other.sum_squares == pytest.approx(histogram.sum_squares, rel=rel)
+        assert other.num == histogram.num
+        # |pa - pb| near r = 0: the kernel's series and torch's expm1 may differ in the last bit.
+        assert (other.min, other.max) == pytest.approx((histogram.min, histogram.max), rel=2.5e-7)
+        assert other.sum == pytest.approx(histogram.sum, rel=max(rel, 1e-6), abs=1e-9)
+        assert other.sum_squares == pytest.approx(histogram.sum_squares, rel=max(rel, 1e-6))
     # The same keys; among equal keys (bfloat16 has few values) either token may be kept.
     keys = [sorted(abs(t.log_ratio) for t in found.worst_tokens) for found in (got, want)]
     assert keys[0] == keys[1]
@@ -821,16 +827,25 @@ def test_probabilities_stay_finite_up_to_float32s_own_limit() -> None:
     want = np.abs(np.exp(old.double().numpy()) - np.exp(-0.5))
     assert np.isfinite(want).all()
     found = {}
+    stats = MismatchStats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # positive log-probs
+        stats.update(rollout, old, mask)
+        found[None] = stats.compute()
+    assert math.isclose(found[None]["rollout_probs_diff_mean"], want.mean(), rel_tol=1e-5)
+    assert math.isclose(found[None]["rollout_probs_diff_max"], want.max(), rel_tol=1e-5)
+    # The torch arithmetic sums a row in float32, where two such values overflow: one token
+    # a row, and rows add in float64.
     for compile in (None, False):
         stats = MismatchStats(compile=compile)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # positive log-probs
-            stats.update(rollout, old, mask)
+            warnings.simplefilter("ignore")
+            stats.update(rollout.T, old.T, mask.T)
             found[compile] = stats.compute()
-    assert math.isclose(found[None]["rollout_probs_diff_mean"], want.mean(), rel_tol=1e-5)
-    assert math.isclose(found[None]["rollout_probs_diff_max"], want.max(), rel_tol=1e-5)
     for name, value in found[False].items():
         other = found[None][name]
+        if "mult_prob_error" in name:  # e^|r| past float32 (|r| > 88.7): no value to compare
+            continue
         assert (math.isnan(value) and math.isnan(other)) or math.isclose(
             other, value, rel_tol=1e-5, abs_tol=1e-12
         ), (name, other, value)

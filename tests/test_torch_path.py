@@ -1,0 +1,177 @@
+"""The torch arithmetic, the path of accelerators: its operations, its graph and its plan.
+
+An update that runs eagerly (``compile=False``, or a failed compilation) issues a fixed
+number of top-level torch operations, each at least one kernel launch on a GPU, whatever
+the batch's size; compiled, it is one graph, traced at most twice for any number of batch
+shapes, whose Triton plan is a handful of kernels. Counts and plans are deterministic:
+they are tested here (timings are benchmarks, in ``benchmarks/``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from reference import assert_metrics_close, reference_metrics
+from torch.profiler import ProfilerActivity, profile
+
+from lightning_rollout_debug import GROUPS, METRIC_NAMES, RolloutDebugMonitor, backends, native
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = [(4, 256), (64, 2048), (512, 8192)]
+"""From a small batch to 4M tokens, the most one pass reads."""
+
+SCALARS_ONLY: dict[str, Any] = {
+    "groups": [group for group in GROUPS if group not in ("token_ids", "quantiles")],
+    "histograms": False,
+    "worst_tokens_k": 0,
+    "profile_images": False,
+}
+"""The statistics alone, as scalars (``benchmarks/configurations.py``)."""
+
+OPERATIONS_AT_MOST = {"defaults": 100, "scalars only": 65, "seed only": 39}
+"""Top-level torch operations of one eager update, by configuration."""
+
+
+def _batch(rows: int, width: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Log-probs of sampled tokens, a small mismatch, rows padded to random lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    rollout = torch.empty(rows, width).uniform_(1e-6, 1.0, generator=generator).log_()
+    old = (rollout + 0.01 * torch.randn(rows, width, generator=generator)).clamp_(max=0.0)
+    lengths = torch.randint(max(1, width // 4), width + 1, (rows, 1), generator=generator)
+    mask = torch.arange(width) < lengths
+    return {"rollout_log_probs": rollout, "old_log_probs": old, "response_mask": mask}
+
+
+def _operations(update: Callable[[], None]) -> list[str]:
+    """The top-level torch operations of one ``update``, after two to warm up."""
+    update()
+    update()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        update()
+    return [e.name for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+
+
+CONFIGURATIONS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "scalars only": SCALARS_ONLY,
+    "seed only": {**SCALARS_ONLY, "groups": ["seed"]},
+}
+
+
+@pytest.mark.parametrize("configuration", list(CONFIGURATIONS))
+def test_an_eager_update_issues_the_same_few_operations_at_every_size(
+    configuration: str,
+) -> None:
+    """Defaults (statistics, histograms, worst tokens, profile) at most 100 operations,
+    the same number from 1,024 tokens to 4M: nothing loops over chunks or values."""
+    counts = []
+    for shape in SHAPES:
+        monitor = RolloutDebugMonitor(
+            alert_ranges={}, compile=False, **CONFIGURATIONS[configuration]
+        )
+        batch = _batch(*shape)
+        counts.append(len(_operations(functools.partial(monitor.update, batch))))
+        del monitor, batch
+    assert counts == [counts[0]] * len(SHAPES)
+    assert counts[0] <= OPERATIONS_AT_MOST[configuration]
+
+
+@pytest.fixture
+def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU batches through torch.compile, as an accelerator's: no native kernel, fresh
+    compiled functions."""
+    monkeypatch.setattr(native, "_pass", lambda *args, **kwargs: None)
+    monkeypatch.setattr(backends, "_compiling", {"functions": {}, "failed": {}})
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+SIX_SHAPES = [(8, 512), (64, 200), (3, 1000), (17, 64), (1, 4096), (1, 300)]
+
+
+def test_a_compiled_update_is_one_graph_traced_at_most_twice(
+    torch_path: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole default update is one graph without a break (``fullgraph=True`` raises at
+    one), traced at most twice over six batch shapes (one row specialises)."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(graph)
+        return graph.forward
+
+    compile = torch.compile
+
+    def whole(function: Any, **options: Any) -> Any:
+        return compile(function, dynamic=True, fullgraph=True, backend=capture)
+
+    monkeypatch.setattr(torch, "compile", whole)
+    monitor = RolloutDebugMonitor(alert_ranges={}, compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed compilation warns
+        for shape in SIX_SHAPES:
+            monitor.update(_batch(*shape))
+    assert not backends._compiling["failed"]
+    assert len(backends._compiling["functions"]) == 1  # statistics and extras: one pass
+    assert 1 <= len(graphs) <= 2
+
+
+def test_the_compiled_default_update_is_exact(torch_path: None) -> None:
+    """Inductor's code for the whole default update, against the float64 reference and
+    against the eager update (the same bins but for values within an ulp of an edge)."""
+    batches = [_batch(37, 700, seed=1), _batch(5, 1500, seed=2)]
+    batches[0]["old_log_probs"][3, :9] = -math.inf
+    batches[1]["rollout_log_probs"][2, 4] = math.nan
+    monitors = [RolloutDebugMonitor(alert_ranges={}, compile=c) for c in (True, False)]
+    for monitor in monitors:
+        for batch in batches:
+            monitor.update(batch)
+    assert not backends._compiling["failed"]
+    want = reference_metrics(*([b[key] for b in batches] for key in _KEYS))
+    want = want.select([n for g in GROUPS if g != "token_ids" for n in METRIC_NAMES[g]])
+    summaries = [monitor._extras.summary(monitor._extras.state) for monitor in monitors]
+    for monitor in monitors:
+        assert_metrics_close(monitor._stats.compute(), want)
+    compiled, eager = summaries
+    for tag, histogram in eager.histograms.items():
+        other = compiled.histograms[tag]
+        assert other.num == histogram.num == want["rollout_tokens"]
+        assert sum(abs(x - y) for x, y in zip(other.counts, histogram.counts, strict=True)) <= 4
+    assert [(t.batch, t.row, t.position) for t in compiled.worst_tokens] == [
+        (t.batch, t.row, t.position) for t in eager.worst_tokens
+    ]
+
+
+_KEYS = ("rollout_log_probs", "old_log_probs", "response_mask")
+
+
+def test_triton_plans_a_handful_of_kernels_for_the_default_update() -> None:
+    """``benchmarks/plan_kernels.py``: the Triton kernels inductor plans for one compiled
+    default update (planned for an sm_90 GPU, on the CPU: Triton, no GPU) at four shapes,
+    at most 8 each."""
+    pytest.importorskip("triton", reason="planning Triton kernels needs the triton package")
+    shapes = "8x512,64x2048,256x4096,1x65536"
+    command = [sys.executable, str(ROOT / "benchmarks" / "plan_kernels.py")]
+    done = subprocess.run(
+        [*command, "--shapes", shapes, "--defaults-only"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+        cwd=ROOT,
+    )
+    rows = re.findall(r"^\s*(\d+x\d+)\s+(\d+)\s+(\d+)$", done.stdout, re.MULTILINE)
+    assert [shape for shape, _, _ in rows] == shapes.split(",")
+    planned = [int(defaults) for _, _, defaults in rows]
+    assert all(1 <= count <= 8 for count in planned), done.stdout
