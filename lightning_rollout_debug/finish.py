@@ -47,14 +47,9 @@ def _rows(batches: Sequence[TokenSums], field: str) -> Tensor:
     return joined.to(torch.float64)
 
 
-def _log_ratios(batches: Sequence[TokenSums], summed: Tensor) -> Tensor:
-    """Each row's float64 sum of ``r``: an eager pass's own, else ``summed``'s (in float64)."""
-    parts, start = [], 0
-    for sums in batches:
-        rows = _row_count(sums)
-        own = sums.log_ratio
-        parts.append(summed[start : start + rows] if own is None else own.to(torch.float64))
-        start += rows
+def _log_ratios(batches: Sequence[TokenSums]) -> Tensor:
+    """Each row's float64 sum of ``r``."""
+    parts = [_stacked(sums.log_ratio, "log_ratio").to(torch.float64) for sums in batches]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -119,7 +114,7 @@ class RowSums:
             self._products[left, right] = (within + self.n * deviation[x] * deviation[y]).sum()
         self.shift = shift
         self.lag = _rows(batches, "lag") if batches[0].lag is not None else None  # [2, rows, 4, 4]
-        self.log_ratio = _log_ratios(batches, first[plan.at["r"]])
+        self.log_ratio = _log_ratios(batches)
         """Each row's sum of ``r``, in float64."""
         self.widths = [sums.width for sums in batches]
 
@@ -428,7 +423,7 @@ def _worst_block(batches: Sequence[TokenSums], k: int, device: torch.device) -> 
     batch, rank = label(lambda s: s.batch), label(lambda s: s.rank)
     width, first = label(lambda s: s.width), label(lambda s: s.first_row * s.width)
     place = place + first
-    r = (a - b).to(torch.float64)
+    r = (a - b).to(torch.float64)  # float32 r, as it was ranked (and as the kernel reports it)
     if all(i is None for i in ids):
         token_id = torch.full_like(r, -1.0)
     else:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -402,6 +403,28 @@ def constants(dtype: torch.dtype, like: Tensor) -> Constants:
     return _on_device(dtype, like)
 
 
+_WORKSPACES = threading.local()
+
+
+def _workspace(planes: int, like: Tensor, dtype: torch.dtype) -> Tensor | None:
+    """A CPU pass's planes, in the memory of this thread's previous pass where it fits.
+
+    A fresh buffer of this size costs more in page faults than the whole pass computes;
+    an accelerator's caching allocator keeps its memory by itself (``None``: a new one).
+    """
+    if compiling() or like.device.type != "cpu" or is_fake(like):
+        return None
+    rows, width = like.shape
+    size = planes * rows * width
+    held = getattr(_WORKSPACES, "buffers", None)
+    if held is None:
+        held = _WORKSPACES.buffers = {}
+    if dtype not in held or held[dtype].numel() < size:
+        held.pop(dtype, None)  # freed before the larger one is made
+        held[dtype] = torch.empty(size, dtype=dtype)
+    return held[dtype].as_strided((planes, rows, width), (rows * width, width, 1))
+
+
 # ----------------------------------------------------------------------------- the pass
 @dataclass(frozen=True)
 class TokenSums:
@@ -440,7 +463,7 @@ class TokenSums:
     worst: tuple[Tensor, Tensor, Tensor | None] | None = None
     """The ``k`` worst candidates: their keys (:func:`places` finds them), ``[a, b]``, ids."""
     log_ratio: Tensor | None = None
-    """``[B]``: each row's sum of ``r`` in float64 (``None``: ``first``'s, in float64 too)."""
+    """``[B]``: each row's sum of ``r`` from the float64 differences ``a - b``."""
     position_planes: tuple[str, ...] = ()
     """The planes of :attr:`position`, in order."""
     uncounted: bool = False
@@ -508,7 +531,7 @@ def token_sums(
     """
     f64 = torch.float64
     dtype = f64 if f64 in (rollout_log_probs.dtype, old_log_probs.dtype) else torch.float32
-    p = Planes(plan.planes, mask, dtype)
+    p = Planes(plan.planes, mask, dtype, _workspace(len(plan.planes), mask, dtype))
     _token_values(plan, p, rollout_log_probs, old_log_probs, mask)
     edges = constants(dtype, mask)
     reduce = _reduce_compiled if p.traced else _reduce_eagerly
@@ -579,23 +602,24 @@ def _reduce_eagerly(
     """
     one = p["one"]
     width = one.shape[-1]
-    penalty = torch.log(one)  # 0 where a token counts, -inf elsewhere
+    counted = torch.gt(one, 0.0)
+    fills = [_on_device(fill, one) for fill in ("-inf", "inf", "zero")]
     extremes: dict[str, Tensor] = {}
 
     def clear(planes: Tensor) -> Tensor:
-        planes.nan_to_num_(0.0, 0.0, 0.0)
-        planes.add_(penalty)
+        torch.where(counted, planes, fills[0], out=planes)
         if plan.worst_tokens_k:
             extremes["key"] = _keys(p["l"])
         extremes["top"] = planes.amax(-1)
-        planes.nan_to_num_(0.0, INF, INF)
+        torch.where(counted, planes, fills[1], out=planes)
         extremes["bottom"] = planes.amin(-1)
-        return planes.nan_to_num_(0.0, 0.0, 0.0)
+        return torch.where(counted, planes, fills[2], out=planes)
 
     p.update(p.names[0], p.names[-2], clear)  # masked, last, counts masked tokens
     every = p.run(p.names[0], p.names[-1])
     first = every.sum(-1, keepdim=True)
-    log_ratio = p["r"].double().sum(-1)  # float64: k1 keeps the digits of small r
+    # Sums of the float64 differences a - b: k1 keeps the digits of small log-ratios.
+    log_ratio = torch.sub(p["a"].double(), p["b"]).sum(-1)
     position = probability = counts = worst = None
     if plan.parts:  # the tokens that do not count land in each part's bin of 0 values
         if plan.profile:
@@ -653,13 +677,14 @@ def _reduce_compiled(
         rows += [now[x] * following[y] for x in lagged for y in lagged]
         rows += [now[x] * now[x] * (following[y] * following[y]) for x in lagged for y in lagged]
     # Lists of [B] rows, each written where its reduction is: stacked when a window folds.
+    rows.append(value["a"].double() - value["b"].double())  # r's exact float64 sum
     sums = [row.sum(-1, dtype=f64) for row in rows]
     top = [torch.where(counted, raw[n], -INF).amax(-1) for n in names]
     bottom = [torch.where(counted, raw[n], INF).amin(-1) for n in names]
     first = sums[: len(names) + 1]
     at = len(names) + 1 + len(centred) + 2
     second = sums[len(names) + 1 : at]
-    lag = sums[at:] if health else None
+    lag = sums[at:-1] if health else None
     counts = position = probability = worst = None
     if plan.parts:
         counts, position, probability = _scattered(plan, value, edges, width)
@@ -667,7 +692,7 @@ def _reduce_compiled(
         keys = _keys(torch.where(counted, raw["l"], -INF))
         worst = _worst(keys, p, token_ids, plan.worst_tokens_k, width, value)
     fields = (first, top, bottom, None, second, lag, counts, position, probability, worst)
-    return (*fields, None)
+    return (*fields, sums[-1])
 
 
 def _expm1(x: Tensor, out: Tensor | None = None) -> Tensor:
@@ -760,6 +785,7 @@ def part_starts(parts: tuple[tuple[str, int], ...]) -> tuple[int, ...]:
 
 
 _HOST["one"] = torch.ones(())
+_HOST |= {"-inf": torch.tensor(-INF), "inf": torch.tensor(INF), "zero": torch.tensor(0.0)}
 for _histograms, _profile in ((True, False), (True, True), (False, True)):
     _starts = part_starts(_counted_parts(_histograms, _profile))[:-1]
     _HOST["offsets", _starts] = torch.tensor(_starts, dtype=torch.int32).view(-1, 1, 1)
