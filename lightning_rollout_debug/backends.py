@@ -254,19 +254,32 @@ def _compiled(plan: PassPlan) -> Callable[..., tuple[Any, ...]]:
     if plan not in _compiling["functions"]:
         import torch._inductor.config as inductor_config  # imported only when compiling
 
-        # Options an older inductor does not know are left out (it would reject them).
-        options = {k: v for k, v in _COMPILE_OPTIONS.items() if _has_option(inductor_config, k)}
+        # Options an older inductor does not know are left out (it would reject them), and
+        # one it takes as a switch (the contraction flag, before torch 2.7) is switched on.
+        options = {
+            name: _as_its_type(_option(inductor_config, name), value)
+            for name, value in _COMPILE_OPTIONS.items()
+            if _option(inductor_config, name) is not _MISSING
+        }
         function = functools.partial(token_sums, plan)
         _compiling["functions"][plan] = torch.compile(function, dynamic=True, options=options)
     return _compiling["functions"][plan]
 
 
-def _has_option(config: Any, dotted: str) -> bool:
+_MISSING = object()
+
+
+def _option(config: Any, dotted: str) -> Any:
+    """The current value of inductor's option ``dotted`` (``_MISSING``: no such option)."""
     for part in dotted.split("."):
-        if not hasattr(config, part):
-            return False
-        config = getattr(config, part)
-    return True
+        config = getattr(config, part, _MISSING)
+        if config is _MISSING:
+            break
+    return config
+
+
+def _as_its_type(current: Any, value: Any) -> Any:
+    return bool(value) if isinstance(current, bool) else value
 
 
 def _compile_failed(plan: PassPlan, error: Exception) -> None:

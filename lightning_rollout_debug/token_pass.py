@@ -27,6 +27,7 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from dataclasses import fields as fields_of
 from typing import Any
 
 import numpy as np
@@ -349,13 +350,16 @@ def _on_device(key: Any, like: Tensor) -> Any:
     of a ``FakeTensorMode``) gets fake copies, never kept.
     """
     host = _HOST[key]
-    fields = (host,) if isinstance(host, Tensor) else tuple(vars(host).values())
+    if compiling():  # copied before the trace (see :func:`constants`): read as they are
+        return host if like.device.type == "cpu" else _ON_DEVICE[key, like.device]
+    one = isinstance(host, Tensor)
+    fields = [host] if one else [getattr(host, field.name) for field in fields_of(host)]
 
     def made(copy: Callable[[Tensor], Tensor]) -> Any:
         copies = [copy(value) for value in fields]
-        return copies[0] if isinstance(host, Tensor) else Constants(*copies)
+        return copies[0] if one else Constants(*copies)
 
-    if not compiling() and is_fake(like):
+    if is_fake(like):
         return made(like.fake_mode.from_tensor)  # type: ignore[attr-defined]
     device = like.device
     if device.type == "cpu":
