@@ -1,19 +1,20 @@
-"""The first training step with fresh caches: the callback's defaults against scalars only.
+"""The first training step of a new process against a later one, on the CPU.
 
-Each run is a fresh process with an empty kernel cache (``LIGHTNING_ROLLOUT_DEBUG_CACHE``)
-and an empty inductor cache (``TORCHINDUCTOR_CACHE_DIR``), so whatever the callback builds
-or compiles on its first large batch is paid in the first step, as on a new machine. The
-configurations alternate, and the medians of the first step's wall time are printed
-with their ratio. A reference run without the callback shows what the step costs alone.
-
-The callback starts the kernel's build at the Trainer's ``setup``, so that it goes on
-while the first batch is made. ``--first-batch-seconds S`` makes the first training step
-wait ``S`` seconds (a rollout sampled on an accelerator, which leaves the CPU free), and
-a fourth configuration, the defaults with the build left to the first update (as before
-the early start), shows what the early start saves.
+Each run is a fresh process with an empty inductor cache (``TORCHINDUCTOR_CACHE_DIR``), so
+whatever the callback loads or compiles on its first batch is paid in the first step, as
+on a new machine. It trains 51 steps, each of which logs: the first step's wall time is
+compared with the 51st's, which draws the profile's pictures again as the first does
+(every 50 steps), and the third's shows a step without them.
+The configurations (the callback's defaults, scalars only, no callback) alternate, and the
+medians are printed with the ratio of the first step to a later one, and the callback's
+share of each: the first step, less the start-up that a run without the callback pays
+too, against a later step.
 
     python benchmarks/bench_cold_start.py [--rows 64 --width 2048 --rounds 3]
                                           [--first-batch-seconds 0]
+
+``--first-batch-seconds S`` makes the first training step wait ``S`` seconds (a rollout
+sampled on an accelerator).
 """
 
 from __future__ import annotations
@@ -29,24 +30,22 @@ import time
 import warnings
 from typing import Any
 
-LATE = "defaults, built at the first update"
-CONFIGURATIONS = ("without the callback", "defaults", "scalars only", LATE)
+CONFIGURATIONS = ("without the callback", "defaults", "scalars only")
 
 
-def first_step(configuration: str, rows: int, width: int, first_batch_seconds: float) -> float:
-    """In this process: train 3 steps and return the first one's seconds."""
+def first_step(
+    configuration: str, rows: int, width: int, first_batch_seconds: float
+) -> tuple[float, float]:
+    """In this process: train 51 steps; the seconds of the first, the 51st and the third."""
     import pytorch_lightning as pl
     import torch
     from configurations import SCALARS_ONLY  # the script's folder is on sys.path
     from torch import nn
     from torch.utils.data import DataLoader
 
-    import lightning_rollout_debug.callback
     from lightning_rollout_debug import RolloutDebugCallback
 
     warnings.filterwarnings("ignore")
-    if configuration == LATE:  # no early start: the first update builds the kernel
-        lightning_rollout_debug.callback.prepare_native = lambda compile: False
     generator = torch.Generator().manual_seed(0)
     rollout = torch.log(torch.rand(rows, width, generator=generator).clamp(min=1e-6))
     batch = {
@@ -81,14 +80,13 @@ def first_step(configuration: str, rows: int, width: int, first_batch_seconds: f
     callbacks = {
         "without the callback": [],
         "defaults": [RolloutDebugCallback(alert_ranges={})],
-        LATE: [RolloutDebugCallback(alert_ranges={})],
         "scalars only": [RolloutDebugCallback(**SCALARS_ONLY, alert_ranges={})],
     }[configuration]
     model = Model()
     with tempfile.TemporaryDirectory() as logdir:
         trainer = pl.Trainer(
             accelerator="cpu",
-            max_steps=3,
+            max_steps=51,
             log_every_n_steps=1,
             logger=pl.loggers.TensorBoardLogger(logdir),
             callbacks=callbacks,
@@ -96,22 +94,21 @@ def first_step(configuration: str, rows: int, width: int, first_batch_seconds: f
             enable_model_summary=False,
             enable_checkpointing=False,
         )
-        trainer.fit(model, DataLoader([batch] * 3, batch_size=None))
-    return model.seconds[0]
+        trainer.fit(model, DataLoader([batch] * 51, batch_size=None))
+    return model.seconds[0], model.seconds[50], model.seconds[2]
 
 
-def fresh_process(configuration: str, rows: int, width: int, first_batch_seconds: float) -> float:
-    """:func:`first_step` in a new process with empty caches."""
-    with tempfile.TemporaryDirectory() as kernels, tempfile.TemporaryDirectory() as inductor:
-        env = {
-            **os.environ,
-            "LIGHTNING_ROLLOUT_DEBUG_CACHE": os.path.join(kernels, "cache"),
-            "TORCHINDUCTOR_CACHE_DIR": inductor,
-        }
+def fresh_process(
+    configuration: str, rows: int, width: int, first_batch_seconds: float
+) -> tuple[float, float, float]:
+    """:func:`first_step` in a new process with an empty inductor cache."""
+    with tempfile.TemporaryDirectory() as inductor:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor}
         command = [sys.executable, __file__, "--child", configuration, str(rows), str(width)]
         command.append(str(first_batch_seconds))
         result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    first, again, plain = json.loads(result.stdout.strip().splitlines()[-1])
+    return first, again, plain
 
 
 def main() -> None:
@@ -127,23 +124,32 @@ def main() -> None:
         configuration, rows, width, first_batch = args.child
         print(json.dumps(first_step(configuration, int(rows), int(width), float(first_batch))))
         return
-    seconds: dict[str, list[float]] = {name: [] for name in CONFIGURATIONS}
+    runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in CONFIGURATIONS}
     for _ in range(args.rounds):
         for name in CONFIGURATIONS:
-            seconds[name].append(
-                fresh_process(name, args.rows, args.width, args.first_batch_seconds)
-            )
+            runs[name].append(fresh_process(name, args.rows, args.width, args.first_batch_seconds))
     print(
-        f"first training step, fresh caches, batch {args.rows}x{args.width}, "
-        f"the first batch made in {args.first_batch_seconds:g} s:"
+        f"training steps of a new process, batch {args.rows}x{args.width}, the first batch "
+        f"made in {args.first_batch_seconds:g} s; medians of {args.rounds} processes (ms):"
     )
-    medians = {name: statistics.median(values) for name, values in seconds.items()}
-    for name, value in medians.items():
-        print(f"{name:36} {value:8.2f} s   (runs: {', '.join(f'{v:.2f}' for v in seconds[name])})")
-    ratio = medians["defaults"] / medians["scalars only"]
-    print(f"defaults / scalars only: {ratio:.2f}x (goal: at most 1.5x)")
-    early = medians["defaults"] - medians[LATE]
-    print(f"the early start of the build: {early:+.2f} s in the first step")
+    median = {
+        name: [statistics.median(run[i] for run in found) for i in range(3)]
+        for name, found in runs.items()
+    }
+    for name in CONFIGURATIONS:
+        first, again, plain = median[name]
+        print(
+            f"{name:22} step 1 {first * 1e3:7.1f}  step 51 {again * 1e3:6.1f}  "
+            f"step 3 {plain * 1e3:6.1f}  step 1 / step 51 {first / again:5.2f}x"
+        )
+    alone = median["without the callback"]
+    start_up = alone[0] - alone[1]  # what a first step costs more without the callback
+    for name in ("defaults", "scalars only"):
+        first, again, _ = median[name]
+        print(
+            f"{name}: the first step less the start-up a run without the callback pays too "
+            f"({start_up * 1e3:.1f} ms) is {(first - start_up) / again:.2f}x step 51"
+        )
 
 
 if __name__ == "__main__":

@@ -21,14 +21,11 @@ allocator's peak above the inputs.
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,18 +48,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def use_lanes(lanes: int | None) -> None:
-    """Build the native kernel with ``lanes`` float32 lanes and without AVX-512.
-
-    As on a CPU without AVX-512; the build goes to a cache folder of this process (0700,
-    removed at exit). ``None`` leaves the width to the CPU. Call it before the first update.
-    """
-    if lanes is None:
-        return
-    extra = ("-mno-avx512f", f"-DROLLOUT_LANES={lanes}")
-    native.cache._FLAG_SETS = tuple((*flags, *extra) for flags in native.cache._FLAG_SETS)
-    folder = tempfile.mkdtemp(prefix=f"kernel-{lanes}-lanes-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    os.environ[native.cache.CACHE_ENV] = folder
+    """Run the native kernel's build of ``lanes`` float32 lanes, as on a CPU whose widest
+    vectors hold that many (``None``: the widest this CPU runs). Call it before the first
+    update."""
+    if lanes is not None:
+        native.load(lanes)
 
 
 def kernel_width() -> str:

@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         "--lanes",
         type=int,
         choices=(4, 8),
-        help="build the native kernel with this many lanes and without AVX-512",
+        help="run the native kernel's build of this many lanes",
     )
     args = parser.parse_args(argv)
     if args.block < 50 or args.block % 50:

@@ -58,7 +58,7 @@ def main() -> None:
         "--lanes",
         type=int,
         choices=(4, 8),
-        help="build the native kernel with this many lanes and without AVX-512",
+        help="run the native kernel's build of this many lanes",
     )
     args = parser.parse_args()
     use_lanes(args.lanes)

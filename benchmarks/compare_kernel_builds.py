@@ -1,9 +1,10 @@
 """Two builds of the native kernel, taking turns in one process: build time, speed, results.
 
 The kernel's source at a git revision (``--before``, by default ``HEAD``) and the source in
-the working tree are each built with the package's own compiler command and flags (the
-first flag set, ``-march=native`` and OpenMP included) in a private temporary folder,
-timed, loaded and checked as the package checks its kernel. Then both passes run on the
+the working tree are each built with the flags ``setup.py`` builds the package's kernel
+with (OpenMP included; the widest width this CPU runs, or ``--lanes``) and the C++
+compiler on ``PATH`` (``$CXX``, else ``c++``) in a private temporary folder, timed,
+loaded and checked as the package checks its kernel. Then both passes run on the
 same batches, taking turns over ``--rounds`` rounds, for the seed group, every group and
 the callback's defaults (histograms, 10 worst tokens, the profile), with float32 and
 bfloat16 log-probs and a scattered bool mask (``random``) or right-padded int64 one
@@ -13,14 +14,16 @@ per-round ratios ``after / before``, and whether both wrote the same bits.
     python benchmarks/compare_kernel_builds.py [--before HEAD~1] [--shapes 64x2048,256x4096]
                                                [--rounds 15] [--lanes 8]
 
-``--lanes 8`` (or 4) builds both with ``-mno-avx512f`` and that vector width, as on a CPU
-without AVX-512.
+``--lanes 8`` (or 4) builds both at that vector width, as the package's build of that
+width is made.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
+import os
 import statistics
 import subprocess
 import sys
@@ -38,24 +41,34 @@ from bench_metrics import make_batch
 from bench_trainer import RolloutBatches
 
 from lightning_rollout_debug import RolloutDebugCallback, native
-from lightning_rollout_debug.native import cache, loader, toolchain
+from lightning_rollout_debug.native import loader
 from lightning_rollout_debug.rows import ROW_FIELDS
 
-SOURCE = Path(native.__file__).resolve().parent / "row_sums.cpp"
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "lightning_rollout_debug" / "native" / "row_sums.cpp"
 LEVELS = {"seed": 0, "every group": 3, "defaults": 3}
 
 
-def build(source: bytes, folder: Path, name: str, lanes: int | None) -> tuple[Any, float]:
+def package_flags(lanes: int) -> list[str]:
+    """The flags of the package's build of ``lanes`` lanes (``setup.py``)."""
+    spec = importlib.util.spec_from_file_location("package_build", ROOT / "setup.py")
+    assert spec is not None and spec.loader is not None
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)  # its flags; nothing is built
+    widths = build.widths()
+    return [*build.FLAGS, *widths[lanes], f"-DROLLOUT_LANES={lanes}", "-shared", "-fPIC"]
+
+
+def build(source: bytes, folder: Path, name: str, lanes: int) -> tuple[Any, float]:
     """Build ``source`` into ``folder``; the bound row-sums entry and the build's seconds."""
-    flags = list(cache._FLAG_SETS[0])
-    if lanes is not None:
-        flags += ["-mno-avx512f", f"-DROLLOUT_LANES={lanes}"]
     output = folder / f"{name}.so"
+    compiler = os.environ.get("CXX") or "c++"
+    command = [compiler, *package_flags(lanes), "-x", "c++", "-", "-o", str(output)]
     start = time.perf_counter()
-    done = toolchain.link(toolchain.command(), flags, folder, source, output)
+    done = subprocess.run(command, input=source, capture_output=True, check=False, cwd=folder)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
-        raise SystemExit(f"the {name} build failed:\n{done.stderr}")
+        raise SystemExit(f"the {name} build failed:\n{done.stderr.decode()}")
     function, _, _ = loader.bind(ctypes.CDLL(str(output)), output, tuple(ROW_FIELDS))
     return function, seconds
 
@@ -120,7 +133,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--lanes", type=int, choices=(4, 8, 16), help="force this vector width")
     args = parser.parse_args()
-    relative = SOURCE.relative_to(Path(__file__).resolve().parents[1])
+    relative = SOURCE.relative_to(ROOT)
+    lanes = args.lanes or loader.cpu_lanes()
     before = subprocess.run(
         ["git", "show", f"{args.before}:{relative}"], capture_output=True, check=True
     ).stdout
@@ -128,7 +142,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kernel-builds-") as folder:  # 0700
         functions = {}
         for name, source in sources.items():
-            functions[name], seconds = build(source, Path(folder), name, args.lanes)
+            functions[name], seconds = build(source, Path(folder), name, lanes)
             origin = args.before if name == "before" else "the working tree"
             print(f"{name} ({origin}): built in {seconds:.1f} s")
         threads = torch.get_num_threads()

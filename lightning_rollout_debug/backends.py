@@ -153,11 +153,10 @@ def native_wanted(compile: bool | None) -> bool:
 
 
 def prepare_native(compile: bool | None) -> bool:
-    """Start building the kernel in the background where CPU batches will use it.
+    """Load the kernel now where CPU batches will use it; whether it is usable.
 
     For a loop about to feed CPU batches (the callback calls it at the Trainer's
-    ``setup``): the build runs while the model is set up and the first batch is made.
-    Whether a build or load started (see :func:`.native.prepare`).
+    ``setup``), so that the first step does not wait for it (see :func:`.native.prepare`).
     """
     return native_wanted(compile) and native.prepare()
 

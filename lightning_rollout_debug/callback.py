@@ -261,7 +261,7 @@ class RolloutDebugCallback(Callback):
         if stage == "fit" and callable(self.process_group):
             self.monitor.process_group = self.process_group(trainer)
         if stage == "fit" and trainer.strategy.root_device.type == "cpu":
-            prepare_native(self._stats.compile)  # built while the first batch is made
+            prepare_native(self._stats.compile)  # loaded before the first step
         if stage == "fit" and not trainer.loggers:
             rank_zero_warn(
                 "RolloutDebugCallback: the Trainer has no logger, so the rollout metrics only "

@@ -13,9 +13,13 @@ log-probs are built in their target dtype first, so the reference sees exactly t
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -29,20 +33,43 @@ from torch import Tensor
 def kernel_skip_reason() -> str | None:
     """Why the native kernel's own tests cannot run here; ``None``: they must run.
 
-    Only a missing compiler, or the kernel turned off on purpose, skips them: where a
-    compiler is found, a kernel that fails to build or load fails the tests.
+    Only the kernel turned off on purpose, or a source install where no C++ compiler was
+    there to build it, skips them: an installation that has a compiler but lacks the
+    kernel, or whose kernel fails to load, fails the tests.
     """
-    from lightning_rollout_debug.native import SWITCH_ENV
-    from lightning_rollout_debug.native.toolchain import KernelUnavailable, command
+    from lightning_rollout_debug.native import SWITCH_ENV, builds
 
     switch = os.environ.get(SWITCH_ENV, "").strip().lower()
     if switch in ("0", "false", "off", "no"):
         return f"the native kernel is turned off ({SWITCH_ENV}={os.environ[SWITCH_ENV]})"
-    try:
-        command()
-    except KernelUnavailable as error:
-        return f"no C++ compiler here ({error})"
+    if not builds() and cxx() is None:
+        return "installed without the native kernel: no C++ compiler was there to build it"
     return None
+
+
+def cxx() -> str | None:
+    """The C++ compiler on ``PATH`` (``$CXX``, else ``c++``, ``g++`` or ``clang++``)."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
+    return next(filter(None, map(shutil.which, names)), None)
+
+
+NEEDS_CXX = pytest.mark.skipif(
+    cxx() is None, reason="torch.compile on the CPU (inductor's C++ code) needs a C++ compiler"
+)
+"""For a test that compiles on the CPU with inductor and checks that it did."""
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ROOT / "lightning_rollout_debug" / "native" / "row_sums.cpp"
+"""The kernel's source, in the checkout."""
+
+
+def load_setup() -> ModuleType:
+    """The checkout's ``setup.py`` as a module (its build flags), without building."""
+    spec = importlib.util.spec_from_file_location("package_build", ROOT / "setup.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # ----------------------------------------------------------------------------- slow tests
@@ -50,13 +77,15 @@ SLOW_MODULES: dict[str, str] = {
     "test_distributed.py": "spawns process groups of several ranks",
     "test_fuzz.py": "fuzzes thousands of batches, through Trainer runs too",
     "test_memory.py": "thousands of updates and Trainer steps",
-    "test_native_cache.py": "builds the native kernel in fresh caches, in several processes",
-    "test_native_widths.py": "builds the native kernel at every vector width",
     "test_scale_out.py": "FSDP2 and two simulated nodes, in processes of their own",
 }
 """Modules whose every test is slow, and why."""
 
 SLOW_TESTS: dict[str, str] = {
+    "test_native_widths.py::test_no_step_of_a_build_runs_lane_by_lane": (
+        "compiles the kernel at every vector width"
+    ),
+    "test_native.py::test_a_kernel_that_forgets_a_slot_is_not_loaded": "compiles a kernel",
     "test_stats.py::test_sixteen_ranks_merge_to_the_statistics_of_all_tokens": "16 ranks",
     "test_tensorboard.py::test_two_ranks_histograms_and_worst_tokens_cover_both": "two ranks",
     "test_torch_path.py::test_triton_plans_a_handful_of_kernels_for_the_default_update": (

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+from conftest import NEEDS_CXX
 from hypothesis import given
 from hypothesis import strategies as st
 from lightning_helpers import (
@@ -331,7 +332,9 @@ def test_of_tied_worst_tokens_the_earliest_in_the_window_win(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=NEEDS_CXX)], ids=["eager", "compiled"]
+)
 def test_the_top_keys_are_ranked_by_key_then_position(dtype: torch.dtype, compiled: bool) -> None:
     """The first k of a sort by (-key, position): ties, -0.0 and +0.0, infinities, negatives."""
     generator = torch.Generator().manual_seed(7)

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import NEEDS_CXX
 from reference import assert_metrics_close, reference_metrics
 from torch.profiler import ProfilerActivity, profile
 
@@ -127,6 +128,7 @@ def test_a_compiled_update_is_one_graph_traced_at_most_twice(
     assert 1 <= len(graphs) <= 2
 
 
+@NEEDS_CXX
 def test_the_compiled_default_update_is_exact(torch_path: None) -> None:
     """Inductor's code for the whole default update, against the float64 reference and
     against the eager update (the same bins but for values within an ulp of an edge)."""

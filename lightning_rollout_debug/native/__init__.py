@@ -1,22 +1,17 @@
-"""The fused CPU pass of an update: ``row_sums.cpp``, built once per machine and user.
+"""The fused CPU pass of an update: ``row_sums.cpp``, built with the package.
 
 On CPUs one hand-vectorised loop computes every row reduction of an update
 (``rows.row_sums``) with float64 sums kept in registers, about twice as fast as the
-code ``torch.compile`` generates for the same arithmetic. It is built on first use with
-the system C++ compiler (``$CXX``, else ``c++``, ``g++`` or ``clang++``) and loaded with
-:mod:`ctypes`. Where it cannot be built or loaded, one warning says why and updates use
-``torch.compile`` or eager arithmetic instead, with the same results.
-
-The build lives in the user's own cache (:mod:`.cache`: :func:`cache_folder`, checked
-before anything is loaded from it). Once loaded (:mod:`.loader`), the library must name
-its output columns and state slots exactly as the Python side does, write every slot of
-the state it finishes, and lay out the profile block with the sizes and constants of
-:mod:`..profile`; one build per process, other threads wait for it.
+code ``torch.compile`` generates for the same arithmetic. The package's build compiles it
+once per vector width (``setup.py``); the first CPU batch loads the widest build the CPU
+runs with :mod:`ctypes` (:mod:`.loader`), after checking that it names its output
+columns and state slots exactly as the Python side does, writes every slot of the state
+it finishes, and lays out the profile block with the sizes and constants of
+:mod:`..profile`. Where it is not installed or does not load, one warning says why and
+updates use ``torch.compile`` or eager arithmetic instead, with the same results.
 
 ``LIGHTNING_ROLLOUT_DEBUG_NATIVE=0`` turns the kernel off. ``python -m
-lightning_rollout_debug.native`` builds it ahead of time (for a container image) and
-prints where it is; a process that finds no compiler uses such a build of the same
-source for the same CPU.
+lightning_rollout_debug.native`` prints the build this CPU runs, or why there is none.
 """
 
 from __future__ import annotations
@@ -25,7 +20,6 @@ import functools
 import threading
 import warnings
 from collections.abc import Sequence
-from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,32 +28,26 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.layout import STATE
-from lightning_rollout_debug.native.cache import (
-    CACHE_ENV,
-    SOURCE,
-    SWITCH_ENV,
-    KernelUnavailable,
-    cache_folder,
-)
 from lightning_rollout_debug.native.loader import (
     EXTRAS_MOMENTS,
     GROUP_ORDER,
     HISTOGRAM_MOMENTS,
     MAX_WORST_TOKENS,
+    SWITCH_ENV,
     VECTOR_LANES,
     WORST_FIELDS,
+    KernelUnavailable,
     Off,
+    builds,
     load_checked,
 )
 from lightning_rollout_debug.profile import PROFILE_SIZE
 from lightning_rollout_debug.rows import ROW_FIELDS, ROWS_OF_GROUP
 
 __all__ = [
-    "CACHE_ENV",
     "EXTRAS_MOMENTS",
     "HISTOGRAM_MOMENTS",
     "MAX_WORST_TOKENS",
-    "SOURCE",
     "SWITCH_ENV",
     "VECTOR_LANES",
     "WORST_FIELDS",
@@ -67,8 +55,8 @@ __all__ = [
     "KernelUnavailable",
     "StateRequest",
     "available",
-    "build",
-    "cache_folder",
+    "builds",
+    "load",
     "prepare",
     "row_sums",
     "states",
@@ -92,8 +80,6 @@ _kernel: dict[str, Any] = {
     "lanes": None,
 }
 _process_lock = threading.Lock()
-_preparing: dict[str, Any] = {"lock": threading.Lock(), "thread": None}
-_THREAD = "lightning-rollout-debug-kernel"
 
 
 _ID_KINDS = {torch.int32: 1, torch.int64: 2}
@@ -148,7 +134,7 @@ class ExtrasRequest:
 def vector_lanes() -> int | None:
     """The float32 values one step of the kernel's loop takes, or ``None`` without a kernel.
 
-    It follows the CPU the kernel is built on: 16 with AVX-512, 8 with AVX2, 4 otherwise.
+    It follows the CPU: 16 with AVX-512, 8 with AVX2, 4 otherwise (:func:`load` chooses).
 
     Example:
         >>> vector_lanes() in (*VECTOR_LANES, None)
@@ -158,7 +144,7 @@ def vector_lanes() -> int | None:
 
 
 def available(fields: Sequence[str] | None = None) -> bool:
-    """Whether the kernel is usable (building it now if needed); warns once if it is not.
+    """Whether the kernel is usable (loading it now if needed); warns once if it is not.
 
     ``fields`` are the column names the caller expects (``rows.ROW_FIELDS`` by default).
     """
@@ -429,52 +415,51 @@ def _identity_state() -> Tensor:
     return _identity["state"].clone()
 
 
-def build(fields: Sequence[str] | None = None) -> Path:
-    """Build the kernel (unless a verified build is cached), load and check it; its path.
+def load(lanes: int | None = None, fields: Sequence[str] | None = None) -> Path:
+    """Load the kernel's build of ``lanes`` lanes for every update from now on; its path.
+
+    By default the widest build this CPU runs; it takes the place of the one in use.
 
     Raises:
-        KernelUnavailable: it is turned off, or cannot be built, loaded or checked here.
+        KernelUnavailable: it is turned off, not installed, or this CPU cannot run it.
+
+    Example:
+        >>> try:
+        ...     print(load().name.startswith("_row_sums_"))
+        ... except KernelUnavailable:
+        ...     print(True)
+        True
     """
     with _process_lock:
-        path, _ = load_checked(_expected(fields))
+        columns = _expected(fields)
+        path, entries = load_checked(columns, lanes)
+        _kernel.update(columns=columns, problem=None)
+        _kernel["function"], _kernel["finish"], _kernel["lanes"] = entries
     return path
 
 
 def prepare() -> bool:
-    """Start building (or loading) the kernel on a thread of its own; whether it started.
+    """Load and check the kernel now (milliseconds); whether it is usable.
 
     A loop calls it before its first CPU batch (the callback does at the Trainer's
-    ``setup``), so that the build runs while the model is set up and the first batch is
-    sampled: the first update then waits only for what is left of it. Nothing starts when
-    the kernel is loaded, known to be unusable or turned off, or already being prepared;
-    a thread that finds it turned off builds nothing. A problem found on that thread is
-    warned about by the first update, as without it.
+    ``setup``), so that the first training step does not pay for it. A problem found is
+    warned about by the first CPU batch, as without it.
 
     Example:
         >>> prepare() in (True, False)
         True
     """
-    with _preparing["lock"]:
-        busy = _preparing["thread"] is not None and _preparing["thread"].is_alive()
-        if busy or _kernel["function"] is not None or _kernel["problem"] is not None:
-            return False
-        # The thread keeps this dictionary: a test that swaps the module's in is unaffected.
-        thread = threading.Thread(target=_prepare, args=(_kernel,), name=_THREAD, daemon=True)
-        _preparing["thread"] = thread
-        thread.start()
-    return True
-
-
-def _prepare(kernel: dict[str, Any]) -> None:
-    with suppress(BaseException), _process_lock:  # a daemon thread: nothing escapes it
-        if kernel["function"] is None and kernel["problem"] is None:
-            _load(kernel, None)
+    if _kernel["function"] is None and _kernel["problem"] is None:
+        with _process_lock:
+            if _kernel["function"] is None and _kernel["problem"] is None:
+                _load(_kernel, None)
+    return _kernel["function"] is not None
 
 
 # ------------------------------------------------------------------ loading
 def _function(fields: Sequence[str] | None) -> Any:
     if _kernel["function"] is None and _kernel["problem"] is None:
-        with _process_lock:  # one build per process; other threads wait for it
+        with _process_lock:  # one load per process; other threads wait for it
             if _kernel["function"] is None and _kernel["problem"] is None:
                 _load(_kernel, fields)
     unsaid = _kernel.pop("unsaid", None)  # said by the first caller, whichever thread loaded
@@ -484,7 +469,7 @@ def _function(fields: Sequence[str] | None) -> Any:
 
 
 def _load(kernel: dict[str, Any], fields: Sequence[str] | None) -> None:
-    """Build or load the kernel into ``kernel`` (the caller holds the lock); never raises."""
+    """Load the kernel into ``kernel`` (the caller holds the lock); never raises."""
     try:
         kernel["columns"] = _expected(fields)
         _, entries = load_checked(kernel["columns"])

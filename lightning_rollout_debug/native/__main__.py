@@ -1,27 +1,25 @@
-"""``python -m lightning_rollout_debug.native``: build the CPU kernel now and print its path.
+"""``python -m lightning_rollout_debug.native``: the kernel's build this CPU runs.
 
-For container images and shared environments: run it once at build time, and training
-processes find a verified kernel in the cache instead of compiling on their first large
-batch, also once the image has removed its compiler. Without a compiler it prints the
-prebuilt kernel it would use. Exits with 1, saying why, where the kernel cannot be built
-(or found) or is turned off.
+Prints the path of the build an update loads and its vector width, after checking it as
+an update does; exits with 1, saying why, where there is none (installed without a
+compiler, or turned off).
 """
 
 from __future__ import annotations
 
 import sys
 
-from lightning_rollout_debug.native import KernelUnavailable, build
+from lightning_rollout_debug.native import KernelUnavailable, load, vector_lanes
 
 
 def main() -> int:
-    """Build (or find) the kernel, check it, and print where it is."""
+    """Load and check the kernel, and print which build it is."""
     try:
-        path = build()
+        path = load()
     except KernelUnavailable as error:
         print(f"The native CPU kernel is not available: {error}.", file=sys.stderr)
         return 1
-    print(path)
+    print(f"{path} ({vector_lanes()} float32 lanes)")
     return 0
 
 

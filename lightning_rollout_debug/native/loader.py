@@ -1,11 +1,14 @@
-"""Loading the kernel: its interface, and a build whose every name and constant match.
+"""Loading the kernel: the build this CPU runs, and a check that every name and constant match.
 
-:func:`load_checked` builds the kernel (or finds a verified build, :mod:`.cache`), loads
-it with :mod:`ctypes` and :func:`bind` checks it: it must name its output columns, state
+The package is installed with one build of ``row_sums.cpp`` per vector width
+(``_row_sums_16``, ``_row_sums_8``, ``_row_sums_4`` beside this module, made by the
+package's ``setup.py``). :func:`load_checked` loads the widest build the CPU supports (the
+4-lane build, which every CPU of its architecture runs, says which: ``rollout_cpu_lanes``)
+with :mod:`ctypes`, and :func:`bind` checks it: it must name its output columns, state
 slots, groups and worst-token fields exactly as the Python side does, lay out its profile
-block with the sizes and constants of :mod:`..profile` (:func:`profile_constants`), and
-its finishing step must write every slot of the state. Anything else raises
-:class:`~.trust.KernelUnavailable`, naming what differs.
+block with the sizes and constants of :mod:`..profile` (:func:`profile_constants`), and its
+finishing step must write every slot of the state. Anything else raises
+:class:`KernelUnavailable`, naming what differs. Nothing is compiled or written.
 
 Example:
     >>> profile_constants()["position_buckets"]
@@ -15,15 +18,15 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import importlib.machinery
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_rollout_debug.layout import STATE
-from lightning_rollout_debug.native.cache import SWITCH_ENV, verified_build
-from lightning_rollout_debug.native.trust import KernelUnavailable
 from lightning_rollout_debug.profile import (
     _LOG2_E,
     JOINT_BINS,
@@ -58,20 +61,69 @@ WORST_FIELDS: tuple[str, ...] = (
 """Columns of a worst-token candidate in the packed extras (``token_id`` is -1 if unknown)."""
 GROUP_ORDER = ("seed", "log_space", "kl", "importance_ratio", "sequence", "health")
 """The groups the kernel's finishing step knows, in the order of its bits."""
+SWITCH_ENV = "LIGHTNING_ROLLOUT_DEBUG_NATIVE"
+"""Environment variable: ``0`` (or ``false``, ``off``, ``no``) turns the kernel off."""
 _OFF = frozenset({"0", "false", "off", "no"})
 _ON = frozenset({"", "1", "true", "on", "yes"})
+_FOLDER = Path(__file__).parent
+NO_KERNEL = (
+    "this installation of lightning-rollout-debug has no CPU kernel: it was built from "
+    "source where no C++ compiler was found. Install g++ or clang++ and reinstall it "
+    "(`pip install --force-reinstall --no-deps lightning-rollout-debug`, or `pip install "
+    "-e .` in a checkout), or install a wheel"
+)
+"""Why the kernel is not there, and how to get it."""
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot be loaded here; the message says why and what to do."""
 
 
 class Off(KernelUnavailable):
     """Turned off by the environment."""
 
 
-def load_checked(fields: tuple[str, ...]) -> tuple[Path, Any]:
-    """The path of a verified build and its checked entry points (:func:`bind`).
+def builds() -> dict[int, Path]:
+    """The kernel's builds installed with the package, by vector width (float32 lanes).
+
+    Example:
+        >>> set(builds()) <= set(VECTOR_LANES)
+        True
+    """
+    found = {}
+    for lanes in VECTOR_LANES:
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            path = _FOLDER / f"_row_sums_{lanes}{suffix}"
+            if path.is_file():
+                found[lanes] = path
+                break
+    return found
+
+
+def cpu_lanes() -> int:
+    """The widest vector width this CPU runs the kernel at (``rollout_cpu_lanes``; 0: none).
 
     Raises:
-        Off: the kernel is turned off (``LIGHTNING_ROLLOUT_DEBUG_NATIVE=0``).
-        KernelUnavailable: it cannot be built, loaded or checked here.
+        KernelUnavailable: the package was installed without the kernel.
+    """
+    baseline = builds().get(4)
+    if baseline is None:
+        raise KernelUnavailable(NO_KERNEL)
+    function = _library(baseline).rollout_cpu_lanes
+    function.restype, function.argtypes = ctypes.c_int, []
+    return int(function())
+
+
+def load_checked(fields: tuple[str, ...], lanes: int | None = None) -> tuple[Path, Any]:
+    """The path of the kernel's build of ``lanes`` lanes and its checked entry points.
+
+    By default the widest build this CPU runs; :func:`bind` checks it.
+
+    Raises:
+        Off: the kernel is turned off (``LIGHTNING_ROLLOUT_DEBUG_NATIVE=0``), or this is
+            Windows, which has no build.
+        KernelUnavailable: it is not installed, the CPU cannot run that width, or the build
+            does not match this package.
     """
     switch = os.environ.get(SWITCH_ENV, "").strip().lower()
     if switch in _OFF:
@@ -81,14 +133,30 @@ def load_checked(fields: tuple[str, ...]) -> tuple[Path, Any]:
             f"{SWITCH_ENV}={os.environ[SWITCH_ENV]!r} is not one of 0, false, off, no "
             "(turn the kernel off) or 1, true, on, yes (use it)"
         )
-    if os.name != "posix":
-        raise KernelUnavailable("the kernel is built on Linux and macOS only")
-    path = verified_build()
+    if sys.platform == "win32":  # no build there (setup.py), and nothing for the user to do
+        raise Off("the kernel is not built for Windows")
+    installed = builds()
+    if not installed:
+        raise KernelUnavailable(NO_KERNEL)
+    widest = cpu_lanes()
+    if widest == 0:
+        raise KernelUnavailable("this CPU lacks SSE4.2, which every build of the kernel needs")
+    if lanes is None:
+        lanes = max(width for width in installed if width <= widest)
+    elif lanes not in installed or lanes > widest:
+        raise KernelUnavailable(
+            f"no build of {lanes} lanes this CPU runs: the builds installed are "
+            f"{sorted(installed)} lanes, and this CPU runs up to {widest}"
+        )
+    path = installed[lanes]
+    return path, bind(_library(path), path, fields)
+
+
+def _library(path: Path) -> ctypes.CDLL:
     try:
-        library = ctypes.CDLL(str(path))
+        return ctypes.CDLL(str(path))
     except OSError as error:
         raise KernelUnavailable(f"{path} does not load ({error})") from error
-    return path, bind(library, path, fields)
 
 
 def bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[Any, Any, int]:

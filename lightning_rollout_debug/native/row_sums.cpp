@@ -4,7 +4,7 @@
 // The element-wise arithmetic is that of `row_sums` in rows.py, in float32; every sum
 // is a float64 sum of float32 values, every moment product a float64 product. The output
 // holds one row of `kSlots` doubles per batch row, named by `kColumns` (`ROW_FIELDS` in
-// rows.py). Built by native.py with the system C++ compiler; no other dependency.
+// rows.py). Built with the package (setup.py), once per vector width; no other dependency.
 
 #include <cmath>
 #include <cstdint>
@@ -19,8 +19,9 @@
 
 // Tokens per step: one float32 vector as wide as the CPU's (512, 256 or 128 bits). GCC
 // does the comparisons and selects of a vector wider than the hardware's one lane at a
-// time, which made the whole pass 7x slower with AVX2. ROLLOUT_LANES (4, 8 or 16)
-// chooses another width, for tests.
+// time, which made the whole pass 7x slower with AVX2. The package is built once per
+// width (ROLLOUT_LANES 16, 8 and 4, setup.py), and `rollout_cpu_lanes` tells which of
+// them the CPU runs.
 #if !defined(ROLLOUT_LANES)
 #if defined(__AVX512F__)
 #define ROLLOUT_LANES 16
@@ -1878,3 +1879,21 @@ extern "C" int rollout_extras_shape(int which) { return which == 0 ? kMoments : 
 
 // The float32 values one step of the loop takes: 16, 8 or 4.
 extern "C" int rollout_vector_lanes() { return kLanes; }
+
+// The widest build this CPU runs: 16 lanes where it has the AVX-512 sets that build is
+// compiled with (setup.py), 8 with AVX2, FMA and BMI2, 4 with SSE4.2, else none (0). The
+// operating system's support for the wide registers is part of the check. Called on the
+// 4-lane build only.
+extern "C" int rollout_cpu_lanes() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("sse4.2") || !__builtin_cpu_supports("popcnt")) return 0;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("bmi2");
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  if (avx2 && avx512) return 16;
+  if (avx2) return 8;
+#endif
+  return 4;
+}
