@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import ctypes
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -204,6 +205,55 @@ def test_an_install_without_the_kernel_warns_once_and_computes_on_torch(tmp_path
     assert len(warned) == 1, warned
     assert "has no CPU kernel: it was built from source where no C++ compiler" in warned[0]
     assert "Install g++ or clang++ and reinstall it" in warned[0]
+
+
+TRAINING_RUN = """
+import json, sys
+import pytorch_lightning as pl
+from pytorch_lightning.loggers import TensorBoardLogger
+sys.path.insert(0, sys.argv[1])
+from lightning_helpers import TRAINER_DEFAULTS, RolloutModule, make_batches
+from lightning_rollout_debug import RolloutDebugCallback, native
+trainer = pl.Trainer(
+    **{**TRAINER_DEFAULTS, "max_steps": 3}, logger=TensorBoardLogger("logs"),
+    callbacks=[RolloutDebugCallback(log_every_n_steps=1)],
+)
+trainer.fit(RolloutModule(make_batches(3, batch_size=64, width=1100, seed=9)))
+with open("/proc/self/maps") as maps:
+    mapped = sorted({line.split()[-1] for line in maps if "_row_sums_" in line})
+print(json.dumps({"lanes": native.vector_lanes(), "mapped": mapped}))
+"""
+
+SLEEPING_COMPILER = '#!/bin/sh\necho "$0 $*" >> {marker}\nsleep 600\n'
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_a_training_run_loads_the_installed_kernel_and_compiles_nothing(tmp_path: Path) -> None:
+    """With compilers on ``PATH`` that only sleep, and a new ``HOME`` and cache folder, a CPU
+    training run uses the kernel at once, from the installed package, calls no compiler
+    and writes nothing to either folder."""
+    fakes, home, cache, run = (tmp_path / name for name in ("bin", "home", "cache", "run"))
+    for folder in (fakes, home, cache, run):
+        folder.mkdir()
+    marker = tmp_path / "compiler-called"
+    for name in ("c++", "g++", "cc", "gcc", "clang", "clang++"):
+        (fakes / name).write_text(SLEEPING_COMPILER.format(marker=marker))
+        (fakes / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{fakes}:{os.environ['PATH']}", "HOME": str(home)}
+    env["XDG_CACHE_HOME"] = str(cache)
+    env.pop("CXX", None)
+    tests = Path(__file__).parent
+    done = subprocess.run(
+        [sys.executable, "-c", TRAINING_RUN, str(tests)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=run,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["lanes"] == native.loader.cpu_lanes()
+    package = Path(native.__file__).resolve().parent
+    assert found["mapped"] and all(Path(path).parent == package for path in found["mapped"])
+    assert not marker.exists()
+    assert list(home.iterdir()) == [] and list(cache.iterdir()) == []
 
 
 def test_the_exponential_is_accurate_over_the_log_prob_range() -> None:
