@@ -2,7 +2,7 @@
 
 Each launch (or dispatched operation) carries a fixed cost, so their number is what a
 small batch pays. For each shape, one training batch goes through the callback's update
-with scalars only and with its defaults (histograms and worst tokens), under the torch
+with scalars only and with its defaults (histograms, worst tokens, profile), under the torch
 profiler, after warm-up updates (compilation included):
 
 * on CUDA: the kernels launched (``--device cuda``);

@@ -9,19 +9,14 @@ the callback runs on the host, timed in interleaved rounds (medians):
   token count and quantiles);
 * **profile views**: the profile's buckets by position and by probability and its joint
   counts, read when the pictures are drawn;
-* **draw**, **PNG**: drawing the three pictures and encoding them (ISA-L's deflate where
-  the ``isal`` package is installed, else zlib's);
-* **PNG, zlib** and **PNG, Pillow**: the same PNGs with zlib's deflate at level 3 (where
-  ``isal`` has no wheel), and Pillow's own PNG encoder at that level (what the pictures
-  were encoded with before);
-* **checksum in Python**: TensorBoard's CRC-32C of the PNGs' bytes, which its writer
-  thread computes in Python for every byte of every event;
-* **checksum in C**: the same values from google-crc32c, the writer's checksum once the
-  callback has logged to TensorBoard (``use_fast_event_checksums``);
-* **scalars, an event each**: the window's scalars through Lightning's
-  ``TensorBoardLogger.log_metrics``, an event per scalar through the writer's queue;
-* **scalars, one event**: the same scalars as the callback writes them to that logger,
-  one event holding them all (``log_scalars``).
+* **draw**: drawing the three pictures;
+* **pictures to TensorBoard**: the pictures through ``SummaryWriter.add_image``, as the
+  callback writes them (the RGB arrays, encoded as PNGs by Pillow, queued as events);
+* **palette PNG**: the pictures as palette PNGs (``profile_pngs``), for comparison;
+* **checksum in Python**: TensorBoard's CRC-32C of PNGs of the pictures' size, which its
+  writer thread computes in Python for every byte of every event;
+* **scalars**: the window's scalars through Lightning's ``TensorBoardLogger.log_metrics``,
+  as the callback logs them (an event per scalar through the writer's queue).
 
 The batch is that of ``bench_trainer.py`` (``--mask random``: a scattered 80% of the
 tokens counted, the default; ``--mask padded``: right-padded responses).
@@ -33,58 +28,46 @@ tokens counted, the default; ``--mask padded``: right-padded responses).
 from __future__ import annotations
 
 import argparse
-import contextlib
+import atexit
 import io
 import itertools
 import math
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 import warnings
-import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from PIL import Image
 from pytorch_lightning.loggers import TensorBoardLogger
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
-from tensorboard.summary.writer import record_writer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_metrics import kernel_width
 from bench_trainer import QUIET, RolloutBatches
 
-from lightning_rollout_debug import RolloutDebugCallback, canvas
+from lightning_rollout_debug import RolloutDebugCallback
 from lightning_rollout_debug.canvas import encode_png
 from lightning_rollout_debug.pictures import profile_images
 from lightning_rollout_debug.profile import PROFILE_SIZE, read_profile
-from lightning_rollout_debug.tensorboard import log_scalars, use_fast_event_checksums
+from lightning_rollout_debug.tensorboard import log_scalars, write_profile
 
 
-@contextlib.contextmanager
-def zlib_deflate() -> Iterator[None]:
-    """The pictures' PNGs compressed by zlib at level 3 while inside."""
-    saved = canvas.DEFLATE, canvas.PNG_COMPRESS_LEVEL
-    canvas.DEFLATE, canvas.PNG_COMPRESS_LEVEL = zlib, 3
-    try:
-        yield
-    finally:
-        canvas.DEFLATE, canvas.PNG_COMPRESS_LEVEL = saved
-
-
-def pillow_png(image: Image.Image) -> bytes:
-    """The picture as Pillow's PNG encoder writes it, at zlib level 3."""
+def rgb_png(image: Image.Image) -> bytes:
+    """The picture as an RGB PNG, as a ``SummaryWriter`` encodes an ``add_image`` array."""
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG", compress_level=3)
+    image.convert("RGB").save(buffer, format="PNG")
     return buffer.getvalue()
 
 
 def parts(rows: int, width: int, mask: str) -> tuple[dict[str, Callable[[], object]], int, int]:
-    """The host parts of a logged step, each a closure over one window; the PNGs' bytes;
-    the number of scalars."""
+    """The host parts of a logged step, each a closure over one window; the bytes of the
+    pictures' PNGs as the writer stores them; the number of scalars."""
     callback = RolloutDebugCallback(**QUIET)  # type: ignore[arg-type]
     callback._batches_in_window = 1
     callback._update({}, RolloutBatches(rows, width, 1, mask).batch)
@@ -94,13 +77,7 @@ def parts(rows: int, width: int, mask: str) -> tuple[dict[str, Callable[[], obje
     block = host[-PROFILE_SIZE:]
     profile = extras.summary(host).profile
     images = profile_images(profile)
-    pngs = [encode_png(image) for image in images.values()]
-    assert use_fast_event_checksums()
-    in_c = record_writer.masked_crc32c
-
-    def zlib_pngs() -> object:
-        with zlib_deflate():
-            return [encode_png(image) for image in images.values()]
+    pngs = [rgb_png(image) for image in images.values()]
 
     def views() -> object:
         fresh = read_profile(block)
@@ -108,8 +85,10 @@ def parts(rows: int, width: int, mask: str) -> tuple[dict[str, Callable[[], obje
 
     metrics = stats.compute(profile)
     scalars = {f"training/{name}": v for name, v in metrics.items() if not math.isnan(v)}
-    folder = tempfile.TemporaryDirectory()  # removed when the process ends
-    logger = TensorBoardLogger(folder.name, name="bench", version=0)
+    folder = tempfile.mkdtemp(prefix="bench-logged-step-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # removed when the process ends
+    logger = TensorBoardLogger(folder, name="bench", version=0)
+    writer = logger.experiment
     steps = itertools.count()
 
     found = {
@@ -117,13 +96,10 @@ def parts(rows: int, width: int, mask: str) -> tuple[dict[str, Callable[[], obje
         "summary": lambda: extras.summary(host),
         "profile views": views,
         "draw": lambda: profile_images(profile),
-        "PNG": lambda: [encode_png(image) for image in images.values()],
-        "PNG, zlib": zlib_pngs,
-        "PNG, Pillow": lambda: [pillow_png(image) for image in images.values()],
+        "pictures to TensorBoard": lambda: write_profile(writer, "", profile, next(steps)),
+        "palette PNG": lambda: [encode_png(image) for image in images.values()],
         "checksum in Python": lambda: [masked_crc32c(png) for png in pngs],
-        "checksum in C": lambda: [in_c(png) for png in pngs],
-        "scalars, an event each": lambda: logger.log_metrics(scalars, step=next(steps)),
-        "scalars, one event": lambda: log_scalars(logger, scalars, next(steps)),
+        "scalars": lambda: log_scalars(logger, scalars, next(steps)),
     }
     return found, sum(map(len, pngs)), len(scalars)
 
@@ -148,13 +124,13 @@ def main() -> None:
             times[name].append(time.perf_counter() - start)
     print(
         f"torch {torch.__version__}, {kernel_width()}; a window of {args.rows}x{args.width}, "
-        f"{args.mask} mask; PNGs by {canvas.DEFLATE.__name__}; medians of {args.rounds} "
-        "interleaved rounds"
+        f"{args.mask} mask; medians of {args.rounds} interleaved rounds"
     )
     for name, values in times.items():
         print(f"  {name:22} {statistics.median(values) * 1e3:7.3f} ms")
     checksum = statistics.median(times["checksum in Python"])
-    print(f"  the pictures' PNGs: {png_bytes} bytes, {checksum / png_bytes * 1e9:.0f} ns a byte")
+    per_byte = checksum / png_bytes * 1e9
+    print(f"  the pictures' RGB PNGs: {png_bytes} bytes, their checksum {per_byte:.0f} ns a byte")
     print(f"  the window's scalars: {scalar_count}")
 
 

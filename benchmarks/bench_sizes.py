@@ -2,7 +2,7 @@
 
 For each shape (float32 log-probs, an int64 right-padded mask), interleaved in one
 process: the original algorithm (``seed``), ``calculate_debug_metrics`` (``ours``), and
-the callback's update with its defaults (statistics, histograms and worst tokens) of
+the callback's update with its defaults (statistics, histograms, worst tokens, profile) of
 one training batch (``update``). Prints the medians in nanoseconds per token, the seed
 against each, and how much the per-token cost of ``ours`` and ``update`` changes from
 one shape to the next (a cliff shows as a jump).

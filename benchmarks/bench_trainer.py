@@ -25,12 +25,9 @@ Two figures per configuration, per round, then their median over rounds:
 The ratios the goals name are printed as the ratio of the medians, with the range of the
 rounds' own ratios.
 
-With ``--checksum python`` TensorBoard's writer keeps its own checksum in Python (what
-every configuration paid before the callback gave it google-crc32c's in C).
-
     python benchmarks/bench_trainer.py [--rows 64 --width 2048 --block 50 --rounds 6]
                                        [--accelerator gpu] [--mask random|padded]
-                                       [--checksum c|python] [--lanes 8]
+                                       [--lanes 8]
 """
 
 from __future__ import annotations
@@ -49,8 +46,6 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import TensorBoardLogger
-from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
-from tensorboard.summary.writer import record_writer
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -258,12 +253,6 @@ def main(argv: list[str] | None = None) -> None:
         help="events the SummaryWriter queues before a write waits (10: its default)",
     )
     parser.add_argument(
-        "--checksum",
-        default="c",
-        choices=("c", "python"),
-        help="the event writer's checksum: google-crc32c's (the callback's), or TensorBoard's",
-    )
-    parser.add_argument(
         "--lanes",
         type=int,
         choices=(4, 8),
@@ -274,14 +263,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--block must be a multiple of 50, got {args.block}")
     use_lanes(args.lanes)
     warnings.filterwarnings("ignore")
-    if args.checksum == "python":
-        # A checksum the callback did not put there is one it leaves alone.
-        record_writer.masked_crc32c = lambda data: pywrap_tensorflow.masked_crc32c(data)
     found = measure(args)
     print(
         f"torch {torch.__version__}, {args.accelerator}, {torch.get_num_threads()} threads, "
         f"{kernel_width()}, batch {args.rows}x{args.width}, {args.mask} mask, "
-        f"checksum in {args.checksum}; blocks of "
+        f"blocks of "
         f"{args.block} steps, medians of {args.rounds} rounds, ms per step"
     )
     idle = statistics.median(values[4] for rounds in found.values() for values in rounds)

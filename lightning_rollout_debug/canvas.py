@@ -4,11 +4,10 @@ The pictures (:mod:`.pictures`) are drawn at every logged step, so they are plai
 drawings (lines, rectangles, a NumPy heatmap) in 8-bit palette images ("P" mode) of
 ``WIDTH x HEIGHT`` with one fixed :data:`PALETTE`: the interface colours, the
 anti-aliasing shades of the text on the background, and viridis. A picture is a byte per
-pixel, and its PNG (:func:`encode_png`: palette, a fast deflate) is written without
-converting or quantising colours. Every piece of text is rendered once and kept
-(:func:`put_text`): tick labels, titles and legends repeat from step to step; the tick
-labels are formatted by :func:`probability_label`, :func:`count_label` and
-:func:`position_label`.
+pixel, and its PNG (:func:`encode_png`, Pillow's) holds those bytes and the palette.
+Every piece of text is rendered once and kept (:func:`put_text`): tick labels, titles
+and legends repeat from step to step; the tick labels are formatted by
+:func:`probability_label`, :func:`count_label` and :func:`position_label`.
 
 Example:
     >>> image = blank_image()
@@ -20,30 +19,12 @@ Example:
 from __future__ import annotations
 
 import functools
+import io
 import math
-import struct
-import zlib
 from collections.abc import Sequence
-from types import ModuleType
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
-
-DEFLATE: ModuleType
-"""The deflate of the pictures' PNGs: ISA-L's (the ``isal`` package, a dependency where it
-has wheels), several times as fast as zlib's on the pictures for files as small; else zlib."""
-
-PNG_COMPRESS_LEVEL: int
-"""The level of :data:`DEFLATE` the pictures' PNGs (a few KB each) are compressed at: ISA-L's
-default, or zlib's 3 (about as fast as its 1, and smaller)."""
-
-try:
-    from isal import isal_zlib as DEFLATE
-
-    PNG_COMPRESS_LEVEL = 2
-except ImportError:
-    DEFLATE = zlib
-    PNG_COMPRESS_LEVEL = 3
 
 WIDTH = 480
 """Width of every picture, in pixels."""
@@ -191,37 +172,15 @@ def rgb_array(image: Image.Image | None) -> np.ndarray | None:
     return None if image is None else np.asarray(image.convert("RGB"))
 
 
-_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def _png_chunk(kind: bytes, data: bytes) -> bytes:
-    """One PNG chunk: length, kind, data and the CRC-32 of kind and data."""
-    crc = zlib.crc32(data, zlib.crc32(kind))
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+PNG_COMPRESS_LEVEL = 3
+"""zlib's level for the pictures' PNGs (a few KB each): about as fast as level 1, smaller."""
 
 
 def encode_png(image: Image.Image) -> bytes:
-    """The "P" picture as an 8-bit palette PNG holding the image's palette entries.
-
-    The scanlines are not filtered (the PNG advice for palette images) and are compressed
-    by :data:`DEFLATE` at :data:`PNG_COMPRESS_LEVEL`.
-    """
-    if image.mode != "P":
-        raise ValueError(f"encode_png takes a 'P' (palette) image, got mode {image.mode!r}.")
-    indices = np.asarray(image)
-    height, width = indices.shape
-    scanlines = np.zeros((height, width + 1), dtype=np.uint8)  # filter type 0 a row, then it
-    scanlines[:, 1:] = indices
-    header = struct.pack(">IIBBBBB", width, height, 8, 3, 0, 0, 0)  # 8 bits, palette
-    return b"".join(
-        (
-            _PNG_SIGNATURE,
-            _png_chunk(b"IHDR", header),
-            _png_chunk(b"PLTE", bytes(image.getpalette() or ())),
-            _png_chunk(b"IDAT", DEFLATE.compress(scanlines, PNG_COMPRESS_LEVEL)),
-            _png_chunk(b"IEND", b""),
-        )
-    )
+    """The picture as a PNG (Pillow's encoder): a palette PNG of a "P" picture."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
+    return buffer.getvalue()
 
 
 # ---------------------------------------------------------------------- text

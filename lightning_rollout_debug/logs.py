@@ -1,7 +1,7 @@
 """Where a logged window goes: its scalars to every logger, its extras to TensorBoard.
 
 :class:`WindowLogs` writes one logged window on rank zero: the scalars to every logger
-(in one event on a TensorBoard logger), and to each TensorBoard logger the histograms, the
+(through its ``log_metrics``), and to each TensorBoard logger the histograms, the
 worst tokens, the profile's pictures at the first logged step of each span of steps, and
 the dashboard layout once per log directory. A logger that fails warns once per kind of
 error (raises in strict mode) and the other loggers still get theirs: a monitor's own
@@ -22,7 +22,6 @@ from lightning_rollout_debug.tensorboard import (
     dashboard_layout,
     log_scalars,
     logger_prefix,
-    use_fast_event_checksums,
     write_extras,
     write_layout,
     write_profile,
@@ -86,8 +85,6 @@ class WindowLogs:
         draws nothing and leaves its span to the next logged step); ``show_rank``: name
         each worst token's rank.
         """
-        if any(isinstance(logger, TENSORBOARD_LOGGERS) for logger in loggers):
-            use_fast_event_checksums()
         if scalars:
             for logger in loggers:
                 self._log_scalars_to(logger, scalars, step)

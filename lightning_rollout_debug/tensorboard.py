@@ -1,30 +1,24 @@
 """TensorBoard writers: the extras' histograms, worst tokens and profile pictures, the layout.
 
-The scalars reach TensorBoard through the Lightning loggers (:func:`log_scalars`: a
-TensorBoard logger's in one event); what only a ``SummaryWriter`` can show is written
-here, from a window's host summary
+The scalars reach TensorBoard through each Lightning logger's ``log_metrics``
+(:func:`log_scalars`); what only a ``SummaryWriter`` can show is written here with its
+public methods, from a window's host summary
 (:class:`~lightning_rollout_debug.extras.ExtrasSummary`): histograms with the fixed bins
-of :mod:`.extras`, a markdown table of the worst tokens, the pictures of the profile
-(:mod:`.pictures`), and the custom-scalars layout of the catalog's
-:data:`~lightning_rollout_debug.catalog.DASHBOARD`. :func:`use_fast_event_checksums`
-gives TensorBoard's event writer a checksum in C.
+of :mod:`.extras` (``add_histogram_raw``), a markdown table of the worst tokens
+(``add_text``), the pictures of the profile (:mod:`.pictures`, ``add_image``), and the
+custom-scalars layout of the catalog's :data:`~lightning_rollout_debug.catalog.DASHBOARD`.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
 import re
-import sys
-import warnings
 import weakref
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from lightning_rollout_debug.catalog import DASHBOARD
 from lightning_rollout_debug.extras import ExtrasSummary
-from lightning_rollout_debug.packages import TENSORBOARD_LOGGERS
-from lightning_rollout_debug.pictures import HEIGHT, PICTURES, WIDTH, profile_pictures, profile_pngs
+from lightning_rollout_debug.pictures import PICTURES, profile_pictures
 from lightning_rollout_debug.profile import Profile
 from lightning_rollout_debug.worst_tokens import WorstToken
 
@@ -51,64 +45,6 @@ span of this many steps (``[0, 50)``, ``[50, 100)``, ...), so at every logged st
 logging every 50 steps or less often. A set costs a few milliseconds (drawing and PNG,
 some 20 KB); TensorBoard shows 10 images per tag unless started with
 ``--samples_per_plugin images=N``."""
-
-
-@functools.cache
-def _masked_crc32c_in_c() -> Callable[[bytes], int] | None:
-    """TensorBoard's masked CRC-32C of a record, computed by google-crc32c's C extension.
-
-    ``None`` without that extension (google-crc32c then falls back to Python; its warning
-    about that is not shown here).
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        try:
-            from google_crc32c.cext import value
-        except ImportError:
-            return None
-
-    def masked_crc32c(data: bytes) -> int:
-        crc = value(data)
-        rotated = ((crc >> 15) | (crc << 17)) & 0xFFFFFFFF
-        return (rotated + 0xA282EAD8) & 0xFFFFFFFF
-
-    return masked_crc32c
-
-
-def use_fast_event_checksums() -> bool:
-    """Give TensorBoard's event writer google-crc32c's checksum in C; whether it has it now.
-
-    The event files of torch's ``SummaryWriter`` (TensorBoard's writer, that of Lightning's
-    ``TensorBoardLogger``) hold a masked CRC-32C of each record, which TensorBoard's writer
-    computes in Python, byte by byte, on its writer thread and holding the interpreter's
-    lock while the training step runs: of a logged step's work, the pictures' checksum
-    cost more than drawing them. google-crc32c's C extension computes the same values;
-    the files are byte for byte the same. The monitor calls this at each logged step
-    with a TensorBoard logger. It changes nothing without that extension, or where
-    something else has already replaced the writer's checksum; tensorboardX has its own
-    (in C with the ``crc32c`` package installed).
-
-    Example:
-        >>> from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
-        >>> from tensorboard.summary.writer import record_writer
-        >>> use_fast_event_checksums()
-        True
-        >>> record_writer.masked_crc32c(b"rollout") == masked_crc32c(b"rollout")
-        True
-    """
-    fast = _masked_crc32c_in_c()
-    try:
-        from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
-        from tensorboard.summary.writer import record_writer
-    except ImportError:
-        return False
-    # A TensorBoard whose writer finds its checksum elsewhere is left as it is.
-    current = getattr(record_writer, "masked_crc32c", None)
-    if fast is None or current is None:
-        return False
-    if current is getattr(pywrap_tensorflow, "masked_crc32c", None):
-        record_writer.masked_crc32c = fast
-    return record_writer.masked_crc32c is fast
 
 
 def write_extras(
@@ -142,59 +78,6 @@ def write_extras(
         writer.add_text(f"{prefix}{WORST_TOKENS_TAG}", f"{WORST_TOKENS_CAPTION}\n\n{table}", step)
 
 
-# A SummaryWriter's module, and the module of the Summary protobuf its file writer takes:
-# torch's takes TensorBoard's protobufs, tensorboardX its own copy of them (same fields).
-_SUMMARY_PROTOS = (
-    ("torch.utils.tensorboard", "tensorboard.compat.proto.summary_pb2"),
-    ("tensorboardX", "tensorboardX.proto.summary_pb2"),
-)
-
-
-def _summary_class(
-    writer: Any, method: str = "add_image", kinds: Sequence[tuple[str, str]] = _SUMMARY_PROTOS
-) -> Any:
-    """The ``Summary`` protobuf class ``writer._get_file_writer().add_summary`` takes.
-
-    ``None`` for a writer other than the ``SummaryWriter`` of ``kinds`` (torch's or
-    tensorboardX's), a subclass of theirs with its own ``method``, or one without
-    ``_get_file_writer``.
-    """
-    if not callable(getattr(writer, "_get_file_writer", None)):
-        return None
-    for writer_module, proto_module in kinds:
-        module = sys.modules.get(writer_module)
-        if (
-            module is not None
-            and isinstance(writer, module.SummaryWriter)
-            and getattr(type(writer), method) is getattr(module.SummaryWriter, method)
-        ):
-            return importlib.import_module(proto_module).Summary
-    return None
-
-
-@functools.cache
-def _stock_log_metrics() -> frozenset[Any]:
-    """The ``log_metrics`` of the TensorBoard loggers of Lightning's packages."""
-    return frozenset(logger.log_metrics for logger in TENSORBOARD_LOGGERS)
-
-
-def _one_event_summary(logger: Any) -> Any:
-    """The ``Summary`` class with which :func:`log_scalars` writes ``logger``'s scalars.
-
-    ``None`` unless ``logger`` is a TensorBoard logger of Lightning's with Lightning's own
-    ``log_metrics`` and prefix, on torch's ``SummaryWriter`` (or a subclass that keeps its
-    ``add_scalar``). tensorboardX's ``add_scalar`` also hands each value to its Comet
-    logger: its writers keep ``log_metrics``.
-    """
-    if not isinstance(logger, TENSORBOARD_LOGGERS) or not isinstance(
-        getattr(logger, "_prefix", None), str
-    ):
-        return None
-    if type(logger).log_metrics not in _stock_log_metrics():
-        return None
-    return _summary_class(logger.experiment, "add_scalar", _SUMMARY_PROTOS[:1])
-
-
 def logger_prefix(logger: Any) -> str:
     """What a Lightning logger puts in front of every metric name: its ``prefix`` and join.
 
@@ -210,16 +93,7 @@ def logger_prefix(logger: Any) -> str:
 
 
 def log_scalars(logger: Any, scalars: Mapping[str, float], step: int) -> None:
-    """Log ``scalars`` at ``step`` with ``logger``, in one TensorBoard event where that is the same.
-
-    Lightning's ``TensorBoardLogger.log_metrics`` writes an event per scalar, each through
-    the writer's queue of 10 events and its thread: 2.5 to 2.7 ms for the catalog's 42
-    scalars, against 0.2 ms for one event (``python benchmarks/bench_logged_step.py``).
-    With a Lightning or Fabric ``TensorBoardLogger`` of torch's ``SummaryWriter`` the
-    values go instead into one event of one summary: one value per scalar, the
-    ``simple_value`` that its ``add_scalar`` writes, under the logger's prefix, through
-    the same file writer. Every other logger (a subclass with its own ``log_metrics``
-    too) gets ``log_metrics``.
+    """Log ``scalars`` at ``step`` with ``logger``'s ``log_metrics`` (its prefix its own).
 
     Example:
         >>> import tempfile
@@ -235,28 +109,16 @@ def log_scalars(logger: Any, scalars: Mapping[str, float], step: int) -> None:
         ...     [(s.step, s.value) for s in events.Scalars("training/a")]
         [(3, 0.25)]
     """
-    summary = _one_event_summary(logger)
-    if summary is None:
-        logger.log_metrics(dict(scalars), step=step)
-        return
-    join = logger_prefix(logger)
-    values = [
-        summary.Value(tag=f"{join}{name}", simple_value=float(value))
-        for name, value in scalars.items()
-    ]
-    logger.experiment._get_file_writer().add_summary(summary(value=values), step)
+    logger.log_metrics(dict(scalars), step=step)
 
 
 def write_profile(writer: Any, prefix: str, profile: Profile | None, step: int) -> None:
     """Write a window's profile pictures (:mod:`.pictures`) with a ``SummaryWriter``.
 
-    Each picture is an image summary under ``{prefix}rollout_profile/{name}``
-    (:data:`PROFILE_IMAGE_TAGS`), the kind ``add_image`` writes, with the picture's palette
-    PNG (:func:`~lightning_rollout_debug.pictures.profile_pngs`) as its encoded image. With
-    torch's or tensorboardX's ``SummaryWriter`` the PNG goes into the event file as it is;
-    any other writer (a subclass with its own ``add_image`` included) gets
-    ``add_image(tag, rgb_array, step, dataformats="HWC")``, which encodes the picture again.
-    Nothing is written for an empty window (or without a profile).
+    Each picture goes to ``writer.add_image`` under ``{prefix}rollout_profile/{name}``
+    (:data:`PROFILE_IMAGE_TAGS`) as an ``HEIGHT x WIDTH x 3`` RGB array, which the writer
+    encodes as a PNG with Pillow. Nothing is written for an empty window (or without a
+    profile).
 
     Example:
         >>> import tempfile
@@ -274,32 +136,8 @@ def write_profile(writer: Any, prefix: str, profile: Profile | None, step: int) 
         >>> PROFILE_IMAGE_TAGS
         ('rollout_profile/by_position', 'rollout_profile/by_probability', 'rollout_profile/joint')
     """
-    summary_class = _summary_class(writer)
-    if summary_class is None:
-        # The public API: add_image converts the RGB array and encodes an RGB PNG itself.
-        for name, picture in profile_pictures(profile).items():
-            writer.add_image(
-                f"{prefix}{PROFILE_IMAGE_TAG}/{name}", picture, step, dataformats="HWC"
-            )
-        return
-    pngs = profile_pngs(profile)
-    if not pngs:
-        return
-    # What add_image does after encoding, through the same private API: a Summary value
-    # with the image (no plugin metadata), wrapped in an event by the file writer;
-    # tensorboardX's add_image also hands the PNG to its Comet logger.
-    file_writer = writer._get_file_writer()
-    comet_logger = getattr(writer, "_get_comet_logger", None)
-    for name, png in pngs.items():
-        tag = f"{prefix}{PROFILE_IMAGE_TAG}/{name}"
-        image = summary_class.Image(
-            height=HEIGHT, width=WIDTH, colorspace=3, encoded_image_string=png
-        )
-        file_writer.add_summary(
-            summary_class(value=[summary_class.Value(tag=tag, image=image)]), step
-        )
-        if comet_logger is not None:
-            comet_logger().log_image_encoded(png, tag, step=step)
+    for name, picture in profile_pictures(profile).items():
+        writer.add_image(f"{prefix}{PROFILE_IMAGE_TAG}/{name}", picture, step, dataformats="HWC")
 
 
 def worst_tokens_markdown(tokens: Sequence[WorstToken], *, show_rank: bool = False) -> str:

@@ -19,8 +19,6 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from conftest import NEEDS_CXX
-from hypothesis import given
-from hypothesis import strategies as st
 from lightning_helpers import (
     PACKAGES,
     PYTORCH_LIGHTNING,
@@ -33,10 +31,8 @@ from lightning_helpers import (
 )
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.compat.tensorflow_stub import errors, pywrap_tensorflow
 from tensorboard.plugins.custom_scalar import layout_pb2
-from tensorboard.summary.writer import record_writer
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -53,7 +49,7 @@ from lightning_rollout_debug.bins import (
 from lightning_rollout_debug.catalog import DASHBOARD
 from lightning_rollout_debug.extras import TokenExtras
 from lightning_rollout_debug.ranks import Ranks
-from lightning_rollout_debug.tensorboard import dashboard_layout, use_fast_event_checksums
+from lightning_rollout_debug.tensorboard import dashboard_layout
 from lightning_rollout_debug.tokens import LOG_PROB_FLOOR
 from lightning_rollout_debug.worst_tokens import WORST_FIELDS, earliest_top
 
@@ -473,18 +469,13 @@ def test_layout_follows_groups_and_prefix() -> None:
 
 
 # ---------------------------------------------------------------------- loggers, flags
-def test_csv_logger_only_gets_scalars_and_nothing_fails(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(record_writer, "masked_crc32c", pywrap_tensorflow.masked_crc32c)
+def test_csv_logger_only_gets_scalars_and_nothing_fails(tmp_path: Path) -> None:
     batches = [batch(seed) for seed in range(4)]
     logger = CSVLogger(tmp_path, name="csv", version=0)
     fit(batches, RolloutDebugCallback(), logger)
     series = read_csv_metrics(Path(logger.log_dir) / "metrics.csv")
     assert sorted(series[f"{PREFIX}rollout_tokens"]) == [1, 3]
     assert not list(tmp_path.rglob("events.out.tfevents.*"))
-    # Without a TensorBoard logger, TensorBoard's writer keeps its own checksum.
-    assert record_writer.masked_crc32c is pywrap_tensorflow.masked_crc32c
 
 
 @pytest.mark.parametrize("lit", PACKAGES)
@@ -498,19 +489,6 @@ def test_csv_and_tensorboard_together(tmp_path: Path, lit: Lightning) -> None:
     assert LOG_RATIO_TAG in tags["histograms"] and TEXT_TAG in tags["tensors"]
 
 
-def scalar_events(log_dir: str | Path, prefix: str) -> list[Any]:
-    """The events of ``log_dir``'s files with scalar values whose tags start with ``prefix``."""
-    events = []
-    for path in sorted(Path(log_dir).glob("events.out.tfevents.*")):
-        for event in EventFileLoader(str(path)).Load():
-            if any(
-                v.tag.startswith(prefix) and v.metadata.plugin_data.plugin_name == "scalars"
-                for v in event.summary.value
-            ):
-                events.append(event)
-    return events
-
-
 def scalar_series(log_dir: str | Path, prefix: str) -> dict[str, list[tuple[int, float]]]:
     ea = accumulator(log_dir)
     return {
@@ -521,40 +499,27 @@ def scalar_series(log_dir: str | Path, prefix: str) -> dict[str, list[tuple[int,
 
 
 @pytest.mark.parametrize("lit", PACKAGES)
-def test_a_logged_steps_scalars_are_one_event_of_what_log_metrics_writes(
-    tmp_path: Path, lit: Lightning
-) -> None:
+def test_a_logged_steps_scalars_are_what_log_metrics_writes(tmp_path: Path, lit: Lightning) -> None:
     """Beside a subclass of the logger with its own ``log_metrics`` (which calls
-    Lightning's: an event per scalar), the same tags, steps and values, with the logger's
-    prefix, in one event per logged step."""
+    Lightning's), the same tags, steps and values, with the logger's prefix: the scalars
+    go through each logger's ``log_metrics``."""
 
     class OwnLogMetrics(lit.loggers.TensorBoardLogger):  # type: ignore[name-defined]
         def log_metrics(self, metrics: Any, step: int | None = None) -> None:
             super().log_metrics(metrics, step)
 
     batches = [batch(seed) for seed in range(4)]
-    fast = lit.loggers.TensorBoardLogger(tmp_path, name="fast", version=0, prefix="run")
-    stock = OwnLogMetrics(tmp_path, name="stock", version=0, prefix="run")
-    fit(batches, RolloutDebugCallback(), [fast, stock], lit)
+    stock = lit.loggers.TensorBoardLogger(tmp_path, name="stock", version=0, prefix="run")
+    own = OwnLogMetrics(tmp_path, name="own", version=0, prefix="run")
+    fit(batches, RolloutDebugCallback(), [stock, own], lit)
     ours = f"run-{PREFIX}"
-    series = scalar_series(fast.log_dir, ours)
-    assert f"{ours}rollout_tokens" in series and not scalar_series(fast.log_dir, PREFIX)
-    assert series == scalar_series(stock.log_dir, ours)
-    events = scalar_events(fast.log_dir, ours)
-    assert [event.step for event in events] == [1, 3]
-    for event in events:
-        assert sorted(v.tag for v in event.summary.value) == sorted(series)
-    assert len(scalar_events(stock.log_dir, ours)) == 2 * len(series)
+    series = scalar_series(stock.log_dir, ours)
+    assert f"{ours}rollout_tokens" in series and not scalar_series(stock.log_dir, PREFIX)
+    assert series == scalar_series(own.log_dir, ours)
+    assert {step for values in series.values() for step, _ in values} == {1, 3}
 
 
 # ---------------------------------------------------------------------- event checksums
-@given(st.binary(max_size=3000))
-def test_fast_event_checksum_is_tensorboards_own(data: bytes) -> None:
-    assert use_fast_event_checksums()
-    assert record_writer.masked_crc32c is not pywrap_tensorflow.masked_crc32c
-    assert record_writer.masked_crc32c(data) == pywrap_tensorflow.masked_crc32c(data)
-
-
 def records(path: Path) -> list[bytes]:
     """Every record of an event file, each checked by TensorBoard's reader (its own checksum)."""
     reader = pywrap_tensorflow.PyRecordReader_New(str(path))
@@ -567,14 +532,10 @@ def records(path: Path) -> list[bytes]:
         found.append(reader.record())
 
 
-def test_a_run_writes_event_files_that_tensorboards_reader_checks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The run gives the writer the checksum in C; TensorBoard's own Python one accepts it."""
-    monkeypatch.setattr(record_writer, "masked_crc32c", pywrap_tensorflow.masked_crc32c)
+def test_a_run_writes_event_files_that_tensorboards_reader_checks(tmp_path: Path) -> None:
+    """Every record's checksum is accepted by TensorBoard's reader, which checks them."""
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
     fit([batch(seed) for seed in range(4)], RolloutDebugCallback(), logger)
-    assert record_writer.masked_crc32c is not pywrap_tensorflow.masked_crc32c
     (path,) = Path(logger.log_dir).glob("events.out.tfevents.*")
     found = records(path)
     pictures = [record for record in found if b"rollout_profile/joint" in record]
@@ -586,21 +547,6 @@ def test_a_run_writes_event_files_that_tensorboards_reader_checks(
     path.write_bytes(bytes(data))
     with pytest.raises(errors.DataLossError, match="crc32"):
         records(path)
-
-
-def test_a_checksum_replaced_by_something_else_is_left_alone(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    def theirs(data: bytes) -> int:
-        return pywrap_tensorflow.masked_crc32c(data)
-
-    monkeypatch.setattr(record_writer, "masked_crc32c", theirs)
-    assert not use_fast_event_checksums()
-    assert record_writer.masked_crc32c is theirs
-    # A TensorBoard whose writer takes its checksum from elsewhere: nothing is added.
-    monkeypatch.delattr(record_writer, "masked_crc32c")
-    assert not use_fast_event_checksums()
-    assert not hasattr(record_writer, "masked_crc32c")
 
 
 def test_extras_can_be_turned_off(tmp_path: Path) -> None:
