@@ -30,7 +30,7 @@ from lightning_rollout_debug.backends import prepare_native
 from lightning_rollout_debug.monitor import FrontDoor, RolloutDebugMonitor, RolloutDebugWarning
 from lightning_rollout_debug.packages import Callback
 from lightning_rollout_debug.ranks import Ranks, rank_in
-from lightning_rollout_debug.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS
+from lightning_rollout_debug.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS, prepare_pictures
 
 CALLBACK_DOOR = FrontDoor(
     "RolloutDebugCallback",
@@ -262,6 +262,8 @@ class RolloutDebugCallback(Callback):
             self.monitor.process_group = self.process_group(trainer)
         if stage == "fit" and trainer.strategy.root_device.type == "cpu":
             prepare_native(self._stats.compile)  # loaded before the first step
+        if stage == "fit" and self.profile_images and trainer.is_global_zero:
+            prepare_pictures()  # the pictures' fixed parts drawn before the first step
         if stage == "fit" and not trainer.loggers:
             rank_zero_warn(
                 "RolloutDebugCallback: the Trainer has no logger, so the rollout metrics only "
