@@ -39,7 +39,7 @@ def update_of(batch: dict[str, torch.Tensor], **options: object) -> Callable[[],
     callback = RolloutDebugCallback(alert_ranges={}, **options)  # type: ignore[arg-type]
 
     def update() -> None:
-        callback._batches_in_window = 1
+        callback.monitor.batches_in_window = 1
         callback._update({}, batch)
 
     return update

@@ -69,7 +69,7 @@ def parts(rows: int, width: int, mask: str) -> tuple[dict[str, Callable[[], obje
     """The host parts of a logged step, each a closure over one window; the bytes of the
     pictures' PNGs as the writer stores them; the number of scalars."""
     callback = RolloutDebugCallback(**QUIET)  # type: ignore[arg-type]
-    callback._batches_in_window = 1
+    callback.monitor.batches_in_window = 1
     callback._update({}, RolloutBatches(rows, width, 1, mask).batch)
     stats, extras = callback.monitor._stats, callback.monitor._extras
     assert extras is not None

@@ -51,11 +51,11 @@ def update_of(batch: dict[str, torch.Tensor]) -> Callable[[], object]:
     callback = RolloutDebugCallback(alert_ranges={})
 
     def update() -> None:
-        callback._batches_in_window = 1
+        callback.monitor.batches_in_window = 1
         callback._update({}, batch)
-        callback._stats.reset()
-        if callback._extras is not None:
-            callback._extras.reset()
+        callback.monitor._stats.reset()
+        if callback.monitor._extras is not None:
+            callback.monitor._extras.reset()
 
     return update
 

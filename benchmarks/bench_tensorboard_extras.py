@@ -126,7 +126,7 @@ def memory_probe(configuration: str, rows: int, width: int) -> None:
     callback = RolloutDebugCallback(**options)
     callback._update({}, make_batch(16, 512))  # load, build, warm up
     batch = make_batch(rows, width)
-    callback._stats.reset()
+    callback.monitor._stats.reset()
     # Linux's high-water mark of resident memory, reset just before the update.
     Path("/proc/self/clear_refs").write_text("5")
     before = status_kib("VmRSS")

@@ -88,7 +88,8 @@ def case(
     )
     flags = batch["response_mask"]
     flags = (flags if flags.dtype in native._MASK_KINDS else flags != 0).contiguous()
-    request = RolloutDebugCallback()._extras.kernel_request() if what == "defaults" else None
+    extras = RolloutDebugCallback().monitor._extras
+    request = extras.kernel_request() if what == "defaults" and extras is not None else None
     kind = native._LOG_PROB_KINDS[dtype]
     threads = native._threads(rows * width, profile=request is not None)
     calls, outputs = {}, {}

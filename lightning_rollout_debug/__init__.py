@@ -10,6 +10,7 @@ from lightning_rollout_debug.alignment import response_log_probs
 from lightning_rollout_debug.batch import BatchError
 from lightning_rollout_debug.callback import RolloutDebugCallback, RolloutDebugWarning
 from lightning_rollout_debug.catalog import GROUPS, METRIC_NAMES
+from lightning_rollout_debug.config import RolloutDebugConfig
 from lightning_rollout_debug.diagnosis import RolloutDiagnosisError, RolloutDiagnosisWarning
 from lightning_rollout_debug.monitor import RolloutDebugMonitor
 from lightning_rollout_debug.stats import MismatchStats
@@ -24,6 +25,7 @@ __all__ = [
     "RolloutAlertError",
     "RolloutAlertWarning",
     "RolloutDebugCallback",
+    "RolloutDebugConfig",
     "RolloutDebugMonitor",
     "RolloutDebugWarning",
     "RolloutDiagnosisError",

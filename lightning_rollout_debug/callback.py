@@ -22,11 +22,11 @@ from lightning_rollout_debug.arguments import (
     is_int_at_least,
     is_process_group,
     metric_names,
-    monitor_problems,
     once,
     process_group_problems,
 )
 from lightning_rollout_debug.backends import prepare_native
+from lightning_rollout_debug.config import InvalidSettings, RolloutDebugConfig
 from lightning_rollout_debug.monitor import FrontDoor, RolloutDebugMonitor, RolloutDebugWarning
 from lightning_rollout_debug.packages import Callback
 from lightning_rollout_debug.ranks import Ranks, rank_in
@@ -37,22 +37,6 @@ CALLBACK_DOOR = FrontDoor(
     "the output of `training_step`",
     "Pass warn_dropout=False if the recompute already runs in eval mode.",
 )
-
-
-class _OfTheMonitor:
-    """An attribute of the callback that is its monitor's (of the same name by default)."""
-
-    def __init__(self, name: str | None = None) -> None:
-        self.name = name
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = self.name or name
-
-    def __get__(self, callback: Any, owner: type | None = None) -> Any:
-        return self if callback is None else getattr(callback.monitor, self.name)
-
-    def __set__(self, callback: Any, value: Any) -> None:
-        setattr(callback.monitor, self.name, value)
 
 
 class RolloutDebugCallback(Callback):
@@ -146,7 +130,10 @@ class RolloutDebugCallback(Callback):
     (``import lightning as L``; ``L.Trainer(callbacks=[RolloutDebugCallback()])``), and
     works alike with either's Trainer, loggers and ``LightningCLI``. Its engine,
     :attr:`monitor`, is a :class:`~lightning_rollout_debug.RolloutDebugMonitor`: the same
-    window, merge, logs, alerts and checkpoint state serve loops without a Trainer.
+    window, merge, logs, alerts and checkpoint state serve loops without a Trainer. Its
+    settings are :attr:`config` (a :class:`~lightning_rollout_debug.RolloutDebugConfig`,
+    the monitor's too), with ``log_every_n_steps``, ``warn_dropout`` and
+    ``process_group`` beside it.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -154,7 +141,7 @@ class RolloutDebugCallback(Callback):
         >>> trainer = pl.Trainer(callbacks=[RolloutDebugCallback(log_every_n_steps=10)],
         ...                      logger=False, enable_progress_bar=False,
         ...                      enable_model_summary=False)
-        >>> RolloutDebugCallback(prefix="rl/", groups=["seed", "kl"]).groups
+        >>> RolloutDebugCallback(prefix="rl/", groups=["seed", "kl"]).config.groups
         ('seed', 'kl')
     """
 
@@ -206,8 +193,7 @@ class RolloutDebugCallback(Callback):
             "compile": compile,
             "pad_token_id": pad_token_id,
         }
-        problems = monitor_problems(**monitor_args)
-        problems += process_group_problems(process_group, trainer_callable=True)
+        problems = process_group_problems(process_group, trainer_callable=True)
         if log_every_n_steps is not None and not is_int_at_least(log_every_n_steps, 1):
             problems.append(
                 f"`log_every_n_steps` must be None (follow the Trainer) or an int >= 1, "
@@ -215,44 +201,27 @@ class RolloutDebugCallback(Callback):
             )
         if not isinstance(warn_dropout, bool):
             problems.append(f"`warn_dropout` must be True or False, got {warn_dropout!r}.")
+        try:
+            config = RolloutDebugConfig(**monitor_args)
+        except InvalidSettings as error:
+            problems = error.problems + problems
         if problems:
-            raise ValueError("Invalid RolloutDebugCallback arguments:\n- " + "\n- ".join(problems))
+            raise InvalidSettings(type(self).__name__, problems)
+        self.config = config
+        """Every setting but the three below, validated and resolved."""
         self.log_every_n_steps = log_every_n_steps
         self.warn_dropout = warn_dropout
         self.process_group = process_group
         group = process_group if is_process_group(process_group) else None  # a callable: in setup
-        self.monitor = RolloutDebugMonitor(**monitor_args, process_group=group)
+        self.monitor = RolloutDebugMonitor.from_config(config, group, door=CALLBACK_DOOR)
         """The engine: the window, its merge, the logs, the alerts and the checkpoint state."""
-        self.monitor._door = CALLBACK_DOOR
         self._batch_step: int | None = None  # the optimizer step of the last batch
         self._restored = False
-
-    rollout_log_probs_key = _OfTheMonitor()
-    old_log_probs_key = _OfTheMonitor()
-    response_mask_key = _OfTheMonitor()
-    prefix = _OfTheMonitor()
-    strict = _OfTheMonitor()
-    token_ids_keys = _OfTheMonitor()
-    groups = _OfTheMonitor()
-    histograms = _OfTheMonitor()
-    worst_tokens_k = _OfTheMonitor()
-    dashboard_layout = _OfTheMonitor()
-    profile_images = _OfTheMonitor()
-    profile_images_every_n_steps = _OfTheMonitor()
-    alert_ranges = _OfTheMonitor()
-    on_alert = _OfTheMonitor()
-    drift_factors = _OfTheMonitor()
-    drift_baseline = _OfTheMonitor()
-    pad_token_id = _OfTheMonitor()
-    _stats = _OfTheMonitor()
-    _extras = _OfTheMonitor()
-    _warned = _OfTheMonitor()
-    _batches_in_window = _OfTheMonitor("batches_in_window")
 
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(prefix=self.prefix, groups=self.groups)
+        return self._generate_state_key(prefix=self.config.prefix, groups=self.config.groups)
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -261,8 +230,8 @@ class RolloutDebugCallback(Callback):
         if stage == "fit" and callable(self.process_group):
             self.monitor.process_group = self.process_group(trainer)
         if stage == "fit" and trainer.strategy.root_device.type == "cpu":
-            prepare_native(self._stats.compile)  # loaded before the first step
-        if stage == "fit" and self.profile_images and trainer.is_global_zero:
+            prepare_native(self.config.compile)  # loaded before the first step
+        if stage == "fit" and self.config.profile_images and trainer.is_global_zero:
             prepare_pictures()  # the pictures' fixed parts drawn before the first step
         if stage == "fit" and not trainer.loggers:
             rank_zero_warn(
@@ -333,8 +302,8 @@ class RolloutDebugCallback(Callback):
         ]
         if others:
             rank_zero_warn(
-                f"{type(self).__name__}(prefix={self.prefix!r}): the checkpoint holds no state "
-                f"under this callback's key, {self.state_key}, only under "
+                f"{type(self).__name__}(prefix={self.config.prefix!r}): the checkpoint holds no "
+                f"state under this callback's key, {self.state_key}, only under "
                 f"{', '.join(others)}: its window, "
                 "histograms, worst tokens and drift baselines start empty. The key is made of "
                 "`prefix` and `groups`; resume with those the checkpoint was written with to "
@@ -344,8 +313,8 @@ class RolloutDebugCallback(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        extras = None if self._extras is None else self._extras.state
-        return self.monitor._saved(self._stats, extras, self._config())
+        extras = None if self.monitor._extras is None else self.monitor._extras.state
+        return self.monitor._saved(self.monitor._stats, extras, self._config())
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -389,7 +358,7 @@ class RolloutDebugCallback(Callback):
         ranks = self._ranks(trainer)
         scalars, metrics = self.monitor._write(step, trainer.loggers, ranks)
         callback_metrics = trainer.callback_metrics
-        for name in metric_names(self.prefix, self.groups) - scalars.keys():
+        for name in metric_names(self.config.prefix, self.config.groups) - scalars.keys():
             callback_metrics.pop(name, None)
         callback_metrics.update(
             {name: torch.tensor(value, dtype=torch.float64) for name, value in scalars.items()}

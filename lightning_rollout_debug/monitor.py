@@ -28,15 +28,10 @@ from lightning_rollout_debug.alerts import (
     DriftMonitor,
     RolloutAlertError,
     RolloutAlertWarning,
-    resolve_alert_ranges,
-    resolve_drift_factors,
 )
 from lightning_rollout_debug.arguments import (
     checked_loggers,
     checked_step,
-    enabled_groups,
-    monitor_problems,
-    once,
     process_group_problems,
 )
 from lightning_rollout_debug.backends import add_batch
@@ -51,8 +46,9 @@ from lightning_rollout_debug.batch import (
     token_ids_for,
     token_ids_mismatch,
 )
-from lightning_rollout_debug.catalog import GROUPS, Window
+from lightning_rollout_debug.catalog import Window
 from lightning_rollout_debug.checkpoint import StateReader
+from lightning_rollout_debug.config import InvalidSettings, RolloutDebugConfig
 from lightning_rollout_debug.diagnosis import (
     Diagnosis,
     RolloutDiagnosisError,
@@ -168,6 +164,8 @@ class RolloutDebugMonitor:
     :meth:`check_dropout` checks a model.
 
     Attributes:
+        config: every setting above but ``process_group``, validated and resolved
+            (:class:`~lightning_rollout_debug.RolloutDebugConfig`).
         should_stop: set when a window was out of range with ``on_alert="stop"``.
         batches_in_window: the updates since the window began, skipped batches too.
 
@@ -212,70 +210,75 @@ class RolloutDebugMonitor:
         compile: bool | None = None,
         pad_token_id: int | None = None,
     ) -> None:
-        groups, token_ids_keys = once(groups), once(token_ids_keys)
-        problems = monitor_problems(
-            rollout_log_probs_key=rollout_log_probs_key,
-            old_log_probs_key=old_log_probs_key,
-            response_mask_key=response_mask_key,
-            prefix=prefix,
-            strict=strict,
-            is_threshold=is_threshold,
-            seq_ratio_bounds=seq_ratio_bounds,
-            token_ids_keys=token_ids_keys,
-            groups=groups,
-            histograms=histograms,
-            worst_tokens_k=worst_tokens_k,
-            dashboard_layout=dashboard_layout,
-            alert_ranges=alert_ranges,
-            on_alert=on_alert,
-            drift_factors=drift_factors,
-            drift_baseline=drift_baseline,
-            compile=compile,
-            pad_token_id=pad_token_id,
-            profile_images=profile_images,
-            profile_images_every_n_steps=profile_images_every_n_steps,
-        )
-        problems += process_group_problems(process_group)
-        if problems:
-            raise ValueError(
-                f"Invalid {type(self).__name__} arguments:\n- " + "\n- ".join(problems)
-            )
-        self.rollout_log_probs_key = rollout_log_probs_key
-        self.old_log_probs_key = old_log_probs_key
-        self.response_mask_key = response_mask_key
-        self.prefix = prefix
-        self.strict = strict
-        self.token_ids_keys = None if token_ids_keys is None else tuple(token_ids_keys)
-        enabled = enabled_groups(groups, token_ids_keys)
-        self.groups = tuple(group for group in GROUPS if group in enabled)
-        self.process_group = process_group
-        self.histograms = histograms
-        self.worst_tokens_k = worst_tokens_k = int(worst_tokens_k)
-        self.dashboard_layout = dashboard_layout
-        self.profile_images = profile_images
-        self.profile_images_every_n_steps = int(profile_images_every_n_steps)
-        self.on_alert = on_alert
-        self.pad_token_id = None if pad_token_id is None else int(pad_token_id)
-        self.alert_ranges = resolve_alert_ranges(alert_ranges, self.groups)
-        self.drift_factors = resolve_drift_factors(drift_factors, self.groups)
-        self.drift_baseline = int(drift_baseline)
-        self.should_stop = False
-        self._stats = MismatchStats(
-            is_threshold=is_threshold,
-            seq_ratio_bounds=seq_ratio_bounds,
-            groups=self.groups,
-            compile=compile,
-        )
-        # The profile gives the quantiles and the pictures.
-        profile = profile_images or "quantiles" in self.groups
-        self._extras = (
-            TokenExtras(
+        problems = process_group_problems(process_group)
+        try:
+            self.config = RolloutDebugConfig(
+                rollout_log_probs_key=rollout_log_probs_key,
+                old_log_probs_key=old_log_probs_key,
+                response_mask_key=response_mask_key,
+                prefix=prefix,
+                strict=strict,
+                is_threshold=is_threshold,
+                seq_ratio_bounds=seq_ratio_bounds,
+                token_ids_keys=token_ids_keys,
+                groups=groups,
                 histograms=histograms,
                 worst_tokens_k=worst_tokens_k,
-                profile=profile,
+                dashboard_layout=dashboard_layout,
+                profile_images=profile_images,
+                profile_images_every_n_steps=profile_images_every_n_steps,
+                alert_ranges=alert_ranges,
+                on_alert=on_alert,
+                drift_factors=drift_factors,
+                drift_baseline=drift_baseline,
                 compile=compile,
+                pad_token_id=pad_token_id,
             )
-            if histograms or worst_tokens_k or profile
+            """Every setting, validated and resolved (:class:`RolloutDebugConfig`)."""
+        except InvalidSettings as error:
+            problems = error.problems + problems
+        if problems:
+            raise InvalidSettings(type(self).__name__, problems)
+        self._set_up(self.config, process_group)
+
+    @classmethod
+    def from_config(
+        cls, config: RolloutDebugConfig, process_group: Any | None = None, *, door: FrontDoor
+    ) -> RolloutDebugMonitor:
+        """A monitor of ``config``, the front door ``door`` naming it in its messages.
+
+        Example:
+            >>> monitor = RolloutDebugMonitor.from_config(
+            ...     RolloutDebugConfig(groups=["seed"]), door=MONITOR_DOOR)
+            >>> monitor.config.groups
+            ('seed',)
+        """
+        monitor = cls.__new__(cls)
+        monitor._door = door
+        monitor.config = config
+        monitor._set_up(config, process_group)
+        return monitor
+
+    def _set_up(self, config: RolloutDebugConfig, process_group: Any | None) -> None:
+        """The window, the logs and the alerts of ``config``."""
+        self.process_group = process_group
+        self.should_stop = False
+        self._stats = MismatchStats(
+            is_threshold=config.is_threshold,
+            seq_ratio_bounds=config.seq_ratio_bounds,
+            groups=config.groups,
+            compile=config.compile,
+        )
+        # The profile gives the quantiles and the pictures.
+        profile = config.profile_images or "quantiles" in config.groups
+        self._extras = (
+            TokenExtras(
+                histograms=config.histograms,
+                worst_tokens_k=config.worst_tokens_k,
+                profile=profile,
+                compile=config.compile,
+            )
+            if config.histograms or config.worst_tokens_k or profile
             else None
         )
         self._window = DeviceWindow(self._stats, self._extras)
@@ -283,16 +286,16 @@ class RolloutDebugMonitor:
         """The :class:`~lightning_rollout_debug.profile.Profile` of the last logged window
         (quantiles, by position, by probability, joint counts), if it is kept."""
         self._logs = WindowLogs(
-            prefix=prefix,
-            groups=self.groups,
-            dashboard_layout=dashboard_layout,
-            profile_images=profile_images,
-            profile_images_every_n_steps=self.profile_images_every_n_steps,
-            strict=strict,
+            prefix=config.prefix,
+            groups=config.groups,
+            dashboard_layout=config.dashboard_layout,
+            profile_images=config.profile_images,
+            profile_images_every_n_steps=config.profile_images_every_n_steps,
+            strict=config.strict,
             warn_once=self._warn_once,
         )
-        self._alerts = AlertMonitor(self.alert_ranges)
-        self._drift = DriftMonitor(self.drift_factors, self.drift_baseline)
+        self._alerts = AlertMonitor(self.config.alert_ranges)
+        self._drift = DriftMonitor(self.config.drift_factors, self.config.drift_baseline)
         self._rank: int | None = None  # shown in the worst-tokens table; None: asked of torch
         self._warned: set[str] = set()
         self.diagnosed: set[str] = set()
@@ -401,10 +404,10 @@ class RolloutDebugMonitor:
             found = tensor_sources(*sources)
             inputs, fallback = extract_inputs(
                 found,
-                rollout_log_probs_key=self.rollout_log_probs_key,
-                old_log_probs_key=self.old_log_probs_key,
-                response_mask_key=self.response_mask_key,
-                token_ids_keys=self.token_ids_keys,
+                rollout_log_probs_key=self.config.rollout_log_probs_key,
+                old_log_probs_key=self.config.old_log_probs_key,
+                response_mask_key=self.config.response_mask_key,
+                token_ids_keys=self.config.token_ids_keys,
             )
             if fallback is not None:
                 self._warn_once("mask-fallback", fallback)
@@ -420,7 +423,7 @@ class RolloutDebugMonitor:
             self._skip_batch(batch_type_error(sources[-1], error, self._door.before_batch))
             return
         except Exception as error:
-            if self.strict:
+            if self.config.strict:
                 raise
             self._warn_once(
                 type(error).__name__, f"Could not update the statistics ({error!r}); skipped."
@@ -429,7 +432,7 @@ class RolloutDebugMonitor:
     def _count_pads(
         self, inputs: MismatchInputs, token_ids: Tensor | None, sources: Sequence[Any]
     ) -> None:
-        if self.pad_token_id is None:
+        if self.config.pad_token_id is None:
             return
         if token_ids is None:
             responses = lookup(sources, RESPONSES_KEY)
@@ -440,14 +443,14 @@ class RolloutDebugMonitor:
             )
             self._warn_once(
                 "pad-ids",
-                f"`pad_token_id={self.pad_token_id}` is set but the batch{why}; pad tokens "
+                f"`pad_token_id={self.config.pad_token_id}` is set but the batch{why}; pad tokens "
                 "are not counted.",
             )
             return
-        self._stats.count_pads(inputs.mask, token_ids, self.pad_token_id)
+        self._stats.count_pads(inputs.mask, token_ids, self.config.pad_token_id)
 
     def _skip_batch(self, error: BatchError) -> None:
-        if self.strict:
+        if self.config.strict:
             raise error
         self._warn_once(error.kind, f"{error} The batch is skipped.")
 
@@ -489,7 +492,7 @@ class RolloutDebugMonitor:
 
     def _report(self, found: Diagnosis, *, rank_zero: bool) -> None:
         """Warn once per kind (on rank zero), or raise with ``strict=True`` (every rank)."""
-        if self.strict:
+        if self.config.strict:
             raise RolloutDiagnosisError(f"{self._door.name}: {found.message}")
         if rank_zero and found.kind not in self.diagnosed:
             self.diagnosed.add(found.kind)
@@ -528,7 +531,7 @@ class RolloutDebugMonitor:
         self.profile = None if extras is None or partial else extras.profile
         metrics = stats.compute(self.profile)
         scalars = {
-            f"{self.prefix}{name}": value
+            f"{self.config.prefix}{name}": value
             for name, value in metrics.items()
             if not math.isnan(value)
         }
@@ -542,7 +545,7 @@ class RolloutDebugMonitor:
 
     def _check_log_prob_signs(self, stats: MismatchStats, step: int) -> None:
         """Warn once per key when the window holds log-probs above 0 (read off the host copy)."""
-        keys = (self.old_log_probs_key, self.rollout_log_probs_key)
+        keys = (self.config.old_log_probs_key, self.config.rollout_log_probs_key)
         for key, largest in zip(keys, stats.largest_log_probs(), strict=True):
             if largest > POSITIVE_LOG_PROB_TOLERANCE:
                 self._warn_once(
@@ -563,10 +566,10 @@ class RolloutDebugMonitor:
         outside = [*fixed.outside, *drift.outside]
         if not outside:
             return False
-        if self.on_alert == "raise":
-            found = "; ".join(alert.describe(self.prefix) for alert in outside)
+        if self.config.on_alert == "raise":
+            found = "; ".join(alert.describe(self.config.prefix) for alert in outside)
             raise RolloutAlertError(f"{self._door.name} at step {step}: {found}.")
-        stop = self.on_alert == "stop"
+        stop = self.config.on_alert == "stop"
         self.should_stop = self.should_stop or stop
         for alert in [*fixed.new, *drift.new] if warn else ():
             then = (
@@ -575,7 +578,7 @@ class RolloutDebugMonitor:
                 else f"warning again only after it is {alert.back}"
             )
             warnings.warn(
-                f"{self._door.name} at step {step}: {alert.describe(self.prefix)}; {then}.",
+                f"{self._door.name} at step {step}: {alert.describe(self.config.prefix)}; {then}.",
                 RolloutAlertWarning,
                 stacklevel=3,
             )
@@ -583,17 +586,7 @@ class RolloutDebugMonitor:
 
     # ------------------------------------------------------------------ state
     def _config(self) -> dict[str, Any]:
-        return {
-            "rollout_log_probs_key": self.rollout_log_probs_key,
-            "old_log_probs_key": self.old_log_probs_key,
-            "response_mask_key": self.response_mask_key,
-            "prefix": self.prefix,
-            "is_threshold": self._stats.is_threshold,
-            "seq_ratio_bounds": tuple(self._stats.seq_ratio_bounds),
-            "token_ids_keys": self.token_ids_keys,
-            "groups": self.groups,
-            "pad_token_id": self.pad_token_id,
-        }
+        return self.config.checkpoint_identity()
 
     def _saved(
         self, stats: MismatchStats, extras: Tensor | None, config: Mapping[str, Any]
@@ -615,9 +608,9 @@ class RolloutDebugMonitor:
         """What restores a checkpoint state into this monitor's window, as it is now set up."""
         return StateReader(
             name=self._door.name,
-            prefix=self.prefix,
-            strict=self.strict,
-            drift_baseline=self.drift_baseline,
+            prefix=self.config.prefix,
+            strict=self.config.strict,
+            drift_baseline=self.config.drift_baseline,
             stats=self._stats,
             extras=self._extras,
             drift=self._drift,

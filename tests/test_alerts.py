@@ -133,15 +133,15 @@ def test_defaults_follow_the_enabled_groups() -> None:
         name: DEFAULT_ALERT_RANGES[name]
         for name in ("rollout_actor_mult_prob_error", "rollout_actor_kl_k3")
     }
-    assert RolloutDebugCallback(groups=["health"]).alert_ranges == {}
-    assert RolloutDebugCallback(alert_ranges={}).alert_ranges == {}
+    assert RolloutDebugCallback(groups=["health"]).config.alert_ranges == {}
+    assert RolloutDebugCallback(alert_ranges={}).config.alert_ranges == {}
     every = {name for names in METRIC_NAMES.values() for name in names}
     assert set(DEFAULT_ALERT_RANGES) <= every
 
 
 def test_ranges_accept_ints_lists_and_one_open_side() -> None:
     callback = RolloutDebugCallback(alert_ranges={MEAN: [0, 1], "rollout_is_ess": (0.5, None)})
-    assert callback.alert_ranges == {MEAN: (0.0, 1.0), "rollout_is_ess": (0.5, None)}
+    assert callback.config.alert_ranges == {MEAN: (0.0, 1.0), "rollout_is_ess": (0.5, None)}
 
 
 # ---------------------------------------------------------------------- validation

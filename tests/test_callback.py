@@ -180,22 +180,22 @@ def test_constructor_keeps_its_arguments() -> None:
         groups=["kl", "seed", "token_ids"],
         process_group=group,
     )
-    assert callback.rollout_log_probs_key == "rlp"
-    assert callback.old_log_probs_key == "olp"
-    assert callback.response_mask_key == "rmask"
-    assert callback.prefix == "rl/"
+    assert callback.config.rollout_log_probs_key == "rlp"
+    assert callback.config.old_log_probs_key == "olp"
+    assert callback.config.response_mask_key == "rmask"
+    assert callback.config.prefix == "rl/"
     assert callback.log_every_n_steps == 3
-    assert callback.strict is True
-    assert callback.token_ids_keys == ("ids_a", "ids_b")
-    assert callback.groups == ("seed", "kl", "token_ids")  # catalog order
+    assert callback.config.strict is True
+    assert callback.config.token_ids_keys == ("ids_a", "ids_b")
+    assert callback.config.groups == ("seed", "kl", "token_ids")  # catalog order
     assert callback.process_group is group
 
     default = RolloutDebugCallback()
     assert default.log_every_n_steps is None
-    assert default.strict is False
-    assert default.prefix == PREFIX
-    assert default.groups == DEFAULT_GROUPS  # token ids need token_ids_keys
-    assert RolloutDebugCallback(token_ids_keys=("a", "b")).groups == GROUPS
+    assert default.config.strict is False
+    assert default.config.prefix == PREFIX
+    assert default.config.groups == DEFAULT_GROUPS  # token ids need token_ids_keys
+    assert RolloutDebugCallback(token_ids_keys=("a", "b")).config.groups == GROUPS
 
 
 @pytest.mark.parametrize(
@@ -277,11 +277,17 @@ def test_numpy_numbers_and_one_shot_iterables_are_arguments_like_any_other() -> 
         alert_ranges={"rollout_probs_diff_mean": (np.float32(0.0), np.float64(0.5))},
         token_ids_keys=iter(("ids", "ids")),
     )
-    assert callback.groups == ("seed", "kl")
-    assert callback.monitor.token_ids_keys == ("ids", "ids")
-    assert type(callback.monitor.worst_tokens_k) is int and callback.monitor.worst_tokens_k == 3
-    assert type(callback.monitor.pad_token_id) is int and callback.monitor.pad_token_id == 7
-    assert callback.monitor.alert_ranges["rollout_probs_diff_mean"] == (0.0, 0.5)
+    assert callback.config.groups == ("seed", "kl")
+    assert callback.monitor.config.token_ids_keys == ("ids", "ids")
+    assert (
+        type(callback.monitor.config.worst_tokens_k) is int
+        and callback.monitor.config.worst_tokens_k == 3
+    )
+    assert (
+        type(callback.monitor.config.pad_token_id) is int
+        and callback.monitor.config.pad_token_id == 7
+    )
+    assert callback.monitor.config.alert_ranges["rollout_probs_diff_mean"] == (0.0, 0.5)
 
 
 def test_every_invalid_argument_is_reported_at_once() -> None:

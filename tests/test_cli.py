@@ -127,16 +127,16 @@ def test_callback_from_yaml_gets_every_init_arg(tmp_path: Path, lit: Lightning) 
     assert isinstance(cli.trainer.logger, lit.loggers.TensorBoardLogger)
 
     callback = the_callback(cli)
-    assert callback.rollout_log_probs_key == "rollout_log_probs"
-    assert callback.old_log_probs_key == "old_log_probs"
-    assert callback.response_mask_key == "response_mask"
-    assert callback.prefix == "rl/"
+    assert callback.config.rollout_log_probs_key == "rollout_log_probs"
+    assert callback.config.old_log_probs_key == "old_log_probs"
+    assert callback.config.response_mask_key == "response_mask"
+    assert callback.config.prefix == "rl/"
     assert callback.log_every_n_steps == 2
-    assert callback.strict is True
-    assert callback.token_ids_keys == ("rollout_token_ids", "trainer_token_ids")
-    assert callback.groups == ("seed", "kl", "health", "token_ids")
-    assert callback._stats.is_threshold == 1.5
-    assert tuple(callback._stats.seq_ratio_bounds) == (0.95, 1.05)
+    assert callback.config.strict is True
+    assert callback.config.token_ids_keys == ("rollout_token_ids", "trainer_token_ids")
+    assert callback.config.groups == ("seed", "kl", "health", "token_ids")
+    assert callback.monitor._stats.is_threshold == 1.5
+    assert tuple(callback.monitor._stats.seq_ratio_bounds) == (0.95, 1.05)
     assert callback.process_group is None
 
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
@@ -166,9 +166,9 @@ def test_callback_from_the_command_line(tmp_path: Path, lit: Lightning) -> None:
     ]
     cli = make_cli(lit, args, run=False)
     callback = the_callback(cli)
-    assert callback.prefix == "cmd/"
-    assert callback.groups == ("seed",)
-    assert tuple(callback._stats.seq_ratio_bounds) == (0.9, 1.1)
+    assert callback.config.prefix == "cmd/"
+    assert callback.config.groups == ("seed",)
+    assert tuple(callback.monitor._stats.seq_ratio_bounds) == (0.9, 1.1)
 
 
 @pytest.mark.parametrize("lit", PACKAGES)

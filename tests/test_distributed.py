@@ -295,7 +295,7 @@ def fit(
     """Fit on two CPU processes; return rank 0's TensorBoard scalars and each rank's record."""
     out_dir = tmp_path / "records"
     out_dir.mkdir(parents=True)
-    prefixes = [cb.prefix for cb in callbacks if isinstance(cb, RolloutDebugCallback)]
+    prefixes = [cb.config.prefix for cb in callbacks if isinstance(cb, RolloutDebugCallback)]
     options: dict[str, Any] = {
         "accelerator": "cpu",
         "devices": WORLD,

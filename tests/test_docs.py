@@ -160,9 +160,9 @@ def test_lightningcli_yaml_configures_the_callback() -> None:
     )
     (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, RolloutDebugCallback)]
     init_args = config["trainer"]["callbacks"][0]["init_args"]
-    assert callback.prefix == init_args["prefix"]
+    assert callback.config.prefix == init_args["prefix"]
     assert callback.log_every_n_steps == init_args["log_every_n_steps"]
-    assert list(callback.groups) == init_args["groups"]
+    assert list(callback.config.groups) == init_args["groups"]
 
 
 def test_every_page_is_in_the_navigation() -> None:

@@ -191,14 +191,17 @@ def test_damaged_states_are_named(state: Any, fragment: str) -> None:
 # ---------------------------------------------------------------------- configuration
 def test_defaults_follow_the_enabled_groups() -> None:
     assert resolve_drift_factors(None, GROUPS) == DEFAULT_DRIFT_FACTORS == {MEAN: 2.0, K3: 4.0}
-    assert RolloutDebugCallback().drift_factors == DEFAULT_DRIFT_FACTORS
-    assert RolloutDebugCallback().drift_baseline == DEFAULT_DRIFT_BASELINE == 10
-    assert RolloutDebugCallback(groups=["seed"]).drift_factors == {MEAN: 2.0}
-    assert RolloutDebugMonitor(groups=["kl"]).drift_factors == {K3: 4.0}
-    assert RolloutDebugCallback(groups=["health"]).drift_factors == {}
-    assert RolloutDebugCallback(drift_factors={}).drift_factors == {}
+    assert RolloutDebugCallback().config.drift_factors == DEFAULT_DRIFT_FACTORS
+    assert RolloutDebugCallback().config.drift_baseline == DEFAULT_DRIFT_BASELINE == 10
+    assert RolloutDebugCallback(groups=["seed"]).config.drift_factors == {MEAN: 2.0}
+    assert RolloutDebugMonitor(groups=["kl"]).config.drift_factors == {K3: 4.0}
+    assert RolloutDebugCallback(groups=["health"]).config.drift_factors == {}
+    assert RolloutDebugCallback(drift_factors={}).config.drift_factors == {}
     callback = RolloutDebugCallback(drift_factors={"rollout_is_chi2": 3}, drift_baseline=4)
-    assert callback.drift_factors == {"rollout_is_chi2": 3.0} and callback.drift_baseline == 4
+    assert (
+        callback.config.drift_factors == {"rollout_is_chi2": 3.0}
+        and callback.config.drift_baseline == 4
+    )
     assert callback.monitor._drift.factors == {"rollout_is_chi2": 3.0}
     assert callback.monitor._drift.baseline_windows == 4
 

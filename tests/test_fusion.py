@@ -235,9 +235,9 @@ def test_compiled_updates_do_not_recompile_for_new_batches(inductor_only: None) 
 def test_the_callback_passes_compile_through_and_validates_it() -> None:
     from lightning_rollout_debug import RolloutDebugCallback
 
-    assert RolloutDebugCallback(compile=False)._stats.compile is False
-    assert RolloutDebugCallback(compile=False)._extras.compile is False
-    assert RolloutDebugCallback()._stats.compile is None
+    assert RolloutDebugCallback(compile=False).monitor._stats.compile is False
+    assert RolloutDebugCallback(compile=False).monitor._extras.compile is False
+    assert RolloutDebugCallback().monitor._stats.compile is None
     for build in (RolloutDebugCallback, MismatchStats, TokenExtras):
         with pytest.raises(ValueError, match=r"`compile` must be None \(auto\), True or False"):
             build(compile="yes")  # type: ignore[arg-type]

@@ -362,7 +362,7 @@ def test_extraction_and_callback_update_take_any_batch(drawn: list[FuzzBatch]) -
         verdict = oracle(item.value)
         event(verdict.kind or ("valid, no mask" if verdict.fallback else "valid"))
         before = stats.state.clone()
-        callback_before = callback._stats.state.clone()
+        callback_before = callback.monitor._stats.state.clone()
         # 1. the extraction the callback uses, then the statistics
         try:
             inputs, fallback = extract_inputs(tensor_sources(item.value))
@@ -381,16 +381,18 @@ def test_extraction_and_callback_update_take_any_batch(drawn: list[FuzzBatch]) -
                 callback._update(loss, item.value)
             except BatchError as error:
                 assert error.kind == verdict.kind, (error.kind, verdict.kind, str(error))
-                assert_same_state(callback._stats.state, callback_before)
+                assert_same_state(callback.monitor._stats.state, callback_before)
             else:
                 assert verdict.kind is None, verdict.kind
         skipped = [w for w in record if issubclass(w.category, RolloutDebugWarning)]
         assert len(skipped) <= int(verdict.fallback)  # only the no-mask notice, once
     want = reference_over(accepted)
     assert_metrics_close(stats.compute(), want)
-    profile = callback._extras.summary(callback._extras.state).profile
-    assert_metrics_close(completed(callback._stats.compute(profile)), want.select(DEFAULT_NAMES))
-    for state in (stats.state, callback._stats.state, callback._extras.state):
+    profile = callback.monitor._extras.summary(callback.monitor._extras.state).profile
+    assert_metrics_close(
+        completed(callback.monitor._stats.compute(profile)), want.select(DEFAULT_NAMES)
+    )
+    for state in (stats.state, callback.monitor._stats.state, callback.monitor._extras.state):
         assert state.grad_fn is None and not state.requires_grad
 
 
@@ -457,7 +459,7 @@ def test_trainer_run_over_fuzzed_batches(drawn: list[FuzzBatch]) -> None:
     kinds = {v.kind for v in verdicts if v.kind} | {"mask-fallback" for v in verdicts if v.fallback}
     kinds |= positive_kinds(verdicts)
     skipped = [str(w.message) for w in record if issubclass(w.category, RolloutDebugWarning)]
-    assert callback._warned == kinds and len(skipped) == len(kinds), (kinds, skipped)
+    assert callback.monitor._warned == kinds and len(skipped) == len(kinds), (kinds, skipped)
     windows = range(0, RUN_LENGTH, EVERY)
     logged_steps = logger.catalog()
     assert sorted(logged_steps) == [start + EVERY - 1 for start in windows]

@@ -254,7 +254,7 @@ def test_two_thousand_trainer_steps_keep_constant_memory() -> None:
     assert logger.calls == STEPS // EVERY
     skipped = [str(w.message) for w in record if issubclass(w.category, RolloutDebugWarning)]
     assert len(skipped) == 2, skipped  # one per kind, however often the kind recurs
-    assert callback._warned == {"missing:old_log_probs", "type:response_mask"}
+    assert callback.monitor._warned == {"missing:old_log_probs", "type:response_mask"}
     assert probe.graphs_alive == 0
     warm, end = probe.measured["warm"], probe.measured["end"]
     assert end["tensors"] == warm["tensors"], (warm["tensors"], end["tensors"])
@@ -262,11 +262,11 @@ def test_two_thousand_trainer_steps_keep_constant_memory() -> None:
     # the callback holds (list, set, dict or state) may change size.
     active = "monitor._alerts._active"
     for sizes in (warm["callback"], end["callback"]):
-        assert sizes.pop(active) <= len(callback.alert_ranges)
+        assert sizes.pop(active) <= len(callback.config.alert_ranges)
     assert end["callback"] == warm["callback"]
     assert end["callback_metrics"] == warm["callback_metrics"]
     assert end["rss"] - warm["rss"] < 32 * MiB, (end["rss"] - warm["rss"]) / MiB
-    assert callback._batches_in_window == 0  # the last window was logged at step 2000
+    assert callback.monitor.batches_in_window == 0  # the last window was logged at step 2000
     refs = module.output_refs
     del trainer, module
     gc.collect()

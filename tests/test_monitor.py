@@ -6,6 +6,8 @@ over exactly the batches of that window, on every rank.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import math
 import os
@@ -46,6 +48,7 @@ from lightning_rollout_debug import (
     RolloutAlertError,
     RolloutAlertWarning,
     RolloutDebugCallback,
+    RolloutDebugConfig,
     RolloutDebugMonitor,
     RolloutDebugWarning,
 )
@@ -733,3 +736,30 @@ def test_the_fabric_example_writes_tensorboard_logs(
         assert sorted(series[tag]) == [0, 1, 2], (tag, series.get(tag))
     assert 0 < series[f"{PREFIX}rollout_probs_diff_mean"][2] < 0.05  # bfloat16 rounding
     assert [e.step for e in tensorboard(log_dir).Histograms(HISTOGRAM)] == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------- the settings
+def test_the_monitor_and_the_callback_take_every_setting_with_its_default() -> None:
+    """Each field of ``RolloutDebugConfig`` is a parameter of both constructors, in the same
+    order and with the same default; the callback adds only its own three."""
+    fields = [(f.name, f.default) for f in dataclasses.fields(RolloutDebugConfig)]
+    for owner, own in (
+        (RolloutDebugMonitor, {"process_group"}),
+        (RolloutDebugCallback, {"log_every_n_steps", "process_group", "warn_dropout"}),
+    ):
+        parameters = list(inspect.signature(owner.__init__).parameters.values())[1:]
+        shared = [(p.name, p.default) for p in parameters if p.name not in own]
+        assert shared == fields, owner.__name__
+        assert {p.name for p in parameters} - {name for name, _ in fields} == own
+
+
+def test_every_problem_of_the_settings_is_named_at_once() -> None:
+    with pytest.raises(ValueError) as raised:
+        RolloutDebugCallback(prefix=3, on_alert="shout", log_every_n_steps=0)
+    message = str(raised.value)
+    assert message.startswith("Invalid RolloutDebugCallback arguments:")
+    for name in ("`prefix`", "`on_alert`", "`log_every_n_steps`"):
+        assert name in message
+    config = RolloutDebugMonitor(groups=iter(["kl", "seed"]), worst_tokens_k=2).config
+    assert config.groups == ("seed", "kl")  # an iterator read once, in the catalog's order
+    assert config == RolloutDebugConfig(groups=["seed", "kl"], worst_tokens_k=2)

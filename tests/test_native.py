@@ -419,7 +419,7 @@ def test_the_callback_reads_a_cpu_batch_once(
         [b["old_log_probs"] for b in batches],
         [b["response_mask"] for b in batches],
     )
-    names = [name for group in callback.groups for name in METRIC_NAMES[group]]
+    names = [name for group in callback.config.groups for name in METRIC_NAMES[group]]
     assert_metrics_close(logger.catalog()[2], want.select(names))
 
 

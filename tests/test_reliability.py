@@ -429,7 +429,7 @@ def test_bad_input_default_mode_skips_the_batch_with_one_warning(case: BadCase) 
     (message,) = run.warnings
     for fragment in case.fragments:
         assert fragment in message, (fragment, message)
-    assert case.kind in run.callback._warned
+    assert case.kind in run.callback.monitor._warned
     # the good batches of each window, and only those
     assert_windows(run.logger, {1: [batches[0]], 3: [batches[2]], 5: batches[4:]})
 
@@ -465,7 +465,7 @@ def test_odd_but_valid_input_counts_without_warning(case: OddCase, strict: bool)
         assert_unchanged(batch, then)
     if case.check is not None:
         case.check(run.logger.catalog()[1])
-    state = run.callback._stats.state
+    state = run.callback.monitor._stats.state
     assert state.grad_fn is None and not state.requires_grad
     if case.graph_outputs:  # no graph outlives the step that made it
         refs = run.module.output_refs
@@ -492,7 +492,7 @@ def test_requires_grad_inputs_keep_no_graph_alive() -> None:
     refs = [weakref.ref(leaf), weakref.ref(old), weakref.ref(rollout)]
     callback._update({"loss": old.sum()}, batch)  # the work of on_train_batch_end
     want = expected([batch])
-    assert callback._warned == set()
+    assert callback.monitor._warned == set()
 
     # Control: holding any tensor of the graph keeps `leaf` alive, so the check can fail.
     kept = old.sum()
@@ -502,12 +502,12 @@ def test_requires_grad_inputs_keep_no_graph_alive() -> None:
     del kept
     gc.collect()
     assert [ref() for ref in refs] == [None, None, None]  # the callback kept none of them
-    state = callback._stats.state
+    state = callback.monitor._stats.state
     assert state.grad_fn is None and not state.requires_grad
-    extras = callback._extras.state
+    extras = callback.monitor._extras.state
     assert extras.grad_fn is None and not extras.requires_grad
     assert_metrics_close(
-        {k: v for k, v in callback._stats.compute().items() if not math.isnan(v)}, want
+        {k: v for k, v in callback.monitor._stats.compute().items() if not math.isnan(v)}, want
     )
 
 

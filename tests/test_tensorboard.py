@@ -439,7 +439,9 @@ def test_callbacks_with_different_prefixes_each_keep_their_dashboard(tmp_path: P
     want = [
         title
         for callback in callbacks
-        for title in dashboard_layout(callback.prefix, enabled_metric_names(callback.groups))
+        for title in dashboard_layout(
+            callback.config.prefix, enabled_metric_names(callback.config.groups)
+        )
     ]
     assert served_layout(tmp_path / "tb") == want
 
