@@ -226,7 +226,7 @@ class RolloutDebugCallback(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.monitor._rank = trainer.global_rank
+        self.monitor.rank = trainer.global_rank
         if stage == "fit" and callable(self.process_group):
             self.monitor.process_group = self.process_group(trainer)
         if stage == "fit" and trainer.strategy.root_device.type == "cpu":
@@ -244,7 +244,7 @@ class RolloutDebugCallback(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A window restored from a checkpoint carries on; any other starts empty.
-        self.monitor._begin(keep_window=self._restored, device=pl_module.device)
+        self.monitor.begin(keep_window=self._restored, device=pl_module.device)
         self._restored = False
         self._batch_step = None
         if self.warn_dropout:
@@ -283,8 +283,7 @@ class RolloutDebugCallback(Callback):
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if state is not None and trainer.world_size > 1:
             # Every rank updates at every batch: each holds the window's batch count.
-            stats, extras = self.monitor._window.merged(self._ranks(trainer))
-            state.update(self.monitor._saved(stats, extras, self._config()))
+            state.update(self.monitor.window_state(self._ranks(trainer), self._own_settings()))
 
     @override
     def on_load_checkpoint(
@@ -313,12 +312,11 @@ class RolloutDebugCallback(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        extras = None if self.monitor._extras is None else self.monitor._extras.state
-        return self.monitor._saved(self.monitor._stats, extras, self._config())
+        return self.monitor.window_state(extra=self._own_settings())
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored = self.monitor._load(state_dict, self._config())
+        self._restored = self.monitor.restore(state_dict, self._own_settings())
 
     # --------------------------------------------------------------- helpers
     def _update(self, outputs: Any, batch: Any) -> None:
@@ -356,15 +354,16 @@ class RolloutDebugCallback(Callback):
     def _log_window(self, trainer: pl.Trainer) -> None:
         step = self._log_step(trainer)
         ranks = self._ranks(trainer)
-        scalars, metrics = self.monitor._write(step, trainer.loggers, ranks)
+        scalars, metrics = self.monitor.log_window(step, trainer.loggers, ranks)
         callback_metrics = trainer.callback_metrics
         for name in metric_names(self.config.prefix, self.config.groups) - scalars.keys():
             callback_metrics.pop(name, None)
         callback_metrics.update(
             {name: torch.tensor(value, dtype=torch.float64) for name, value in scalars.items()}
         )
-        if self.monitor._alert(metrics, step, warn=ranks.is_global_zero):
+        if self.monitor.check_alerts(metrics, step, warn=ranks.is_global_zero):
             trainer.should_stop = True
 
-    def _config(self) -> dict[str, Any]:
-        return {**self.monitor._config(), "log_every_n_steps": self.log_every_n_steps}
+    def _own_settings(self) -> dict[str, Any]:
+        """What a checkpoint records of the callback's own settings."""
+        return {"log_every_n_steps": self.log_every_n_steps}

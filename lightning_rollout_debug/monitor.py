@@ -296,7 +296,8 @@ class RolloutDebugMonitor:
         )
         self._alerts = AlertMonitor(self.config.alert_ranges)
         self._drift = DriftMonitor(self.config.drift_factors, self.config.drift_baseline)
-        self._rank: int | None = None  # shown in the worst-tokens table; None: asked of torch
+        self.rank: int | None = None
+        """The rank shown in the worst-tokens table (``None``: asked of torch.distributed)."""
         self._warned: set[str] = set()
         self.diagnosed: set[str] = set()
         """The kinds of mistake warned about so far (each once per run)."""
@@ -362,8 +363,8 @@ class RolloutDebugMonitor:
         if loggers is None:
             loggers = [] if fabric is None else list(fabric.loggers)
         ranks = loop_ranks(fabric, self.process_group)
-        scalars, metrics = self._write(step, checked_loggers(loggers), ranks)
-        self._alert(metrics, step, warn=ranks.is_global_zero)
+        scalars, metrics = self.log_window(step, checked_loggers(loggers), ranks)
+        self.check_alerts(metrics, step, warn=ranks.is_global_zero)
         return scalars
 
     def reset(self) -> None:
@@ -373,7 +374,7 @@ class RolloutDebugMonitor:
         at the next logged step, and the drift baselines are collected again from the next
         logged window.
         """
-        self._begin()
+        self.begin()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -411,7 +412,7 @@ class RolloutDebugMonitor:
             )
             if fallback is not None:
                 self._warn_once("mask-fallback", fallback)
-            rank = self._rank if self._rank is not None else global_rank()
+            rank = self.rank if self.rank is not None else global_rank()
             token_ids = _token_ids(found, inputs)
             add_batch(
                 inputs, token_ids, stats=self._stats, extras=self._extras, batch=index, rank=rank
@@ -499,7 +500,7 @@ class RolloutDebugMonitor:
             warnings.warn(f"{self._door.name}: {found.message}", RolloutDiagnosisWarning, 3)
 
     # ------------------------------------------------------------------ windows
-    def _begin(self, *, keep_window: bool = False, device: torch.device | None = None) -> None:
+    def begin(self, *, keep_window: bool = False, device: torch.device | None = None) -> None:
         """Start a run: the window emptied, or kept on ``device``.
 
         No alert episode is open, and no warning or picture counts as given yet. A kept
@@ -519,10 +520,15 @@ class RolloutDebugMonitor:
             self._window.move_to(device)
 
     # ------------------------------------------------------------------ logged steps
-    def _write(
+    def log_window(
         self, step: int, loggers: Sequence[Any], ranks: Ranks
     ) -> tuple[dict[str, float], dict[str, float]]:
-        """Merge and log the window at ``step``, then empty it: (logged scalars, metrics)."""
+        """Merge the window over ``ranks``, log it at ``step`` and empty it.
+
+        :meth:`log` for a loop that brings its own ranks and checks the alerts itself
+        (:meth:`check_alerts`), as the callback does. Returns the logged scalars by
+        prefixed name, and every metric by its own.
+        """
         stats, extras = self._window.on_host(ranks)
         # A window restored without its extras has a profile of only part of its tokens:
         # no quantiles and no pictures for it.
@@ -556,7 +562,7 @@ class RolloutDebugMonitor:
                     "above 1, perplexities below 1.",
                 )
 
-    def _alert(self, metrics: Mapping[str, float], step: int, *, warn: bool) -> bool:
+    def check_alerts(self, metrics: Mapping[str, float], step: int, *, warn: bool) -> bool:
         """Act on the metrics outside their range or drifted; whether the loop should stop.
 
         The metrics are the same on every rank, so every rank decides the same; only
@@ -588,11 +594,27 @@ class RolloutDebugMonitor:
     def _config(self) -> dict[str, Any]:
         return self.config.checkpoint_identity()
 
-    def _saved(
-        self, stats: MismatchStats, extras: Tensor | None, config: Mapping[str, Any]
+    def window_state(
+        self, ranks: Ranks | None = None, extra: Mapping[str, Any] | None = None
     ) -> dict[str, Any]:
-        """A checkpoint state of the window ``stats`` and ``extras``, this process's updates."""
-        return self._window.saved(stats, extras, config, self._drift)
+        """A checkpoint state of the window: this process's updates, or merged over ``ranks``.
+
+        ``extra``: settings of the caller's that the state records beside the monitor's
+        (the callback's ``log_every_n_steps``).
+        """
+        config = {**self._config(), **(extra or {})}
+        if ranks is None:
+            extras = None if self._extras is None else self._extras.state
+            return self._window.saved(self._stats, extras, config, self._drift)
+        stats, merged = self._window.merged(ranks)
+        return self._window.saved(stats, merged, config, self._drift)
+
+    def restore(self, state_dict: Any, extra: Mapping[str, Any] | None = None) -> bool:
+        """Restore a saved window (see :meth:`load_state_dict`); whether it was.
+
+        ``extra``: as for :meth:`window_state`, compared with what the state recorded.
+        """
+        return self._load(state_dict, {**self._config(), **(extra or {})})
 
     def _load(self, state_dict: Any, config: Mapping[str, Any]) -> bool:
         """Restore a saved window (see :meth:`load_state_dict`); whether it was."""

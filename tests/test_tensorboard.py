@@ -640,7 +640,7 @@ def test_all_ranks_sends_stats_and_extras_in_one_collective() -> None:
     batches = [batch(40), batch(41, rows=5)]
     monitors = [RolloutDebugMonitor(worst_tokens_k=4) for _ in batches]
     for rank, (monitor, data) in enumerate(zip(monitors, batches, strict=True)):
-        monitor._rank = rank
+        monitor.rank = rank
         monitor.update(data)
     sent = []
 
