@@ -39,17 +39,15 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from lightning_rollout_debug.bins import LogBins
-from lightning_rollout_debug.layout import Block, compiling
-from lightning_rollout_debug.rows import over_rows
+from lightning_rollout_debug.layout import Block
 
 QUANTILES: tuple[tuple[str, int], ...] = (("p50", 500), ("p90", 900), ("p99", 990), ("p999", 999))
 """The quantiles: name suffix and ``q`` in thousandths (integers keep ``q * N`` exact)."""
@@ -127,115 +125,12 @@ def profile_parts(blocks: Sequence[Block] | None = None) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------- accumulation
-def column_buckets(width: int, device: torch.device | str | None = None) -> Tensor:
-    """The position bucket of each column: 0 for column 0, ``floor(log2 j) + 1`` after.
-
-    Counted in integers, as the powers of two at most ``j`` (up to the last bucket), so
-    exact at every width; no bit tricks that a compiler's range analysis cannot follow,
-    and no reduction: compiled, it is part of the kernel that reads the buckets.
-
-    Example:
-        >>> column_buckets(9).tolist()
-        [0, 1, 2, 2, 3, 3, 3, 3, 4]
-    """
-    columns = torch.arange(width, device=device)
-    buckets = torch.zeros_like(columns)
-    for power in range(POSITION_BUCKETS - 1):
-        buckets = buckets + (columns >= 2**power).long()
-    return buckets
 
 
 def probability_buckets(a: Tensor) -> Tensor:
     """The bucket of each trainer log-prob ``a``: 28 for ``pa`` in ``(1/2, 1]``, down to 0."""
     k = (-a * _LOG2_E).floor().clamp(0, PROBABILITY_BUCKETS - 1)
     return (PROBABILITY_BUCKETS - 1) - k.long()
-
-
-def joint_bins(a: Tensor, b: Tensor) -> Tensor:
-    """The joint bin of each (trainer, rollout) pair: ``row * side + column`` over ``-log p``."""
-    side = len(JOINT_BINS.edges) + 1
-    return JOINT_BINS.index(-a) * side + JOINT_BINS.index(-b)
-
-
-def profile_rows(counting: Tensor, diff: Tensor, r: Tensor) -> dict[str, Tensor]:
-    """Each row's largest ``|pa - pb|`` and ``|r|``, named for :func:`~.rows.over_rows`."""
-    return {
-        "max_probs_diff": torch.where(counting, diff, -math.inf).amax(-1),
-        "max_log_diff": torch.where(counting, r.abs(), -math.inf).amax(-1),
-    }
-
-
-def profile_from_tokens(
-    a: Tensor,
-    b: Tensor,
-    r: Tensor,
-    counting: Tensor,
-    diff: Tensor,
-    k3: Tensor,
-    totals: Mapping[str, Tensor] | None = None,
-    counted: tuple[Tensor, int] | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """The profile block from the element-wise quantities (zero where a token does not count).
-
-    ``totals``: the totals of :func:`profile_rows`, where the caller has reduced them
-    already (with other quantities' rows, :func:`~.rows.over_rows`). ``counted``: the
-    ``(bin of each token, number of bins)`` of another count of the counting tokens (a
-    histogram's), added in the same scatter-add.
-
-    Every count and every sum by bucket is one scatter-add: compiled, one kernel computes
-    each token's slots and adds to them. Returns the block and the counts of ``counted``
-    (``None`` without it).
-    """
-    f64 = torch.float64
-    device = a.device
-    keep = counting.flatten()
-    weight = keep.to(f64)
-    zero = torch.zeros((), dtype=f64, device=device)
-    log_diff = r.abs()
-
-    def wide(value: Tensor) -> Tensor:
-        return torch.where(keep, value.flatten().to(f64), zero)
-
-    position = column_buckets(a.shape[1], device).expand_as(a).flatten()
-    probability = probability_buckets(a).flatten()
-    side = len(JOINT_BINS.edges) + 1
-    wide_diff = wide(diff)
-    # (the slot within its part, the value added, the part's size), in the block's order.
-    parts = [
-        *(
-            (bins.index(value.flatten()), weight, len(bins.edges) + 1)
-            for value, (_, _, bins) in zip((diff, log_diff), QUANTILE_BINS, strict=True)
-        ),
-        (position, weight, POSITION_BUCKETS),
-        (probability, weight, PROBABILITY_BUCKETS),
-        (joint_bins(a, b).flatten(), weight, side * side),
-        (position, wide_diff, POSITION_BUCKETS),
-        (position, wide(k3), POSITION_BUCKETS),
-        (probability, wide_diff, PROBABILITY_BUCKETS),
-        (probability, wide(log_diff), PROBABILITY_BUCKETS),
-    ]
-    if counted is not None:  # after the block's own parts
-        parts.append((counted[0], weight, counted[1]))
-    starts = list(itertools.accumulate((size for _, _, size in parts), initial=0))
-    summed = torch.zeros(starts[-1], dtype=f64, device=device)
-    if compiling():  # one kernel adds every part; the concatenations are never stored
-        slots = [index + start for (index, _, _), start in zip(parts, starts[:-1], strict=True)]
-        summed.scatter_add_(0, torch.cat(slots), torch.cat([value for _, value, _ in parts]))
-    else:  # eagerly, part by part: no copies of the tokens' slots and values
-        for (index, value, size), start in zip(parts, starts[:-1], strict=True):
-            summed[start : start + size].scatter_add_(0, index, value)
-    if totals is None:
-        totals = over_rows(profile_rows(counting, diff, r))
-    maxima = torch.stack(
-        [
-            totals["max_probs_diff"],
-            totals["max_log_diff"],
-            torch.full((), float(a.shape[1]), dtype=f64, device=device),
-        ]
-    )
-    own = starts[-1] - (0 if counted is None else counted[1])
-    extra = None if counted is None else summed[own:]
-    return torch.cat([summed[:own], maxima]), extra
 
 
 # ---------------------------------------------------------------------- reading

@@ -1,25 +1,22 @@
-"""Row reductions: one pass over a ``[B, T]`` block, then one packed state.
+"""The native kernel's row quantities, and their torch reduction the kernel is tested with.
 
-Every token-level quantity of the catalog (:mod:`.tokens`) is reduced along the rows first
-(:func:`row_sums`: one pass over the block, which a compiler fuses into a single loop
-and the native CPU kernel computes by hand), then the ``[B]`` row sums are combined into
-a packed state of :data:`~lightning_rollout_debug.layout.STATE`
-(:func:`state_from_rows`). :data:`ROWS_OF_GROUP` says which row quantities each metric
-group needs; the torch code, the compiled code and the native kernel all follow it, and
-the kernel's columns are checked against :data:`ROW_FIELDS` by name.
+Every token-level quantity of the catalog (:mod:`.tokens`) is reduced along the rows
+first: the native CPU kernel computes the ``[B]`` row sums of :data:`ROW_FIELDS` by hand
+and finishes them into a packed state of :data:`~lightning_rollout_debug.layout.STATE`.
+:func:`row_sums` is the same reduction in torch, which the kernel's tests compare with.
+:data:`ROWS_OF_GROUP` says which row quantities each metric group needs, and the
+kernel's columns are checked against :data:`ROW_FIELDS` by name.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
 from lightning_rollout_debug.layout import LAG_MOMENTS, STATE
 from lightning_rollout_debug.tokens import (
-    LOG_RATIO_CLAMP,
     PADDING_ACTOR_LOG_PROB,
     RATIO_MAX,
     RATIO_MIN,
@@ -138,29 +135,6 @@ def rows_for(groups: frozenset[str]) -> frozenset[str]:
     return frozenset(set(_ALWAYS).union(*(ROWS_OF_GROUP[group] for group in groups)))
 
 
-def batch_state(
-    rollout_log_probs: Tensor,
-    old_log_probs: Tensor,
-    mask: Tensor,
-    rollout_token_ids: Tensor | None,
-    trainer_token_ids: Tensor | None,
-    *,
-    groups: frozenset[str],
-    is_threshold: float,
-    seq_ratio_bounds: tuple[float, float],
-) -> Tensor:
-    """Packed state of one ``[B, T]`` block: masked arithmetic only, nothing leaves the device.
-
-    Every token-level quantity is reduced along the rows first (one pass over the
-    block that a compiler fuses into a single kernel), then the ``[B]`` row sums are
-    combined.
-    """
-    rows = row_sums(rollout_log_probs, old_log_probs, mask, groups, is_threshold)
-    return state_from_rows(
-        rows, mask, rollout_token_ids, trainer_token_ids, groups, seq_ratio_bounds
-    )
-
-
 _RATIO_ROWS = frozenset(
     {"kl_k3", "mult_error_m1", "ratio_m1", "ratio_sq_m1", "ratio", "ratio_sq", "ratio_high"}
 )
@@ -261,104 +235,6 @@ def row_sums(
     return rows
 
 
-def over_rows(per_row: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Each ``[B]`` column of ``per_row`` reduced over the rows: summed, or its largest.
-
-    The largest where its name starts with ``max_`` (or ``neg_``: negated values, whose
-    largest is minus the smallest), the sum elsewhere. The columns are stacked and
-    reduced both ways at once: compiled, one kernel reads the rows once, whatever the
-    number of columns (each reduced on its own would be a kernel of its own).
-
-    Example:
-        >>> per_row = {"n": torch.tensor([1.0, 2.0]), "max_x": torch.tensor([3.0, -1.0])}
-        >>> totals = over_rows(per_row)
-        >>> {name: value.item() for name, value in totals.items()}
-        {'n': 3.0, 'max_x': 3.0}
-    """
-    stacked = torch.stack([value.to(torch.float64) for value in per_row.values()])
-    sums, maxima = stacked.sum(1).unbind(), stacked.amax(1).unbind()
-    return {
-        name: maxima[i] if name.startswith(("max_", "neg_")) else sums[i]
-        for i, name in enumerate(per_row)
-    }
-
-
-def state_from_rows(
-    rows: dict[str, Tensor],
-    mask: Tensor,
-    rollout_token_ids: Tensor | None,
-    trainer_token_ids: Tensor | None,
-    groups: frozenset[str],
-    seq_ratio_bounds: tuple[float, float],
-) -> Tensor:
-    """Packed state of a block from its row reductions (and its token ids, if compared).
-
-    Reads the rows :func:`rows_for` names for ``groups`` (``rows`` may hold more).
-    """
-    f64 = torch.float64
-    needed = rows_for(groups)
-    row_count = rows["count"].to(f64)
-    per_row = {name: rows[name].to(f64) for name in ROW_FIELDS if name in needed}
-    if "health" in groups or "sequence" in groups:
-        per_row["sequences"] = (row_count > 0).to(f64)
-    if "sequence" in groups:
-        sides = (per_row[name] for name in ("sum_actor_log_prob", "sum_rollout_log_prob"))
-        per_row.update(_sequence_rows(*sides, per_row["log_ratio"], row_count, seq_ratio_bounds))
-    reduced = over_rows(per_row)
-
-    def total(name: str) -> Tensor:
-        return reduced[name]
-
-    largest = total
-    count = total("count")
-    slots = {
-        "count": count,
-        "nonfinite": total("nonfinite"),
-        "max_actor_log_prob": largest("max_actor_log_prob"),
-        "max_rollout_log_prob": largest("max_rollout_log_prob"),
-    }
-    moments = [
-        name for name in ("prob_actor", "prob_rollout", "prob_diff", "log_diff") if name in needed
-    ]
-    power = {name: total(name) for name in moments}
-    cross = {
-        (left, right): total(f"{left}*{right}")
-        for left, right in _COMOMENTS
-        if f"{left}*{right}" in needed
-    }
-    means, comoments = _centre(count, power, cross)
-    slots.update(means)
-    slots.update({f"{left}*{right}": value for (left, right), value in comoments.items()})
-    if "max_prob_diff" in needed:
-        slots["max_prob_diff"] = largest("max_prob_diff")
-    if "max_log_ratio" in needed:
-        # An empty block keeps +-inf.
-        r_max, r_min = largest("max_log_ratio"), -largest("max_neg_log_ratio")
-    if "log_diff" in needed:
-        slots["max_log_diff"] = torch.maximum(r_max, -r_min)
-    if {"kl", "importance_ratio"} & groups:
-        slots["log_ratio"] = total("log_ratio")
-    for name in ("kl_k3", "mult_error_m1", "ratio_m1", "ratio_sq_m1", "ratio", "ratio_sq"):
-        if name in needed:
-            slots[name] = total(name)
-    if "ratio_high" in needed:
-        slots["ratio_high"], slots["ratio_low"] = total("ratio_high"), total("ratio_low")
-        slots["max_log_ratio"], slots["min_log_ratio"] = (
-            torch.where(x.isinf(), x, x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-            for x in (r_max, r_min)
-        )
-    if "health" in groups or "sequence" in groups:
-        slots["sequences"] = total("sequences")
-    if "health" in groups:
-        slots.update({name: total(name) for name in HEALTH_SUMS})
-    if "sequence" in groups:
-        slots.update({name: total(name) for name in _SEQUENCE_SLOTS})
-        slots["min_seq_log_ratio"] = -total("neg_min_seq_log_ratio")
-    if "token_ids" in groups:
-        slots.update(token_id_slots(mask, rollout_token_ids, trainer_token_ids))
-    return STATE.pack(slots)
-
-
 def token_id_slots(
     mask: Tensor, rollout_token_ids: Tensor | None, trainer_token_ids: Tensor | None
 ) -> dict[str, Tensor]:
@@ -424,60 +300,6 @@ def _neighbour_sums(a: Tensor, b: Tensor, counting: Tensor) -> dict[str, Tensor]
         kept = torch.where(pair, side, 0.0)
         sums[name], sums[f"{name}_sq"] = kept.sum(1), (kept * kept).sum(1)
     return sums
-
-
-def _centre(
-    count: Tensor, power: dict[str, Tensor], cross: dict[tuple[str, str], Tensor]
-) -> tuple[dict[str, Tensor], dict[tuple[str, str], Tensor]]:
-    """Means and centred co-moments from float64 power sums: ``M_xy = S_xy - S_x S_y / n``."""
-    scale = 1.0 / count.clamp(min=1.0)
-    means = {name: total * scale for name, total in power.items()}
-    comoments = {
-        (left, right): (total - power[left] * power[right] * scale).clamp(
-            min=0.0 if left == right else -math.inf
-        )
-        for (left, right), total in cross.items()
-    }
-    return means, comoments
-
-
-_SEQUENCE_SLOTS = (
-    "seq_ppl_actor",
-    "seq_ppl_rollout",
-    "seq_log_ratio",
-    "seq_outside",
-    "max_seq_abs_log_ratio",
-    "max_seq_log_ratio",
-)
-
-
-def _sequence_rows(
-    sum_a: Tensor,
-    sum_b: Tensor,
-    sum_r: Tensor,
-    row_count: Tensor,
-    bounds: tuple[float, float],
-) -> dict[str, Tensor]:
-    """Each row's terms of the sequence statistics, from its float64 sums of ``a``, ``b``, ``r``.
-
-    Summed over the rows, but for those named ``max_`` (maxima) and
-    ``neg_min_seq_log_ratio`` (the largest of ``-mean r``: minus the smallest).
-    """
-    has_tokens = row_count > 0
-    per_row = row_count.clamp(min=1.0)
-    mean_r = sum_r / per_row  # log of the geometric-mean ratio; zero for empty rows
-    zero = torch.zeros((), dtype=mean_r.dtype, device=mean_r.device)
-    geo = torch.exp(mean_r)
-    outside = has_tokens & ((geo < bounds[0]) | (geo > bounds[1]))
-    return {
-        "seq_ppl_actor": torch.where(has_tokens, torch.exp(-sum_a / per_row), zero),
-        "seq_ppl_rollout": torch.where(has_tokens, torch.exp(-sum_b / per_row), zero),
-        "seq_log_ratio": mean_r,
-        "seq_outside": outside.to(mean_r.dtype),
-        "max_seq_abs_log_ratio": torch.where(has_tokens, mean_r.abs(), -math.inf),
-        "max_seq_log_ratio": torch.where(has_tokens, mean_r, -math.inf),
-        "neg_min_seq_log_ratio": torch.where(has_tokens, -mean_r, -math.inf),
-    }
 
 
 def paired_moments(x: Tensor, y: Tensor, keep: Tensor) -> Tensor:

@@ -211,11 +211,11 @@ def states(
 ) -> tuple[Tensor | None, Tensor | None] | None:
     """One pass over a CPU batch, finished into packed states: ``(statistics, extras)``.
 
-    The statistics' state is that of ``rows.state_from_rows`` for ``statistics.groups``
-    (the token-id slots stay empty); the extras' that of ``TokenExtras``, the worst tokens
-    labelled with ``batch_index``, ``rank`` and ``token_ids`` (``[B, T]`` integers, or
-    ``None``). Either is ``None`` when not asked for; the whole result is ``None`` where
-    :func:`row_sums` would be.
+    The statistics' state is the packed state of ``statistics.groups`` that the torch
+    pass would make of the batch (the token-id slots stay empty); the extras' that of
+    ``TokenExtras``, the worst tokens labelled with ``batch_index``, ``rank`` and
+    ``token_ids`` (``[B, T]`` integers, or ``None``). Either is ``None`` when not asked
+    for; the whole result is ``None`` where :func:`row_sums` would be.
 
     ``into``: with ``extras.add_profile``, the packed extras (a contiguous float64 CPU
     tensor) the extras are finished into: its profile block, a window's, gets the pass's

@@ -1557,9 +1557,9 @@ constexpr const char* kWorstNames[] = {ROLLOUT_WORST_FIELDS(ROLLOUT_NAME)};
 #undef ROLLOUT_ENUM
 #undef ROLLOUT_NAME
 
-// The packed state of the statistics from the row table, as `state_from_rows` in rows.py
-// computes it: the slots of the groups asked for are written, the others keep what the
-// caller put there (the empty window).
+// The packed state of the statistics from the row table (`layout.STATE`): the slots of
+// the groups asked for are written, the others keep what the caller put there (the
+// empty window).
 struct StateOf {
   const double* table;  // [rows, kSlots]
   int64_t rows;
