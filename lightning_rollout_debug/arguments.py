@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import suppress
 from typing import Any
 
 import torch
@@ -64,50 +63,21 @@ def monitor_problems(
     profile_images_every_n_steps: Any = PROFILE_IMAGES_EVERY_N_STEPS,
 ) -> list[str]:
     """What is wrong with the monitor's arguments, one line per problem (empty if nothing)."""
-    problems = []
-    for name, value in (
-        ("rollout_log_probs_key", rollout_log_probs_key),
-        ("old_log_probs_key", old_log_probs_key),
-        ("response_mask_key", response_mask_key),
-    ):
-        if not isinstance(value, str) or not value:
-            problems.append(f"`{name}` must be a non-empty string, got {value!r}.")
-    problems += _shared_key_problems(
+    problems = _key_problems(
         rollout_log_probs_key, old_log_probs_key, response_mask_key, token_ids_keys
     )
     problems += prefix_problems(prefix)
     if not isinstance(strict, bool):
         problems.append(f"`strict` must be True or False, got {strict!r}.")
-    if token_ids_keys is not None and (
-        not isinstance(token_ids_keys, Sequence)
-        or isinstance(token_ids_keys, str)
-        or len(token_ids_keys) != 2
-        or not all(isinstance(key, str) and key for key in token_ids_keys)
-    ):
-        problems.append(
-            "`token_ids_keys` must be None or a pair of batch keys "
-            f"(rollout_ids_key, trainer_ids_key), got {token_ids_keys!r}."
-        )
     for validate, value in (
         (validate_is_threshold, is_threshold),
         (validate_seq_ratio_bounds, seq_ratio_bounds),
-        (validate_groups, groups),
     ):
         try:
             validate(value)
         except ValueError as error:
             problems.append(str(error))
-    with suppress(ValueError):  # an invalid `groups` is reported above
-        chosen = validate_groups(groups)
-        if not chosen:
-            problems.append(
-                f"`groups` is empty, so nothing would be logged; choose from {list(GROUPS)}, "
-                "or pass None for all of them."
-            )
-        if groups is not None and "token_ids" in chosen and token_ids_keys is None:
-            problems.append(
-                "The `token_ids` group needs `token_ids_keys=(rollout_key, trainer_key)`."
-            )
+    problems += _group_problems(groups, token_ids_keys)
     problems += extras_problems(
         histograms=histograms, worst_tokens_k=worst_tokens_k, dashboard_layout=dashboard_layout
     )
@@ -127,6 +97,50 @@ def monitor_problems(
         beyond = " (beyond int64, the token ids' dtype)" if integral else ""
         problems.append(
             f"`pad_token_id` must be None or an int token id, got {pad_token_id!r}{beyond}."
+        )
+    return problems
+
+
+def _group_problems(groups: Any, token_ids_keys: Any) -> list[str]:
+    """What is wrong with ``groups`` (empty if nothing)."""
+    try:
+        chosen = validate_groups(groups)
+    except ValueError as error:
+        return [str(error)]
+    if not chosen:
+        return [
+            f"`groups` is empty, so nothing would be logged; choose from {list(GROUPS)}, "
+            "or pass None for all of them."
+        ]
+    if groups is not None and "token_ids" in chosen and token_ids_keys is None:
+        return ["The `token_ids` group needs `token_ids_keys=(rollout_key, trainer_key)`."]
+    return []
+
+
+def _key_problems(
+    rollout_log_probs_key: Any, old_log_probs_key: Any, response_mask_key: Any, token_ids: Any
+) -> list[str]:
+    """What is wrong with the batch keys (empty if nothing)."""
+    problems = []
+    for name, value in (
+        ("rollout_log_probs_key", rollout_log_probs_key),
+        ("old_log_probs_key", old_log_probs_key),
+        ("response_mask_key", response_mask_key),
+    ):
+        if not isinstance(value, str) or not value:
+            problems.append(f"`{name}` must be a non-empty string, got {value!r}.")
+    problems += _shared_key_problems(
+        rollout_log_probs_key, old_log_probs_key, response_mask_key, token_ids
+    )
+    if token_ids is not None and (
+        not isinstance(token_ids, Sequence)
+        or isinstance(token_ids, str)
+        or len(token_ids) != 2
+        or not all(isinstance(key, str) and key for key in token_ids)
+    ):
+        problems.append(
+            "`token_ids_keys` must be None or a pair of batch keys "
+            f"(rollout_ids_key, trainer_ids_key), got {token_ids!r}."
         )
     return problems
 

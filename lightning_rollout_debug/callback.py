@@ -22,11 +22,10 @@ from lightning_rollout_debug.arguments import (
     is_int_at_least,
     is_process_group,
     metric_names,
-    once,
     process_group_problems,
 )
 from lightning_rollout_debug.backends import prepare_native
-from lightning_rollout_debug.config import InvalidSettings, RolloutDebugConfig
+from lightning_rollout_debug.config import InvalidSettings, RolloutDebugConfig, settings
 from lightning_rollout_debug.monitor import FrontDoor, RolloutDebugMonitor, RolloutDebugWarning
 from lightning_rollout_debug.packages import Callback
 from lightning_rollout_debug.ranks import Ranks, rank_in
@@ -171,28 +170,7 @@ class RolloutDebugCallback(Callback):
         pad_token_id: int | None = None,
         warn_dropout: bool = True,
     ) -> None:
-        monitor_args = {
-            "rollout_log_probs_key": rollout_log_probs_key,
-            "old_log_probs_key": old_log_probs_key,
-            "response_mask_key": response_mask_key,
-            "prefix": prefix,
-            "strict": strict,
-            "is_threshold": is_threshold,
-            "seq_ratio_bounds": seq_ratio_bounds,
-            "token_ids_keys": once(token_ids_keys),
-            "groups": once(groups),
-            "histograms": histograms,
-            "worst_tokens_k": worst_tokens_k,
-            "dashboard_layout": dashboard_layout,
-            "profile_images": profile_images,
-            "profile_images_every_n_steps": profile_images_every_n_steps,
-            "alert_ranges": alert_ranges,
-            "on_alert": on_alert,
-            "drift_factors": drift_factors,
-            "drift_baseline": drift_baseline,
-            "compile": compile,
-            "pad_token_id": pad_token_id,
-        }
+        given = dict(locals())  # the arguments as passed, before anything else is named
         problems = process_group_problems(process_group, trainer_callable=True)
         if log_every_n_steps is not None and not is_int_at_least(log_every_n_steps, 1):
             problems.append(
@@ -202,7 +180,7 @@ class RolloutDebugCallback(Callback):
         if not isinstance(warn_dropout, bool):
             problems.append(f"`warn_dropout` must be True or False, got {warn_dropout!r}.")
         try:
-            config = RolloutDebugConfig(**monitor_args)
+            config = RolloutDebugConfig(**{field.name: given[field.name] for field in settings()})
         except InvalidSettings as error:
             problems = error.problems + problems
         if problems:

@@ -48,7 +48,7 @@ from lightning_rollout_debug.batch import (
 )
 from lightning_rollout_debug.catalog import Window
 from lightning_rollout_debug.checkpoint import StateReader
-from lightning_rollout_debug.config import InvalidSettings, RolloutDebugConfig
+from lightning_rollout_debug.config import InvalidSettings, RolloutDebugConfig, settings
 from lightning_rollout_debug.diagnosis import (
     Diagnosis,
     RolloutDiagnosisError,
@@ -210,30 +210,10 @@ class RolloutDebugMonitor:
         compile: bool | None = None,
         pad_token_id: int | None = None,
     ) -> None:
+        given = dict(locals())  # the arguments as passed, before anything else is named
         problems = process_group_problems(process_group)
         try:
-            self.config = RolloutDebugConfig(
-                rollout_log_probs_key=rollout_log_probs_key,
-                old_log_probs_key=old_log_probs_key,
-                response_mask_key=response_mask_key,
-                prefix=prefix,
-                strict=strict,
-                is_threshold=is_threshold,
-                seq_ratio_bounds=seq_ratio_bounds,
-                token_ids_keys=token_ids_keys,
-                groups=groups,
-                histograms=histograms,
-                worst_tokens_k=worst_tokens_k,
-                dashboard_layout=dashboard_layout,
-                profile_images=profile_images,
-                profile_images_every_n_steps=profile_images_every_n_steps,
-                alert_ranges=alert_ranges,
-                on_alert=on_alert,
-                drift_factors=drift_factors,
-                drift_baseline=drift_baseline,
-                compile=compile,
-                pad_token_id=pad_token_id,
-            )
+            self.config = RolloutDebugConfig(**{f.name: given[f.name] for f in settings()})
             """Every setting, validated and resolved (:class:`RolloutDebugConfig`)."""
         except InvalidSettings as error:
             problems = error.problems + problems

@@ -326,16 +326,7 @@ def _pass(
     extras: ExtrasRequest | None,
 ) -> _Pass | None:
     kind = _LOG_PROB_KINDS.get(rollout_log_probs.dtype)
-    tensors = (rollout_log_probs, old_log_probs, mask)
-    if (
-        kind is None
-        # Plain tensors only: a subclass (a fake tensor) may hold no memory to read.
-        or any(type(t) is not Tensor for t in tensors)
-        or old_log_probs.dtype != rollout_log_probs.dtype
-        or mask.device.type != "cpu"
-        or rollout_log_probs.device.type != "cpu"
-        or old_log_probs.device.type != "cpu"
-    ):
+    if kind is None or not _plain_cpu(rollout_log_probs, old_log_probs, mask):
         return None
     function = _function(fields)
     if function is None or tuple(fields) != _kernel["columns"]:
@@ -377,6 +368,18 @@ def _pass(
         _give_up(f"the kernel rejected its arguments (status {status})")
         return None
     return done
+
+
+def _plain_cpu(rollout_log_probs: Tensor, old_log_probs: Tensor, mask: Tensor) -> bool:
+    """Whether the kernel can read the tensors: plain CPU tensors, log-probs of one dtype.
+
+    A tensor subclass (a fake tensor) may hold no memory to read.
+    """
+    tensors = (rollout_log_probs, old_log_probs, mask)
+    return (
+        all(type(t) is Tensor and t.device.type == "cpu" for t in tensors)
+        and old_log_probs.dtype == rollout_log_probs.dtype
+    )
 
 
 @functools.lru_cache(maxsize=64)

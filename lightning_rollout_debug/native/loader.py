@@ -195,9 +195,27 @@ def bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[Any
         )
     except AttributeError as error:
         raise KernelUnavailable(f"{path} lacks the kernel's entry points ({error})") from error
+    parts, constants = profile_parts(profile_blocks()), profile_constants()
+    _check_names(name, path, parts, constants)
+    _check_profile(library, path, parts, constants)
+    int64, pointer = ctypes.c_int64, ctypes.c_void_p
+    for entry, arguments in (
+        (function, [*(pointer,) * 3, *(ctypes.c_int,) * 2, int64, int64, ctypes.c_int,
+                    ctypes.c_float, ctypes.c_float, ctypes.c_int, *(pointer,) * 4]),
+        (finish_state, [pointer, int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_double,
+                        ctypes.c_double, pointer]),
+        (finish_extras, [pointer, pointer, ctypes.c_int, pointer, ctypes.c_int, int64, int64,
+                         *(pointer,) * 3, ctypes.c_double, ctypes.c_double, pointer]),
+    ):  # fmt: skip
+        entry.restype, entry.argtypes = ctypes.c_int, arguments
+    _check_finishing(finish_state, path, fields)
+    return function, (finish_state, finish_extras), lanes()
+
+
+def _check_names(name: Any, path: Path, parts: dict[str, int], constants: dict[str, float]) -> None:
+    """Raise unless the kernel's tables (``rollout_name``) name what this package names."""
     name.restype, name.argtypes = ctypes.c_char_p, [ctypes.c_int, ctypes.c_int]
     slots = tuple(slot for block in STATE.blocks for slot in block.names)
-    parts, constants = profile_parts(profile_blocks()), profile_constants()
     for table, (what, expected) in enumerate(
         (
             ("state slots", slots),
@@ -215,19 +233,6 @@ def bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[Any
             raise KernelUnavailable(
                 f"{path} names the {what} {names}, but this package expects {list(expected)}"
             )
-    _check_profile(library, path, parts, constants)
-    int64, pointer = ctypes.c_int64, ctypes.c_void_p
-    for entry, arguments in (
-        (function, [*(pointer,) * 3, *(ctypes.c_int,) * 2, int64, int64, ctypes.c_int,
-                    ctypes.c_float, ctypes.c_float, ctypes.c_int, *(pointer,) * 4]),
-        (finish_state, [pointer, int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_double,
-                        ctypes.c_double, pointer]),
-        (finish_extras, [pointer, pointer, ctypes.c_int, pointer, ctypes.c_int, int64, int64,
-                         *(pointer,) * 3, ctypes.c_double, ctypes.c_double, pointer]),
-    ):  # fmt: skip
-        entry.restype, entry.argtypes = ctypes.c_int, arguments
-    _check_finishing(finish_state, path, fields)
-    return function, (finish_state, finish_extras), lanes()
 
 
 def _check_finishing(finish_state: Any, path: Path, fields: tuple[str, ...]) -> None:
