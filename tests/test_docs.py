@@ -240,3 +240,25 @@ def test_cost_figures_live_on_the_performance_page_only() -> None:
         if page.name != "performance.md"
     }
     assert not {name: found for name, found in quoted.items() if found}
+
+
+def _counted(pattern: str) -> list[int]:
+    """Every number the docs and the README put before ``pattern``, as ints."""
+    texts = [read(page.name) for page in sorted(DOCS.glob("*.md"))]
+    texts.append((ROOT / "README.md").read_text(encoding="utf-8"))
+    number = r"(?<![\w,.])(\d{1,3}(?:,\d{3})+|\d+) "  # 42, 5,930: not 4096, nor float64
+    found = re.findall(number + pattern, "\n".join(texts))
+    return [int(number.replace(",", "")) for number in found]
+
+
+def test_the_counts_in_the_prose_are_the_packages() -> None:
+    """ "42 scalars", the extras' "6,343 float64 slots", the profile's "5,930 slots": each
+    count the prose gives is the one the package has."""
+    from lightning_rollout_debug.profile import PROFILE_SIZE
+
+    monitor = RolloutDebugCallback().monitor
+    scalars = sum(len(METRIC_NAMES[group]) for group in monitor.config.groups)
+    assert _counted("scalars") and set(_counted("scalars")) == {scalars}
+    assert monitor._extras is not None
+    assert _counted("float64 slots") == [monitor._extras.size]
+    assert _counted("slots") == [PROFILE_SIZE]
