@@ -53,6 +53,59 @@ class MismatchInputs:
     trainer_token_ids: Tensor | None = None
 
 
+@dataclass(frozen=True)
+class BatchRead:
+    """What an update takes from one batch, found and checked in one place (:func:`read_batch`)."""
+
+    inputs: MismatchInputs
+    token_ids: Tensor | None
+    """Ids of the sampled tokens: the rollout's, else ``responses`` where they fit the mask."""
+    ids_problem: str | None
+    """Why there are no ``token_ids`` (``None`` when there are)."""
+    mask_fallback: str | None
+    """Why every position counts, when neither mask key is present (``None`` otherwise)."""
+
+
+def read_batch(
+    objects: Sequence[Any],
+    *,
+    rollout_log_probs_key: str = "rollout_log_probs",
+    old_log_probs_key: str = "old_log_probs",
+    response_mask_key: str = "response_mask",
+    token_ids_keys: tuple[str, str] | None = None,
+) -> BatchRead:
+    """Find and check an update's tensors in ``objects`` (the batch last), once.
+
+    Raises:
+        BatchError: as :func:`extract_inputs`.
+
+    Example:
+        >>> rollout = torch.log(torch.tensor([[0.5, 0.25]]))
+        >>> read = read_batch([{"old_log_probs": rollout}, {"rollout_log_probs": rollout,
+        ...                    "responses": torch.tensor([[7, 9]])}])
+        >>> read.token_ids.tolist(), read.mask_fallback is not None
+        ([[7, 9]], True)
+    """
+    sources = tensor_sources(*objects)
+    inputs, fallback = extract_inputs(
+        sources,
+        rollout_log_probs_key=rollout_log_probs_key,
+        old_log_probs_key=old_log_probs_key,
+        response_mask_key=response_mask_key,
+        token_ids_keys=token_ids_keys,
+    )
+    if inputs.rollout_token_ids is not None:
+        return BatchRead(inputs, inputs.rollout_token_ids, None, fallback)
+    responses = lookup(sources, RESPONSES_KEY)
+    if responses is None:
+        problem = f" holds no token ids (`{RESPONSES_KEY}` or `token_ids_keys[0]`)"
+        return BatchRead(inputs, None, problem, fallback)
+    mismatch = token_ids_mismatch(responses, inputs.mask)
+    if mismatch is not None:
+        return BatchRead(inputs, None, f"'s `{RESPONSES_KEY}` {mismatch}", fallback)
+    return BatchRead(inputs, responses, None, fallback)
+
+
 def tensor_sources(*objects: Any) -> list[Any]:
     """Return the lookup sources among ``objects``: mappings, ``TensorDict``s or ``.batch`` holders.
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch import Tensor
 
 from lightning_rollout_debug.alerts import (
     DEFAULT_DRIFT_BASELINE,
@@ -36,15 +35,10 @@ from lightning_rollout_debug.arguments import (
 )
 from lightning_rollout_debug.backends import add_batch
 from lightning_rollout_debug.batch import (
-    RESPONSES_KEY,
     BatchError,
-    MismatchInputs,
+    BatchRead,
     batch_type_error,
-    extract_inputs,
-    lookup,
-    tensor_sources,
-    token_ids_for,
-    token_ids_mismatch,
+    read_batch,
 )
 from lightning_rollout_debug.catalog import Window
 from lightning_rollout_debug.checkpoint import StateReader
@@ -382,22 +376,25 @@ class RolloutDebugMonitor:
     def _update(self, sources: Sequence[Any], index: int) -> None:
         """Add the batch of ``sources`` (the batch last) as the window's ``index``-th."""
         try:
-            found = tensor_sources(*sources)
-            inputs, fallback = extract_inputs(
-                found,
+            read = read_batch(
+                sources,
                 rollout_log_probs_key=self.config.rollout_log_probs_key,
                 old_log_probs_key=self.config.old_log_probs_key,
                 response_mask_key=self.config.response_mask_key,
                 token_ids_keys=self.config.token_ids_keys,
             )
-            if fallback is not None:
-                self._warn_once("mask-fallback", fallback)
+            if read.mask_fallback is not None:
+                self._warn_once("mask-fallback", read.mask_fallback)
             rank = self.rank if self.rank is not None else global_rank()
-            token_ids = _token_ids(found, inputs)
             add_batch(
-                inputs, token_ids, stats=self._stats, extras=self._extras, batch=index, rank=rank
+                read.inputs,
+                read.token_ids,
+                stats=self._stats,
+                extras=self._extras,
+                batch=index,
+                rank=rank,
             )
-            self._count_pads(inputs, token_ids, sources)
+            self._count_pads(read)
         except BatchError as error:
             # No local may hold the error (its traceback holds this frame, and with it the
             # batch and any autograd graph, until a gc cycle).
@@ -410,25 +407,17 @@ class RolloutDebugMonitor:
                 type(error).__name__, f"Could not update the statistics ({error!r}); skipped."
             )
 
-    def _count_pads(
-        self, inputs: MismatchInputs, token_ids: Tensor | None, sources: Sequence[Any]
-    ) -> None:
+    def _count_pads(self, read: BatchRead) -> None:
         if self.config.pad_token_id is None:
             return
-        if token_ids is None:
-            responses = lookup(sources, RESPONSES_KEY)
-            why = (
-                f" holds no token ids (`{RESPONSES_KEY}` or `token_ids_keys[0]`)"
-                if responses is None
-                else f"'s `{RESPONSES_KEY}` {token_ids_mismatch(responses, inputs.mask)}"
-            )
+        if read.token_ids is None:
             self._warn_once(
                 "pad-ids",
-                f"`pad_token_id={self.config.pad_token_id}` is set but the batch{why}; pad tokens "
-                "are not counted.",
+                f"`pad_token_id={self.config.pad_token_id}` is set but the batch"
+                f"{read.ids_problem}; pad tokens are not counted.",
             )
             return
-        self._stats.count_pads(inputs.mask, token_ids, self.config.pad_token_id)
+        self._stats.count_pads(read.inputs.mask, read.token_ids, self.config.pad_token_id)
 
     def _skip_batch(self, error: BatchError) -> None:
         if self.config.strict:
@@ -619,10 +608,3 @@ class RolloutDebugMonitor:
             process_group=self.process_group,
             category=RolloutDebugWarning,
         )
-
-
-def _token_ids(sources: Sequence[Any], inputs: MismatchInputs) -> Tensor | None:
-    """Ids of the sampled tokens for the worst-tokens table: rollout ids, else ``responses``."""
-    if inputs.rollout_token_ids is not None:
-        return inputs.rollout_token_ids
-    return token_ids_for(lookup(sources, RESPONSES_KEY), inputs.mask)
