@@ -66,15 +66,11 @@ class BatchRead:
     """Why every position counts, when neither mask key is present (``None`` otherwise)."""
 
 
-def read_batch(
-    objects: Sequence[Any],
-    *,
-    rollout_log_probs_key: str = "rollout_log_probs",
-    old_log_probs_key: str = "old_log_probs",
-    response_mask_key: str = "response_mask",
-    token_ids_keys: tuple[str, str] | None = None,
-) -> BatchRead:
+def read_batch(objects: Sequence[Any], **keys: Any) -> BatchRead:
     """Find and check an update's tensors in ``objects`` (the batch last), once.
+
+    ``keys``: the batch keys :func:`extract_inputs` takes (``rollout_log_probs_key``,
+    ``old_log_probs_key``, ``response_mask_key``, ``token_ids_keys``).
 
     Raises:
         BatchError: as :func:`extract_inputs`.
@@ -87,13 +83,7 @@ def read_batch(
         ([[7, 9]], True)
     """
     sources = tensor_sources(*objects)
-    inputs, fallback = extract_inputs(
-        sources,
-        rollout_log_probs_key=rollout_log_probs_key,
-        old_log_probs_key=old_log_probs_key,
-        response_mask_key=response_mask_key,
-        token_ids_keys=token_ids_keys,
-    )
+    inputs, fallback = extract_inputs(sources, **keys)
     if inputs.rollout_token_ids is not None:
         return BatchRead(inputs, inputs.rollout_token_ids, None, fallback)
     responses = lookup(sources, RESPONSES_KEY)

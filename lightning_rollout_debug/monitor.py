@@ -359,7 +359,7 @@ class RolloutDebugMonitor:
         is then the most batches any rank's window holds.
         """
         ranks = loop_ranks(None, self.process_group)
-        return self._window.saved_over(ranks, self._config(), self._drift)
+        return self._window.saved_over(ranks, self.config.checkpoint_identity(), self._drift)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue the window of :meth:`state_dict`.
@@ -370,7 +370,7 @@ class RolloutDebugMonitor:
         window whose groups the statistics now count otherwise (other groups, another
         ``is_threshold`` or ``seq_ratio_bounds``) starts empty.
         """
-        self._load(state_dict, self._config())
+        self.restore(state_dict)
 
     # ------------------------------------------------------------------ updates
     def _update(self, sources: Sequence[Any], index: int) -> None:
@@ -560,9 +560,6 @@ class RolloutDebugMonitor:
         return stop
 
     # ------------------------------------------------------------------ state
-    def _config(self) -> dict[str, Any]:
-        return self.config.checkpoint_identity()
-
     def window_state(
         self, ranks: Ranks | None = None, extra: Mapping[str, Any] | None = None
     ) -> dict[str, Any]:
@@ -571,7 +568,7 @@ class RolloutDebugMonitor:
         ``extra``: settings of the caller's that the state records beside the monitor's
         (the callback's ``log_every_n_steps``).
         """
-        config = {**self._config(), **(extra or {})}
+        config = {**self.config.checkpoint_identity(), **(extra or {})}
         if ranks is None:
             extras = None if self._extras is None else self._extras.state
             return self._window.saved(self._stats, extras, config, self._drift)
@@ -583,7 +580,7 @@ class RolloutDebugMonitor:
 
         ``extra``: as for :meth:`window_state`, compared with what the state recorded.
         """
-        return self._load(state_dict, {**self._config(), **(extra or {})})
+        return self._load(state_dict, {**self.config.checkpoint_identity(), **(extra or {})})
 
     def _load(self, state_dict: Any, config: Mapping[str, Any]) -> bool:
         """Restore a saved window (see :meth:`load_state_dict`); whether it was."""

@@ -452,23 +452,25 @@ def prepare() -> bool:
         >>> prepare() in (True, False)
         True
     """
-    if _kernel["function"] is None and _kernel["problem"] is None:
-        with _process_lock:
-            if _kernel["function"] is None and _kernel["problem"] is None:
-                _load(_kernel, None)
+    _load_once(None)
     return _kernel["function"] is not None
 
 
 # ------------------------------------------------------------------ loading
 def _function(fields: Sequence[str] | None) -> Any:
-    if _kernel["function"] is None and _kernel["problem"] is None:
-        with _process_lock:  # one load per process; other threads wait for it
-            if _kernel["function"] is None and _kernel["problem"] is None:
-                _load(_kernel, fields)
+    _load_once(fields)
     unsaid = _kernel.pop("unsaid", None)  # said by the first caller, whichever thread loaded
     if unsaid is not None:
         _warn(unsaid, stacklevel=4)
     return _kernel["function"]
+
+
+def _load_once(fields: Sequence[str] | None) -> None:
+    """Load the kernel unless it is loaded or known to be unusable; never raises."""
+    if _kernel["function"] is None and _kernel["problem"] is None:
+        with _process_lock:  # one load per process; other threads wait for it
+            if _kernel["function"] is None and _kernel["problem"] is None:
+                _load(_kernel, fields)
 
 
 def _load(kernel: dict[str, Any], fields: Sequence[str] | None) -> None:
