@@ -39,16 +39,18 @@ from lightning_rollout_debug.worst_tokens import PLACEHOLDER, WORST_TIES
 def _rows(batches: Sequence[TokenSums], field: str) -> Tensor:
     """The per-row ``field`` of every batch, side by side along the rows, in float64.
 
-    A compiled pass leaves lists of ``[B]`` rows (``[2 * 16]`` of them for the lag
-    products), stacked here.
+    A compiled pass leaves lists of ``[B]`` rows (36 of them for the lag products),
+    stacked here.
     """
     parts = [_stacked(getattr(sums, field), field) for sums in batches]
     joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     return joined.to(torch.float64)
 
 
-def _log_ratios(batches: Sequence[TokenSums]) -> Tensor:
-    """Each row's float64 sum of ``r``."""
+def _log_ratios(batches: Sequence[TokenSums]) -> Tensor | None:
+    """Each row's float64 sum of ``r`` (``None``: a pass that needs none)."""
+    if any(sums.log_ratio is None for sums in batches):
+        return None
     parts = [_stacked(sums.log_ratio, "log_ratio").to(torch.float64) for sums in batches]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -60,18 +62,16 @@ def _row_count(sums: TokenSums) -> int:
 
 def _stacked(rows: Tensor | Sequence[Tensor], field: str) -> Tensor:
     if isinstance(rows, Tensor):
-        return rows
+        return rows.flatten(0, 1) if field == "lag" else rows  # [6, 6, B] to [36, B]
     stacked = torch.stack(list(rows))
-    if field == "lag":
-        return stacked.view(2, 4, 4, -1).permute(0, 3, 1, 2)
     return stacked.unsqueeze(-1) if field == "first" else stacked
 
 
 class RowSums:
     """The rows of a window's waiting batches, and what they merge to.
 
-    ``totals``, ``top`` and ``bottom`` are each plane's sum, largest and smallest value
-    over every counting token; ``moments`` the centred second moment ``M`` of each
+    ``totals`` and ``top`` are each plane's sum and largest value over every counting
+    token; ``moments`` the centred second moment ``M`` of each
     centred plane and ``means`` their means, merged over the rows with Chan's formula.
     """
 
@@ -86,7 +86,6 @@ class RowSums:
         self.totals = first.sum(1)
         self.row_top = _rows(batches, "top")
         self.top = self.row_top.amax(1)
-        self.bottom = _rows(batches, "bottom").amin(1)
         centred = first[plan.centred]
         rows = self.n.clamp(min=1.0)
         shift = torch.cat(
@@ -108,15 +107,20 @@ class RowSums:
         within = second[:squares] - offset * offset / rows
         self.moments = (within + self.n * deviation * deviation).sum(1)
         self._products = {}
-        for i, (left, right) in enumerate((("pa", "pb"), ("a", "b"))):
+        for i, (left, right) in enumerate(plan.products):
             x, y = self.at[left] - plan.centred.start, self.at[right] - plan.centred.start
             within = second[squares + i] - offset[x] * offset[y] / rows
             self._products[left, right] = (within + self.n * deviation[x] * deviation[y]).sum()
         self.shift = shift
-        self.lag = _rows(batches, "lag") if batches[0].lag is not None else None  # [2, rows, 4, 4]
-        self.log_ratio = _log_ratios(batches)
-        """Each row's sum of ``r``, in float64."""
+        self.lag = _rows(batches, "lag") if batches[0].lag is not None else None  # [36, rows]
+        self._log_ratio = _log_ratios(batches)
         self.widths = [sums.width for sums in batches]
+
+    @property
+    def log_ratio(self) -> Tensor:
+        """Each row's float64 sum of ``r`` (of a plan that needs it)."""
+        assert self._log_ratio is not None
+        return self._log_ratio
 
     def total(self, name: str) -> Tensor:
         """The sum of plane ``name`` over every counting token."""
@@ -139,8 +143,11 @@ class RowSums:
         return self._products[left, right]
 
     def extreme(self, kind: str, name: str) -> Tensor:
-        """The largest (``"max"``) or smallest (``"min"``) of plane ``name``."""
-        return (self.top if kind == "max" else self.bottom)[self.at[name]]
+        """The largest (``"max"``) or smallest (``"min"``) value of plane ``name``.
+
+        The smallest of ``r`` and ``d`` are the largest of ``nr = -r`` and ``nd = -d``.
+        """
+        return self.top[self.at[name]] if kind == "max" else -self.top[self.at[f"n{name}"]]
 
 
 def finish_statistics(
@@ -241,35 +248,34 @@ def _health(rows: RowSums) -> dict[str, Tensor]:
     m_ab = rows.comoment("a", "b")
     slots = {
         "zero_rollout_log_prob": rows.total("zero"),
-        "masked_actor_log_prob": rows.total("ninf_a"),
+        # ninf_b and zb hold their products with ninf_a
+        "masked_actor_log_prob": rows.total("ninf_a") - rows.total("ninf_b") - rows.total("zb"),
         "sum_actor_log_prob": sum_a,
         "sum_rollout_log_prob": sum_b,
         "sum_actor_log_prob_sq": rows.squares("a"),
         "sum_rollout_log_prob_sq": rows.squares("b"),
         "sum_actor_x_rollout": m_ab + sum_a * sum_b / count,
     }
-    # Each row's products of neighbours x_t y_(t+1), and of their squares (the lag planes).
-    plain, squared = rows.lag.sum(1).unbind()  # [4, 4] each, summed over the rows
-    plane = {name: i for i, name in enumerate(("zero", "one", "a", "b"))}
+    # The sums of the products of neighbours x_t y_(t+1), a^2 and b^2 among the planes.
+    lag = rows.lag.sum(1).view(6, 6)  # summed over the rows
+    plane = {name: i for i, name in enumerate(("zero", "one", "a", "b", "a^2", "b^2"))}
 
-    def g(left: str, right: str, of: Tensor = plain) -> Tensor:
-        return of[plane[left], plane[right]]
+    def g(left: str, right: str) -> Tensor:
+        return lag[plane[left], plane[right]]
 
-    plain_sums = {
+    slots |= {
         "neighbour_pairs": g("one", "one"),
         "plus_actor": g("a", "one"),
-        "plus_actor_sq": g("a", "one", squared),
+        "plus_actor_sq": g("a^2", "one"),
         "plus_rollout": g("one", "b"),
-        "plus_rollout_sq": g("one", "b", squared),
+        "plus_rollout_sq": g("one", "b^2"),
         "minus_actor": g("one", "a"),
-        "minus_actor_sq": g("one", "a", squared),
+        "minus_actor_sq": g("one", "a^2"),
         "minus_rollout": g("b", "one"),
-        "minus_rollout_sq": g("b", "one", squared),
+        "minus_rollout_sq": g("b^2", "one"),
         "sum_actor_x_next_rollout": g("a", "b"),
         "sum_next_actor_x_rollout": g("b", "a"),
     }
-    plain = plain_sums
-    slots |= plain
     # A row's padding zeros: each right after another, and a lone one at its last token.
     code = rows.row_top[at["code"]]  # 4 t + 2 zero_t + zero_(t-1) at each row's last token
     lone_last = (code >= 0) & (torch.remainder(code, 4) >= 2) & (torch.remainder(code, 2) == 0)

@@ -91,7 +91,8 @@ class PassPlan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "parts", _counted_parts(self.histograms, self.profile))
-        planes = _planes(self.groups, self.profile, self.index_planes)
+        lean = not (self.extras or {"kl", "importance_ratio", "health"} & self.groups)
+        planes = LEAN_PLANES if lean else _planes(self, self.index_planes)
         object.__setattr__(self, "planes", planes)
         object.__setattr__(self, "at", {name: i for i, name in enumerate(planes)})
 
@@ -107,17 +108,32 @@ class PassPlan:
 
     @property
     def centred(self) -> slice:
-        """The planes centred at their rows' means: from ``a`` to ``rho``."""
-        return slice(self.at["a"], self.at["rho"] + 1)
+        """The planes centred at their rows' means: from ``a`` to ``rho`` (or ``d``)."""
+        return slice(self.at["a"], self.at["rho" if "rho" in self.at else "d"] + 1)
+
+    @property
+    def products(self) -> tuple[tuple[str, str], ...]:
+        """The pairs of centred planes whose products are summed: ``pa pb``, then ``a b``."""
+        return (("pa", "pb"), ("a", "b")) if "ab" in self.at else (("pa", "pb"),)
 
     @property
     def tail(self) -> str:
         """The first of the planes that are not read once the rows are summed."""
-        return self.planes[self.at["ab"] + 1]
+        return self.planes[self.at["ab" if "ab" in self.at else "papb"] + 1]
+
+    @property
+    def log_ratio(self) -> bool:
+        """Whether the rows' sums of ``r`` are needed (in float64, from ``a - b``)."""
+        return self.histograms or bool({"kl", "importance_ratio", "sequence"} & self.groups)
 
 
-def _planes(groups: frozenset[str], profile: bool, index_planes: int) -> tuple[str, ...]:
-    """The planes of :attr:`PassPlan.planes`."""
+LEAN_PLANES = ("one", "a", "b", "l", "pa", "pb", "d", "papb", "masked")
+"""The planes of a pass of the seed, log-space and sequence groups alone."""
+
+
+def _planes(plan: PassPlan, index_planes: int) -> tuple[str, ...]:
+    """The planes of :attr:`PassPlan.planes` for the other groups and the extras."""
+    groups, profile = plan.groups, plan.profile
     health = "health" in groups
     pairs = [
         ("zero", "one"),
@@ -130,15 +146,18 @@ def _planes(groups: frozenset[str], profile: bool, index_planes: int) -> tuple[s
     ]
     # Read only until the rows are summed: the extras' bin indices then take their place.
     # Pairs first (one operation writes each), then single planes.
+    # Smallest values are the largest of the negated: nr = -r and nd = -d.
     names = []
     if "importance_ratio" in groups:
         names += ["hi", "hilo"]
     if health:
-        names += ["ninf_a", "ninf_b"]
+        names += ["ninf_a", "ninf_b", "zb", "code"]
     if {"kl", "importance_ratio"} & groups or profile:
         names.append("k3")
-    if health:
-        names += ["zb", "code"]
+    if "importance_ratio" in groups or plan.histograms:
+        names.append("nr")
+    if plan.histograms:
+        names.append("nd")
     while len(names) < index_planes or len(names) % 2 == 0:
         names.append(f"spare{len(names)}")
     names.append("masked")  # last: kept out of the clearing (its tokens need not count)
@@ -173,6 +192,7 @@ class Planes:
         self.dtype = dtype
         self.values: dict[str, Tensor] = {}
         self._runs: dict[tuple[int, int], Tensor] = {}
+        self._derived: dict[str, Any] = {}
         if not self.traced:
             rows, width = like.shape
             if buffer is None:
@@ -188,6 +208,12 @@ class Planes:
 
     def __getitem__(self, name: str) -> Tensor:
         return self.values[name]
+
+    def derived(self, key: str, make: Callable[[], Any]) -> Any:
+        """``make()``, made once for this set of planes (a set of views of them)."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
     def run(self, first: str, last: str) -> Tensor:
         """The planes from ``first`` to ``last`` as one ``[k, B, T]`` tensor.
@@ -407,26 +433,58 @@ def constants(dtype: torch.dtype, like: Tensor) -> Constants:
     return _on_device(dtype, like)
 
 
-_WORKSPACES = threading.local()
+class _Kept(threading.local):
+    """This thread's workspaces: flat buffers by role and dtype, and what is made over them."""
+
+    def __init__(self) -> None:
+        self.flat: dict[tuple[str, torch.dtype], Tensor] = {}
+        self.made: dict[tuple[Any, ...], Any] = {}
 
 
-def _workspace(planes: int, like: Tensor, dtype: torch.dtype) -> Tensor | None:
-    """A CPU pass's planes, in the memory of this thread's previous pass where it fits.
+_KEPT = _Kept()
+_KEPT_SHAPES = 4
+"""How many batch shapes a thread keeps the planes (and their views) of."""
 
-    A fresh buffer of this size costs more in page faults than the whole pass computes;
-    an accelerator's caching allocator keeps its memory by itself (``None``: a new one).
+
+def _kept(role: str, size: int, dtype: torch.dtype, key: Any, make: Callable[[Tensor], Any]) -> Any:
+    """``make`` of ``size`` elements of this thread's ``role`` buffer, made once a ``key``.
+
+    The buffer grows to the largest pass seen and is reused: a fresh buffer of this size
+    costs more in page faults than the whole pass computes, and what is made over it (the
+    views of its planes) costs torch operations at every pass.
     """
-    if compiling() or like.device.type != "cpu" or is_fake(like):
-        return None
-    rows, width = like.shape
-    size = planes * rows * width
-    held = getattr(_WORKSPACES, "buffers", None)
-    if held is None:
-        held = _WORKSPACES.buffers = {}
-    if dtype not in held or held[dtype].numel() < size:
-        held.pop(dtype, None)  # freed before the larger one is made
-        held[dtype] = torch.empty(size, dtype=dtype)
-    return held[dtype].as_strided((planes, rows, width), (rows * width, width, 1))
+    kept = _KEPT
+    flat = kept.flat.get((role, dtype))
+    if flat is None or flat.numel() < size:
+        kept.flat.pop((role, dtype), None)  # freed before the larger one is made
+        kept.made = {k: v for k, v in kept.made.items() if k[:2] != (role, dtype)}
+        flat = kept.flat[role, dtype] = torch.empty(size, dtype=dtype)
+    made = [k for k in kept.made if k[:2] == (role, dtype)]
+    if (role, dtype, key) not in kept.made and len(made) >= _KEPT_SHAPES:
+        del kept.made[made[0]]
+    if (role, dtype, key) not in kept.made:
+        kept.made[role, dtype, key] = make(flat[:size])
+    return kept.made[role, dtype, key]
+
+
+def _keeps(like: Tensor) -> bool:
+    """Whether a pass over ``like`` keeps its workspaces: an eager CPU pass.
+
+    An accelerator's caching allocator keeps its memory by itself.
+    """
+    return not compiling() and like.device.type == "cpu" and not is_fake(like)
+
+
+def _planes_for(plan: PassPlan, like: Tensor, dtype: torch.dtype) -> Planes:
+    """The planes of a pass over a batch shaped like ``like``, kept where :func:`_keeps`."""
+    if not _keeps(like):
+        return Planes(plan.planes, like, dtype)
+    count, (rows, width) = len(plan.planes), like.shape
+
+    def make(flat: Tensor) -> Planes:
+        return Planes(plan.planes, like, dtype, flat.view(count, rows, width))
+
+    return _kept("planes", count * rows * width, dtype, (plan.planes, rows, width), make)
 
 
 # ----------------------------------------------------------------------------- the pass
@@ -443,9 +501,8 @@ class TokenSums:
     first: Tensor
     """``[planes, B]``: each row's sum of every plane over its counting tokens."""
     top: Tensor
-    """``[planes, B]``: each row's largest value of every plane (``-inf``: no token)."""
-    bottom: Tensor
-    """``[planes, B]``: each row's smallest value of every plane (``+inf``: no token)."""
+    """``[planes, B]``: each row's largest value of every plane (``-inf``: no token); the
+    smallest of ``r`` and ``d`` are those of the planes ``nr = -r`` and ``nd = -d``."""
     shift: Tensor | None
     """``[centred, B, 1]``: each row's mean of the centred planes, the values are centred at
     (``None``: not centred, the sums of squares are plain ones)."""
@@ -453,8 +510,8 @@ class TokenSums:
     """``[seconds, B]``: each row's sums of the squared centred values, then of the products
     ``pa pb`` and ``a b`` of centred values (:attr:`PassPlan.seconds`)."""
     lag: Tensor | None = None
-    """``[2, B, 4, 4]``: each row's sums of ``x_t y_(t+1)`` over the planes ``zero, one, a,
-    b``, then over their squares (health)."""
+    """``[6, 6, B]``: each row's sums of ``x_t y_(t+1)`` over ``zero, one, a, b, a^2, b^2``
+    (health)."""
     counts: Tensor | None = None
     """``[bins]``: the counted bins of the extras' parts (:attr:`PassPlan.parts`). Eagerly
     they count every token: those that do not count in their part's bin of 0 values
@@ -467,7 +524,8 @@ class TokenSums:
     worst: tuple[Tensor, Tensor, Tensor | None] | None = None
     """The ``k`` worst candidates: their keys (:func:`places` finds them), ``[a, b]``, ids."""
     log_ratio: Tensor | None = None
-    """``[B]``: each row's sum of ``r`` from the float64 differences ``a - b``."""
+    """``[B]``: each row's sum of ``r`` from the float64 differences ``a - b`` (``None``: a
+    plan that needs none, :attr:`PassPlan.log_ratio`)."""
     position_planes: tuple[str, ...] = ()
     """The planes of :attr:`position`, in order."""
     uncounted: bool = False
@@ -535,7 +593,7 @@ def token_sums(
     """
     f64 = torch.float64
     dtype = f64 if f64 in (rollout_log_probs.dtype, old_log_probs.dtype) else torch.float32
-    p = Planes(plan.planes, mask, dtype, _workspace(len(plan.planes), mask, dtype))
+    p = _planes_for(plan, mask, dtype)
     _token_values(plan, p, rollout_log_probs, old_log_probs, mask)
     edges = constants(dtype, mask)
     reduce = _reduce_compiled if p.traced else _reduce_eagerly
@@ -550,28 +608,45 @@ def _token_values(
     # The floored log-probs, and the tokens that count.
     if p.traced:
         p.values["a"], p.values["b"] = old_log_probs.to(p.dtype), rollout_log_probs.to(p.dtype)
-    else:
+    elif old_log_probs.dtype == rollout_log_probs.dtype == p.dtype:
         torch.stack([old_log_probs, rollout_log_probs], out=p.run("a", "b"))
+    else:  # converted as they are copied: a stack would convert into temporaries first
+        p["a"].copy_(old_log_probs)
+        p["b"].copy_(rollout_log_probs)
     if "health" in on:  # a log-prob of -inf, before the floor
         p.map(("ninf_a", "ninf_b"), torch.eq, ("a", "b"), -INF)
     p.update("a", "b", lambda x: x.clamp_(min=LOG_PROB_FLOOR))
-    r = p.write("r", torch.sub, p["a"], p["b"])
-    p.write("l", torch.abs, r)
+    if "r" in p.at:
+        r = p.write("r", torch.sub, p["a"], p["b"])
+        p.write("l", torch.abs, r)
+    else:  # the lean planes keep |r| alone
+        p.write("l", torch.sub, p["a"], p["b"])
+        p.update("l", "l", torch.abs_)
     p.write("masked", torch.ne, mask, 0)
     p.write("one", torch.lt, p["l"], INF)
     one = p.update("one", "one", lambda x: x.mul_(p["masked"]))
     p.map(("pa", "pb"), torch.exp, ("a", "b"))
-    p.map(("e", "mult"), _expm1, ("r", "l"))  # pa / pb - 1, e^|r| - 1
-    # |pa - pb|: pb |e^r - 1| near r = 0, without cancellation; farther out (where r has
-    # rounded) the difference itself, as the CPU kernel takes it.
-    p.write("d", torch.mul, p["e"], p["pb"])
-    p.write("papb", torch.sub, p["pa"], p["pb"])  # papb: free until the centring
+    # |pa - pb| near r = 0 without cancellation: pb |e^r - 1|, or min(pa, pb) (e^|r| - 1);
+    # farther out (where r has rounded) the difference itself, as the CPU kernel takes it.
+    # papb is free until the centring.
+    if "e" in p.at:
+        p.map(("e", "mult"), _expm1, ("r", "l"))  # pa / pb - 1, e^|r| - 1
+        p.write("d", torch.mul, p["e"], p["pb"])
+    else:
+        p.write("d", _expm1, p["l"])
+        p.write("papb", torch.minimum, p["pa"], p["pb"])
+        p.write("d", torch.mul, p["d"], p["papb"])
+    p.write("papb", torch.sub, p["pa"], p["pb"])
     p.write("d", torch.where, p["l"] < NEAR, p["d"], p["papb"])
     p.update("d", "d", torch.abs_)
     if {"kl", "importance_ratio"} & on:  # rho - 1 = e^clamp(r) - 1 from here on
         p.update("e", "e", lambda e: e.clamp_(RATIO_MIN - 1.0, RATIO_MAX - 1.0))
     if "k3" in p.at:
         p.write("k3", _kl_k3, r, p["e"])
+    if "nr" in p.at:
+        p.write("nr", torch.neg, r)
+    if "nd" in p.at:
+        p.write("nd", torch.neg, p["d"])
     if "importance_ratio" in on:
         p.write("rho", torch.clamp, r, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         p.update("rho", "rho", torch.exp_)
@@ -580,9 +655,9 @@ def _token_values(
         zb = p.write("zb", torch.eq, p["b"], 0.0)
         p.write("zero", torch.lt, p["a"], PADDING_ACTOR_LOG_PROB)
         p.update("zero", "zero", lambda z: z.mul_(zb).mul_(one))
-        # masked actor: a = -inf where b is neither -inf nor 0 (exclusive, so one at a time)
-        p.update("ninf_a", "ninf_a", lambda x: x.addcmul_(x, p["ninf_b"], value=-1.0))
-        p.update("ninf_a", "ninf_a", lambda x: x.addcmul_(x, zb, value=-1.0))
+        # The masked actor (a = -inf where b is neither -inf nor 0) counts ninf_a less the
+        # products ninf_a ninf_b and ninf_a zb (the two exclude each other).
+        p.update("ninf_b", "zb", lambda x: x.mul_(p["ninf_a"]))
         # 4 t + 2 zero_t + zero_(t-1): its largest over a row's counting tokens tells
         # whether the last one is a zero and whether the column before it is one too.
         width = one.shape[-1]
@@ -599,15 +674,15 @@ def _reduce_eagerly(
 ) -> tuple[Tensor | None, ...]:
     """The sums of the planes, eagerly: few operations, each in place on the planes.
 
-    The values of tokens that do not count are cleared in place, with -inf (+inf) put
-    there just long enough to take each row's largest (smallest) value; rows are summed
-    in the planes' dtype, second moments about each row's mean; the extras' bins are
-    counted in one scatter-add, sums by bucket each in one of their own.
+    The values of tokens that do not count are cleared in place, with -inf put there just
+    long enough to take each row's largest value; rows are summed in the planes' dtype,
+    second moments about each row's mean; the extras' bins are counted in one
+    scatter-add, sums by bucket each in one of their own.
     """
     one = p["one"]
     width = one.shape[-1]
     counted = torch.gt(one, 0.0)
-    fills = [_on_device(fill, one) for fill in ("-inf", "inf", "zero")]
+    fills = [_on_device(fill, one) for fill in ("-inf", "zero")]
     extremes: dict[str, Tensor] = {}
 
     def clear(planes: Tensor) -> Tensor:
@@ -615,15 +690,13 @@ def _reduce_eagerly(
         if plan.worst_tokens_k:
             extremes["key"] = _keys(p["l"])
         extremes["top"] = planes.amax(-1)
-        torch.where(counted, planes, fills[1], out=planes)
-        extremes["bottom"] = planes.amin(-1)
-        return torch.where(counted, planes, fills[2], out=planes)
+        return torch.where(counted, planes, fills[1], out=planes)
 
     p.update(p.names[0], p.names[-2], clear)  # masked, last, counts masked tokens
     every = p.run(p.names[0], p.names[-1])
     first = every.sum(-1, keepdim=True)
     # Sums of the float64 differences a - b: k1 keeps the digits of small log-ratios.
-    log_ratio = torch.sub(p["a"].double(), p["b"]).sum(-1)
+    log_ratio = torch.sub(p["a"].double(), p["b"]).sum(-1) if plan.log_ratio else None
     position = probability = counts = worst = None
     if plan.parts:  # the tokens that do not count land in each part's bin of 0 values
         if plan.profile:
@@ -634,7 +707,7 @@ def _reduce_eagerly(
         counts = _count(plan, indices)
     if plan.worst_tokens_k:
         worst = _worst(extremes["key"], p, token_ids, plan.worst_tokens_k, width)
-    lag = _lag_products(p.run("zero", "b")) if "health" in plan.groups else None
+    lag = _lag_products(p) if "health" in plan.groups else None
     # Centre each row's values at its mean, then sum their squares and products.
     start, stop = p.names[plan.centred.start], p.names[plan.centred.stop - 1]
     shift = first[plan.centred] / first[p.at["one"]].clamp(min=1.0)
@@ -643,9 +716,8 @@ def _reduce_eagerly(
     if "health" in plan.groups:
         p.write("ab", torch.mul, p["a"], p["b"])
     p.update(start, stop, torch.square_)
-    second = p.run(start, "ab").sum(-1)
-    top, bottom = extremes["top"], extremes["bottom"]
-    fields = (first, top, bottom, shift, second, lag, counts, position, probability, worst)
+    second = p.run(start, p.names[p.at[plan.tail] - 1]).sum(-1)
+    fields = (first, extremes["top"], shift, second, lag, counts, position, probability, worst)
     return (*fields, log_ratio)
 
 
@@ -656,7 +728,7 @@ def _reduce_compiled(
 
     Written as values, not updates, and each reduced on its own from ``[B, T]`` to ``[B]``:
     reductions of one shape share one kernel, which computes every plane it reads. Every
-    row sum, largest and smallest value, square, product and lag product is in that loop
+    row sum, largest value, square, product and lag product is in that loop
     (float64 sums, so nothing needs centring); every counted bin and sum by bucket is in
     one scatter-add.
     """
@@ -671,22 +743,21 @@ def _reduce_compiled(
     centred = names[plan.centred]
     rows += [value[name] * value[name] for name in centred]
     health = "health" in plan.groups
-    rows += [value["pa"] * value["pb"], value["a"] * value["b"] if health else one * 0.0]
-    if health:  # x_t y_(t+1) of zero, one, a, b, then of their squares (0 after the last)
-        lagged = ("zero", "one", "a", "b")
-        now = {name: value[name].double() for name in lagged}
-        following = {
-            name: torch.nn.functional.pad(value[name][:, 1:], (0, 1)).double() for name in lagged
-        }
-        rows += [now[x] * following[y] for x in lagged for y in lagged]
-        rows += [now[x] * now[x] * (following[y] * following[y]) for x in lagged for y in lagged]
+    rows += [
+        value[x] * value[y] if (x, y) == ("pa", "pb") or health else one * 0.0
+        for x, y in plan.products
+    ]
+    if health:  # x_t y_(t+1) of zero, one, a, b, a^2, b^2 (0 after the last)
+        now = [value[name].double() for name in ("zero", "one", "a", "b")]
+        now += [now[2] * now[2], now[3] * now[3]]
+        following = [torch.nn.functional.pad(x[:, 1:], (0, 1)) for x in now]
+        rows += [x * y for x in now for y in following]
     # Lists of [B] rows, each written where its reduction is: stacked when a window folds.
     rows.append(value["a"].double() - value["b"].double())  # r's exact float64 sum
     sums = [row.sum(-1, dtype=f64) for row in rows]
     top = [torch.where(counted, raw[n], -INF).amax(-1) for n in names]
-    bottom = [torch.where(counted, raw[n], INF).amin(-1) for n in names]
     first = sums[: len(names) + 1]
-    at = len(names) + 1 + len(centred) + 2
+    at = len(names) + 1 + len(centred) + len(plan.products)
     second = sums[len(names) + 1 : at]
     lag = sums[at:-1] if health else None
     counts = position = probability = worst = None
@@ -695,7 +766,7 @@ def _reduce_compiled(
     if plan.worst_tokens_k:
         keys = _keys(torch.where(counted, raw["l"], -INF))
         worst = _worst(keys, p, token_ids, plan.worst_tokens_k, width, value)
-    fields = (first, top, bottom, None, second, lag, counts, position, probability, worst)
+    fields = (first, top, None, second, lag, counts, position, probability, worst)
     return (*fields, sums[-1])
 
 
@@ -761,8 +832,12 @@ def _bin_indices(plan: PassPlan, p: Planes, edges: Constants) -> Planes:
     names = [name for name, _ in plan.parts]
     if plan.profile:  # the joint bins take two planes: a's, then b's, added into a's
         names.append("joint_b")
-    buffer = p.tail(plan.tail, len(names), torch.int32)
-    index = Planes(names, p["one"], torch.int32, buffer, pairs=False)
+
+    def make() -> Planes:
+        buffer = p.tail(plan.tail, len(names), torch.int32)
+        return Planes(names, p["one"], torch.int32, buffer, pairs=False)
+
+    index: Planes = p.derived("index", make)
     sources = {"fine_d": "d", "fine_l": "l", "ratio": "r", "diff": "d", "probability": "a"}
     for name in names:
         if name in sources:
@@ -865,21 +940,29 @@ def places(keys: Tensor) -> Tensor:
     return keys.neg().bitwise_and_(0xFFFFFFFF)
 
 
-def _lag_products(planes: Tensor) -> Tensor:
-    """``[2, B, 4, 4]``: each row's sums of ``x_t y_(t+1)`` of the planes, then of their squares.
+def _lag_products(p: Planes) -> Tensor:
+    """``[6, 6, B]``: each row's sums of ``x_t y_(t+1)`` over ``zero, one, a, b, a^2, b^2``.
 
-    The planes are ``zero, one, a, b`` (0 where a token does not count), so a product
-    counts a pair of neighbours that both count. In float64: the log-probs' squares and
-    products are exact, and no TF32 rounds them. Eagerly batched matrix products; compiled,
-    sums of products in the loop of the other row sums.
+    Eagerly; the planes are 0 where a token does not count, so a product counts a pair of
+    neighbours that both count. In float64: the log-probs' squares and products are exact,
+    and no TF32 rounds them. One batched matrix product.
     """
-    wide = planes.double()
-    both = torch.stack([wide, wide.square()])  # zero and one stay as they are
-    if not compiling():
-        return torch.einsum("sibt,sjbt->sbij", both[..., :-1], both[..., 1:])
-    following = torch.nn.functional.pad(both[..., 1:], (0, 1))  # x_(t+1), 0 after the last
-    products = both.unsqueeze(2) * following.unsqueeze(1)  # [2, 4, 4, B, T]
-    return products.sum(-1).permute(0, 3, 1, 2)
+    one = p["one"]
+    rows, width = one.shape
+
+    def views(flat: Tensor) -> tuple[Tensor, ...]:
+        wide = flat.view(6, rows, width)
+        return wide[:4], wide[2:4], wide[4:], wide[..., :-1], wide[..., 1:]
+
+    size = 6 * rows * width
+    if _keeps(one):
+        made = _kept("lag", size, torch.float64, (rows, width), views)
+    else:
+        made = views(torch.empty(size, dtype=torch.float64, device=one.device))
+    plain, sides, squares, now, following = made
+    plain.copy_(p.run("zero", "b"))
+    torch.square(sides, out=squares)
+    return torch.einsum("ibt,jbt->ijb", now, following)
 
 
 POSITION_PLANES = ("one", "d", "k3")
