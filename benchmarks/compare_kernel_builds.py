@@ -40,12 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_metrics import make_batch
 from bench_trainer import RolloutBatches
 
-from lightning_rollout_debug import RolloutDebugCallback, native
-from lightning_rollout_debug.native import loader
-from lightning_rollout_debug.rows import ROW_FIELDS
+from lightning_rollout_debug import RolloutDebugCallback
+from lightning_rollout_debug.metrics import native
+from lightning_rollout_debug.metrics.native import loader
+from lightning_rollout_debug.metrics.rows import ROW_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "lightning_rollout_debug" / "native" / "row_sums.cpp"
+SOURCE = ROOT / "lightning_rollout_debug" / "metrics" / "native" / "row_sums.cpp"
 LEVELS = {"seed": 0, "every group": 3, "defaults": 3}
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from lightning_rollout_debug.batch import (
+from lightning_rollout_debug.functional import calculate_debug_metrics
+from lightning_rollout_debug.metrics.batch import (
     BatchError,
     MismatchInputs,
     check_inputs,
@@ -19,7 +20,6 @@ from lightning_rollout_debug.batch import (
     select_mask,
     tensor_sources,
 )
-from lightning_rollout_debug.functional import calculate_debug_metrics
 
 
 class FakeDataProto:

@@ -22,11 +22,10 @@ from lightning_rollout_debug import (
     MismatchStats,
     RolloutDebugCallback,
     RolloutDebugWarning,
-    backends,
-    native,
 )
-from lightning_rollout_debug.extras import TokenExtras
-from lightning_rollout_debug.token_pass import PassPlan
+from lightning_rollout_debug.metrics import backends, native
+from lightning_rollout_debug.metrics.extras import TokenExtras
+from lightning_rollout_debug.metrics.token_pass import PassPlan
 
 LOG_RATIO_TAG = "training/rollout_log_ratio_hist"
 COMPILE_FAILED = "torch.compile of the rollout metrics failed"

@@ -23,26 +23,21 @@ from conftest import REGIMES, SOURCE, Batch, cxx, kernel_skip_reason, make_batch
 from lightning_helpers import TRAINER_DEFAULTS, MemoryLogger, RolloutModule, make_batches
 from reference import assert_metrics_close, reference_metrics
 
-from lightning_rollout_debug import (
-    GROUPS,
-    METRIC_NAMES,
-    MismatchStats,
-    RolloutDebugCallback,
-    native,
-)
-from lightning_rollout_debug.batch import check_inputs
-from lightning_rollout_debug.bins import LOG_RATIO_BINS, PROBS_DIFF_BINS
-from lightning_rollout_debug.extras import TokenExtras
-from lightning_rollout_debug.layout import Block
-from lightning_rollout_debug.profile import (
+from lightning_rollout_debug import GROUPS, METRIC_NAMES, MismatchStats, RolloutDebugCallback
+from lightning_rollout_debug.metrics import native
+from lightning_rollout_debug.metrics.batch import check_inputs
+from lightning_rollout_debug.metrics.bins import LOG_RATIO_BINS, PROBS_DIFF_BINS
+from lightning_rollout_debug.metrics.extras import TokenExtras
+from lightning_rollout_debug.metrics.layout import Block
+from lightning_rollout_debug.metrics.profile import (
     POSITION_BUCKETS,
     PROBABILITY_BUCKETS,
     PROFILE_SIZE,
     QUANTILE_BINS,
     profile_blocks,
 )
-from lightning_rollout_debug.rows import ROW_FIELDS, row_sums, rows_for
-from lightning_rollout_debug.worst_tokens import WorstToken
+from lightning_rollout_debug.metrics.rows import ROW_FIELDS, row_sums, rows_for
+from lightning_rollout_debug.metrics.worst_tokens import WorstToken
 
 KERNEL_SKIP = kernel_skip_reason()
 pytestmark = pytest.mark.skipif(KERNEL_SKIP is not None, reason=str(KERNEL_SKIP))
@@ -175,7 +170,8 @@ def test_other_layouts_and_dtypes_go_the_torch_way(native_calls: list[bool]) -> 
 NO_KERNEL_RUN = """
 import warnings
 import torch
-from lightning_rollout_debug import MismatchStats, native
+from lightning_rollout_debug import MismatchStats
+from lightning_rollout_debug.metrics import native
 rollout = torch.linspace(-3.0, -0.01, 300 * 260).reshape(300, 260)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -190,7 +186,7 @@ print(native.builds(), stats.compute()["rollout_log_probs_diff_mean"])
 def test_an_install_without_the_kernel_warns_once_and_computes_on_torch(tmp_path: Path) -> None:
     """The package as a source install without a compiler leaves it: no kernel beside the
     loader. The first CPU batch warns once, saying how to get it; the results hold."""
-    package = Path(native.__file__).parent.parent
+    package = Path(native.__file__).parents[2]
     copy = tmp_path / package.name
     shutil.copytree(package, copy, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     done = subprocess.run(
@@ -213,7 +209,8 @@ import pytorch_lightning as pl
 from pytorch_lightning.loggers import TensorBoardLogger
 sys.path.insert(0, sys.argv[1])
 from lightning_helpers import TRAINER_DEFAULTS, RolloutModule, make_batches
-from lightning_rollout_debug import RolloutDebugCallback, native
+from lightning_rollout_debug import RolloutDebugCallback
+from lightning_rollout_debug.metrics import native
 trainer = pl.Trainer(
     **{**TRAINER_DEFAULTS, "max_steps": 3}, logger=TensorBoardLogger("logs"),
     callbacks=[RolloutDebugCallback(log_every_n_steps=1)],

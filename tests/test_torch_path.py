@@ -25,7 +25,8 @@ from conftest import NEEDS_CXX
 from reference import assert_metrics_close, reference_metrics
 from torch.profiler import ProfilerActivity, profile
 
-from lightning_rollout_debug import GROUPS, METRIC_NAMES, RolloutDebugMonitor, backends, native
+from lightning_rollout_debug import GROUPS, METRIC_NAMES, RolloutDebugMonitor
+from lightning_rollout_debug.metrics import backends, native
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(4, 256), (64, 2048), (512, 8192)]

@@ -1,0 +1,491 @@
+"""MismatchStats: a mergeable window of the mismatch statistics.
+
+:class:`MismatchStats` keeps one packed float64 vector on the batch's device
+(:data:`~lightning_rollout_debug.metrics.layout.STATE`): a token count, means and centred
+co-moments (merged with Chan's parallel formulas), sums, maxima and minima. An update is
+masked arithmetic on the device with no host synchronisation (:mod:`.rows`, through the
+path :mod:`.backends` chooses); merging two windows, or the windows of several ranks, is
+exact; :meth:`MismatchStats.compute` copies the packed vector to the host once and
+derives every metric of the catalog (:mod:`.catalog`) from it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_rollout_debug.metrics.backends import add_batch, compile_problems
+from lightning_rollout_debug.metrics.batch import MismatchInputs, check_inputs
+from lightning_rollout_debug.metrics.catalog import GROUPS, METRIC_NAMES, metrics_from_state
+from lightning_rollout_debug.metrics.finish import finish_statistics
+from lightning_rollout_debug.metrics.layout import STATE, STATE_SIZE, identity_state, merge_states
+from lightning_rollout_debug.metrics.profile import Profile
+from lightning_rollout_debug.metrics.rows import pad_slots
+from lightning_rollout_debug.metrics.token_pass import TokenSums
+
+_PENDING = 32
+"""Batches a window holds before finishing and merging them: one fold of many costs what
+one of two does, so a step's fixed cost stays small."""
+
+_SETTING_OF_GROUP = {"importance_ratio": "is_threshold", "sequence": "seq_ratio_bounds"}
+"""The setting whose value a group's sums are counted with."""
+
+_COUNTED_APART = frozenset({"quantiles", "token_ids"})
+"""Groups that a window of other settings cannot bias: the quantiles come from a profile,
+not from the statistics' state, and the token-id comparisons count their own updates."""
+
+
+class ThreadSafeWindow:
+    """A packed window that merges batches lazily and whose changes hold a lock.
+
+    Added batches wait in a list, as packed states or as the sums of a torch pass
+    (:class:`~.token_pass.TokenSums`), and are finished and merged, exactly, in one go
+    when :attr:`state` is read or when :data:`_PENDING` of them have gathered, so adding a
+    batch costs no merge. Several threads may feed one instance. Copies and pickles get a
+    lock of their own (a lock itself cannot be pickled). A subclass sets ``size``,
+    ``_state`` (``None``: empty), ``_pending`` and ``_lock``, and defines
+    :meth:`merge_states`, :meth:`identity_state` and :meth:`finish`.
+    """
+
+    _lock: threading.Lock
+    _state: Tensor | None
+    _pending: list[Tensor]
+    size: int
+
+    def merge_states(self, states: Tensor) -> Tensor:
+        """Merge packed states stacked as ``[n, size]`` into one."""
+        raise NotImplementedError
+
+    def identity_state(self, device: torch.device | str | None = None) -> Tensor:
+        """The packed state of an empty window."""
+        raise NotImplementedError
+
+    def finish(self, sums: Sequence[TokenSums]) -> Tensor:
+        """The packed state of the tokens of the passes ``sums``."""
+        raise NotImplementedError
+
+    @property
+    def state(self) -> Tensor:
+        """The packed float64 state vector (the identity when nothing was added)."""
+        with self._lock:
+            self._fold()
+            state = self._state
+        return self.identity_state() if state is None else state
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where the window lives: the device of the first update, ``None`` before it."""
+        with self._lock:
+            return self._device()
+
+    def load_state(self, state: Tensor) -> None:
+        """Replace the window with a packed state vector of length :attr:`size`."""
+        if state.shape != (self.size,):
+            raise ValueError(f"A packed state has shape ({self.size},); got {tuple(state.shape)}.")
+        copied = state.detach().to(torch.float64).clone()
+        with self._lock:
+            self._replace(copied)
+
+    def reset(self) -> None:
+        """Start a new, empty window."""
+        with self._lock:
+            self._replace(None)
+
+    def _replace(self, state: Tensor | None) -> None:
+        """Make ``state`` the whole window (``None``: empty); the caller holds the lock."""
+        self._state, self._pending = state, []
+
+    def _add(self, parts: Sequence[Tensor | TokenSums], device: torch.device | None = None) -> None:
+        """Add packed states or pass sums to the window, under the lock.
+
+        The window ends on ``device`` (by default where it is, else where ``parts`` are).
+        """
+        with self._lock:
+            target = device or self._device() or _device_of(parts[0])
+            self._move(target)
+            moved = (part.to(target) if isinstance(part, Tensor) else part for part in parts)
+            self._pending.extend(moved)
+            if len(self._pending) >= _PENDING:
+                self._fold()
+
+    def _move(self, device: torch.device) -> None:
+        """Keep the window on ``device`` from now on; the caller holds the lock."""
+        current = self._device()
+        if current is not None and current != device:
+            self._fold()
+            self._state = self._state.to(device)  # type: ignore[union-attr]
+
+    def _device(self) -> torch.device | None:
+        if self._state is not None:
+            return self._state.device
+        return _device_of(self._pending[0]) if self._pending else None
+
+    def _fold(self) -> None:
+        """Finish and merge the waiting batches into the window (the caller holds the lock)."""
+        if not self._pending:
+            return
+        target = self._device()
+        sums = [part for part in self._pending if isinstance(part, TokenSums)]
+        parts = [part for part in self._pending if isinstance(part, Tensor)]
+        if sums:
+            parts.append(self.finish(sums).to(target))
+        if self._state is not None:
+            parts.insert(0, self._state)
+        self._state = parts[0] if len(parts) == 1 else self.merge_states(torch.stack(parts))
+        self._pending = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_lock", None)
+        state["_pending"] = list(self._pending)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+def _device_of(part: Tensor | TokenSums) -> torch.device:
+    """Where a packed state or the sums of a pass are."""
+    if isinstance(part, Tensor):
+        return part.device
+    first = part.first
+    return first.device if isinstance(first, Tensor) else first[0].device
+
+
+class MismatchStats(ThreadSafeWindow):
+    """Mergeable statistics of the mismatch between rollout and trainer log-probabilities.
+
+    Feed it ``[batch, response_length]`` tensors with :meth:`update` (any device, any
+    floating dtype, any number of batches); read every metric with :meth:`compute`. The
+    window is everything since construction or :meth:`reset`. Two instances merge
+    exactly with :meth:`merge`, so per-rank or per-batch windows combine into the
+    statistics of all their tokens. :meth:`update` and :meth:`merge` are safe to call from
+    several threads at once: each batch's arithmetic runs unlocked, and only adding its
+    state to the window holds a lock.
+
+    Args:
+        is_threshold: ``C`` of the importance-ratio group: ``rho > C`` counts as high,
+            ``rho < 1/C`` as low. Must be greater than 1.
+        seq_ratio_bounds: ``(lo, hi)`` with ``0 < lo <= 1 <= hi``: a sequence whose
+            geometric-mean ratio falls outside counts in ``rollout_seq_frac_outside``.
+        groups: the metric groups to compute, a subset of :data:`GROUPS` (default: all
+            but ``"quantiles"``, which come from a profile: see :meth:`compute`).
+            Leaving groups out skips their arithmetic.
+        compile: fuse an update into one pass: on CPUs with float32 or bfloat16
+            log-probs the package's native kernel (built on first use with the system
+            C++ compiler), on accelerators ``torch.compile``. ``None`` (the default)
+            takes the kernel on CPUs and ``torch.compile`` on accelerators, at every
+            size, never compiles on a CPU, and falls back to eager arithmetic, with one
+            warning, where neither is available; ``False`` never fuses; ``True`` fuses
+            every block (with ``torch.compile`` on a CPU where the kernel does not apply).
+        chunk_tokens: the most tokens one pass of the torch arithmetic reads (default
+            4,194,304): a larger batch is read in passes of whole rows, which bounds the
+            temporary memory of an update.
+
+    Example:
+        >>> import torch
+        >>> stats = MismatchStats()
+        >>> rollout = torch.log(torch.tensor([[0.5, 0.25, 0.9]]))
+        >>> actor = torch.log(torch.tensor([[0.5, 0.20, 0.9]]))
+        >>> stats.update(rollout, actor, torch.tensor([[1, 1, 0]]))
+        >>> metrics = stats.compute()
+        >>> metrics["rollout_tokens"], round(metrics["rollout_probs_diff_max"], 6)
+        (2.0, 0.05)
+    """
+
+    def __init__(
+        self,
+        *,
+        is_threshold: float = 2.0,
+        seq_ratio_bounds: tuple[float, float] = (0.99, 1.01),
+        groups: Iterable[str] | None = None,
+        compile: bool | None = None,
+        chunk_tokens: int | None = None,
+    ) -> None:
+        self.is_threshold = validate_is_threshold(is_threshold)
+        self.seq_ratio_bounds = validate_seq_ratio_bounds(seq_ratio_bounds)
+        self.groups = validate_groups(groups) - ({"quantiles"} if groups is None else set())
+        for problem in compile_problems(compile):
+            raise ValueError(problem)
+        if chunk_tokens is not None and (
+            isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1
+        ):
+            raise ValueError(
+                f"`chunk_tokens` must be None (auto) or a positive int, got {chunk_tokens!r}."
+            )
+        self.compile = compile
+        self.chunk_tokens = chunk_tokens
+        self.size = STATE_SIZE
+        self._state: Tensor | None = None
+        self._pending: list[Tensor] = []
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ state
+    def merge_states(self, states: Tensor) -> Tensor:
+        """Merge packed states stacked as ``[n, STATE_SIZE]`` into one, exactly."""
+        return merge_states(states)
+
+    def identity_state(self, device: torch.device | str | None = None) -> Tensor:
+        """The packed state of an empty window, built with fill kernels on ``device``."""
+        return identity_state(device)
+
+    @classmethod
+    def from_state(cls, state: Tensor, **kwargs: Any) -> MismatchStats:
+        """Build statistics holding a packed ``state`` (for example a merged one)."""
+        stats = cls(**kwargs)
+        stats.load_state(state)
+        return stats
+
+    def merge(self, other: MismatchStats | Tensor) -> MismatchStats:
+        """Add the window of ``other`` (statistics or a packed state) to this one.
+
+        Statistics must hold the sums of this instance's groups as it counts them: the
+        same groups or more, and the same ``is_threshold`` and ``seq_ratio_bounds`` for
+        the groups that use them (a packed state is taken as it is).
+
+        Raises:
+            TypeError: ``other`` is neither statistics nor a tensor.
+            ValueError: ``other`` is not a packed state of this length, or statistics
+                whose window lacks some of these sums (:meth:`unmatched_groups`).
+        """
+        if isinstance(other, MismatchStats):
+            self._check_settings(other.settings(), "Cannot merge these statistics")
+        incoming = other.state if isinstance(other, MismatchStats) else other
+        if not isinstance(incoming, Tensor):
+            raise TypeError(
+                f"`merge` takes MismatchStats or a packed state tensor, got a "
+                f"{type(other).__name__}."
+            )
+        if incoming.shape != (STATE_SIZE,):
+            raise ValueError(
+                f"A packed state has shape ({STATE_SIZE},); got {tuple(incoming.shape)}."
+            )
+        self._add([incoming.detach().to(torch.float64).clone()])
+        return self
+
+    def synced(
+        self,
+        all_gather: Callable[[Tensor], Tensor],
+        device: torch.device | str | None = None,
+    ) -> MismatchStats:
+        """Return the window of all processes merged, with one collective; ``self`` is unchanged.
+
+        ``all_gather`` maps this process's packed state to the ``[world_size,
+        STATE_SIZE]`` stack of every process's (for example
+        ``trainer.strategy.all_gather``). Every process must call it, empty window or
+        not, so the shapes agree. ``device`` is where the collective runs (the
+        strategy's root device); by default the device of the window.
+        """
+        local = self.state if device is None else self.state.to(device)
+        gathered = all_gather(local).reshape(-1, STATE_SIZE).to(torch.float64)
+        merged = copy.copy(self)
+        merged._state, merged._pending = merge_states(gathered), []
+        return merged
+
+    # ----------------------------------------------------------------- update
+    def update(
+        self,
+        rollout_log_probs: Tensor,
+        old_log_probs: Tensor,
+        mask: Tensor,
+        rollout_token_ids: Tensor | None = None,
+        trainer_token_ids: Tensor | None = None,
+    ) -> None:
+        """Add one batch to the window.
+
+        Args:
+            rollout_log_probs: ``[B, T]`` log-probs the rollout engine recorded (``b``).
+            old_log_probs: ``[B, T]`` log-probs the trainer recomputed (``a``).
+            mask: ``[B, T]``; a position counts where it is non-zero.
+            rollout_token_ids: optional ``[B, T]`` token ids the rollout produced.
+            trainer_token_ids: optional ``[B, T]`` token ids the trainer used.
+
+        Raises:
+            ValueError: the tensors have the wrong type, rank, shape, dtype or devices.
+        """
+        self._update_inputs(
+            check_inputs(
+                rollout_log_probs, old_log_probs, mask, rollout_token_ids, trainer_token_ids
+            )
+        )
+
+    @torch.no_grad()
+    def _update_inputs(self, inputs: MismatchInputs) -> None:
+        """Add one batch whose tensors :func:`~.batch.check_inputs` has checked."""
+        add_batch(inputs, None, stats=self, extras=None)
+
+    def finish(self, sums: Sequence[TokenSums]) -> Tensor:
+        """The packed statistics of the tokens of the passes ``sums``."""
+        return finish_statistics(sums, self.seq_ratio_bounds)
+
+    @torch.no_grad()
+    def count_pads(self, mask: Tensor, token_ids: Tensor, pad_token_id: int) -> None:
+        """Count the pad tokens (``token_ids == pad_token_id``) inside ``mask`` ([B, T])."""
+        if token_ids.shape != mask.shape:
+            raise ValueError(
+                f"`token_ids` has shape {tuple(token_ids.shape)}; expected the mask's "
+                f"{tuple(mask.shape)}."
+            )
+        self._add([STATE.pack(pad_slots(mask, token_ids, pad_token_id))], mask.device)
+
+    # ---------------------------------------------------------------- compute
+    def compute(self, profile: Profile | None = None) -> dict[str, float]:
+        """Return every metric of the enabled groups as Python floats (NaN if undefined).
+
+        One device-to-host copy of the packed state; the rest is host arithmetic. The
+        quantiles come from the window's ``profile`` (kept by
+        :class:`~lightning_rollout_debug.metrics.extras.TokenExtras`): without one they are left
+        out.
+        """
+        groups = [
+            group
+            for group in GROUPS
+            if group in self.groups and (profile is not None or group != "quantiles")
+        ]
+        metrics = metrics_from_state(self.state.tolist(), profile, groups)
+        return {name: metrics[name] for group in groups for name in METRIC_NAMES[group]}
+
+    def largest_log_probs(self) -> tuple[float, float]:
+        """The largest counting ``(old_log_probs, rollout_log_probs)`` of the window.
+
+        Log-probabilities are at most 0; a positive maximum means the inputs are
+        something else (logits, negative log-likelihoods). ``-inf`` for an empty window.
+        Reads the state, so call it on a host copy to avoid a second transfer.
+        """
+        values = self.state.tolist()
+        return values[STATE.at["max_actor_log_prob"]], values[STATE.at["max_rollout_log_prob"]]
+
+    # ------------------------------------------------------------ persistence
+    def settings(self) -> dict[str, Any]:
+        """What the window's sums are counted with: its groups and the settings they use."""
+        return {
+            "is_threshold": self.is_threshold,
+            "seq_ratio_bounds": tuple(self.seq_ratio_bounds),
+            "groups": sorted(self.groups),
+        }
+
+    def unmatched_groups(self, settings: Mapping[str, Any]) -> dict[str, str]:
+        """This instance's groups whose sums a window counted with ``settings`` lacks, with why.
+
+        ``settings`` are those of the statistics that made the window (:meth:`settings`;
+        a key left out counts as this instance's). Such a window's tokens would count in
+        every mean, but not, or otherwise, in the sums of a group it did not track or
+        counted with another ``is_threshold`` or ``seq_ratio_bounds``: merged in, it would
+        bias that group's metrics.
+
+        Example:
+            >>> stats = MismatchStats(groups=["seed", "kl", "importance_ratio"], is_threshold=4.0)
+            >>> stats.unmatched_groups(MismatchStats(groups=["seed", "kl"]).settings())
+            {'importance_ratio': 'not tracked'}
+            >>> stats.unmatched_groups(MismatchStats().settings())
+            {'importance_ratio': '`is_threshold` 2.0, here 4.0'}
+        """
+        tracked = _group_names(settings.get("groups", self.groups))
+        unmatched = {}
+        for group in GROUPS:
+            if group not in self.groups or group in _COUNTED_APART:
+                continue
+            name = _SETTING_OF_GROUP.get(group)
+            if group not in tracked:
+                unmatched[group] = "not tracked"
+            elif name is not None and not _same_setting(settings.get(name), getattr(self, name)):
+                unmatched[group] = f"`{name}` {settings[name]!r}, here {getattr(self, name)!r}"
+        return unmatched
+
+    def _check_settings(self, settings: Mapping[str, Any], action: str) -> None:
+        unmatched = self.unmatched_groups(settings)
+        if unmatched:
+            reasons = "; ".join(f"{group}: {why}" for group, why in unmatched.items())
+            raise ValueError(
+                f"{action}: its window does not hold the sums of groups {list(unmatched)} as "
+                f"this instance counts them ({reasons}); build both with the same `groups` "
+                "(or more), `is_threshold` and `seq_ratio_bounds`."
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The window and its :meth:`settings`, on the CPU, for checkpoints."""
+        return {"state": self.state.detach().cpu().clone(), **self.settings()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a window saved by :meth:`state_dict` (the configuration stays as built).
+
+        Raises:
+            ValueError: the window lacks sums of this instance's groups
+                (:meth:`unmatched_groups`): build this instance as the saved one was.
+        """
+        self._check_settings(state_dict, "Cannot load this state")
+        self.load_state(state_dict["state"])
+
+
+def _group_names(saved: Any) -> frozenset[str]:
+    """The groups a saved state names; none where it names them in no form of theirs."""
+    if isinstance(saved, str):
+        return frozenset({saved})
+    if isinstance(saved, (list, tuple, set, frozenset)):
+        return frozenset(name for name in saved if isinstance(name, str))
+    return frozenset()
+
+
+def _same_setting(saved: Any, current: float | tuple[float, float]) -> bool:
+    """Whether a saved ``is_threshold`` or ``seq_ratio_bounds`` is ``current`` (missing: yes)."""
+    if saved is None:
+        return True
+    try:
+        if isinstance(current, tuple):
+            return tuple(float(bound) for bound in saved) == current
+        return float(saved) == current
+    except (TypeError, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------------- validation
+def validate_is_threshold(value: float) -> float:
+    """Return ``value`` as a float if it is a finite number greater than 1."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not (1.0 < float(value) < math.inf)
+    ):
+        raise ValueError(f"`is_threshold` must be a finite number greater than 1, got {value!r}.")
+    return float(value)
+
+
+def validate_seq_ratio_bounds(value: Sequence[float]) -> tuple[float, float]:
+    """Return ``(lo, hi)`` if ``0 < lo <= 1 <= hi < inf``."""
+    try:
+        lo, hi = (float(bound) for bound in value)
+    except (TypeError, ValueError):
+        lo = hi = math.nan
+    if not (0.0 < lo <= 1.0 <= hi < math.inf):
+        raise ValueError(
+            f"`seq_ratio_bounds` must be (lo, hi) with 0 < lo <= 1 <= hi, got {value!r}."
+        )
+    return lo, hi
+
+
+def validate_groups(groups: Iterable[str] | None) -> frozenset[str]:
+    """Return the chosen groups as a set, or all of :data:`GROUPS` for ``None``."""
+    if groups is None:
+        return frozenset(GROUPS)
+    if isinstance(groups, str):
+        groups = [groups]
+    if not isinstance(groups, Iterable) or isinstance(groups, (bytes, Mapping)):
+        raise ValueError(
+            f"`groups` must be None (all of them) or a list of group names from {list(GROUPS)}, "
+            f"got {groups!r}."
+        )
+    listed = list(groups)
+    unknown = sorted(
+        (group for group in listed if not isinstance(group, str) or group not in GROUPS), key=repr
+    )
+    if unknown:
+        raise ValueError(f"Unknown metric groups {unknown}; valid groups are {list(GROUPS)}.")
+    return frozenset(listed)
