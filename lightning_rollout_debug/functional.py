@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_rollout_debug.loop.arguments import prefix_problems
 from lightning_rollout_debug.metrics.backends import add_batch
 from lightning_rollout_debug.metrics.batch import (
     check_inputs,
@@ -31,6 +30,7 @@ from lightning_rollout_debug.metrics.catalog import (
 )
 from lightning_rollout_debug.metrics.extras import TokenExtras
 from lightning_rollout_debug.metrics.rows import paired_moments
+from lightning_rollout_debug.metrics.settings import prefix_problems
 from lightning_rollout_debug.metrics.stats import MismatchStats
 
 __all__ = [

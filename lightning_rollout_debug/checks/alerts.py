@@ -14,7 +14,8 @@ inclusive). A value outside its range is a *crossing*; what happens then is ``on
 * ``"raise"``: :class:`RolloutAlertError` naming every metric out of range, on every rank.
 
 The defaults (:data:`DEFAULT_ALERT_RANGES`) are declared with their metrics in
-:mod:`.catalog` and come from public reference points; see ``docs/tensorboard.md``.
+:mod:`~lightning_rollout_debug.metrics.catalog` and come from public reference points;
+see ``docs/tensorboard.md``.
 
 A fixed range misses a slow creep that stays under it. *Drift alerts*
 (:class:`DriftMonitor`) compare each metric of ``drift_factors`` with its own baseline,

@@ -31,7 +31,10 @@ from lightning_rollout_debug.checks.alerts import (
 from lightning_rollout_debug.metrics.backends import compile_problems
 from lightning_rollout_debug.metrics.catalog import GROUPS, METRIC_NAMES
 from lightning_rollout_debug.metrics.extras import extras_problems
-from lightning_rollout_debug.metrics.stats import (
+from lightning_rollout_debug.metrics.settings import (
+    is_int_at_least,
+    is_token_id,
+    prefix_problems,
     validate_groups,
     validate_is_threshold,
     validate_seq_ratio_bounds,
@@ -145,16 +148,6 @@ def _key_problems(
     return problems
 
 
-def is_token_id(value: Any) -> bool:
-    """Whether ``value`` is an int (not a bool) that an int64 token-id tensor can hold.
-
-    Example:
-        >>> is_token_id(50256), is_token_id(-100), is_token_id(2**63), is_token_id(True)
-        (True, True, False, False)
-    """
-    return is_int_at_least(value, -(2**63)) and value < 2**63
-
-
 def once(value: Any) -> Any:
     """``value``, or the tuple of its items if it is an iterator, which reads only once.
 
@@ -163,13 +156,6 @@ def once(value: Any) -> Any:
         (('seed', 'health'), ['seed'], None)
     """
     return tuple(value) if isinstance(value, Iterator) else value
-
-
-def prefix_problems(prefix: Any) -> list[str]:
-    """What is wrong with a metric-name prefix (empty if nothing)."""
-    if isinstance(prefix, str):
-        return []
-    return [f"`prefix` must be a string such as 'training/', got {prefix!r}."]
 
 
 def _shared_key_problems(
@@ -232,16 +218,6 @@ def process_group_problems(group: Any, *, trainer_callable: bool = False) -> lis
         f"`process_group` must be None (every rank) or a torch.distributed process group{also}, "
         f"got {group!r}."
     ]
-
-
-def is_int_at_least(value: Any, low: int) -> bool:
-    """Whether ``value`` is an int (not a bool) of at least ``low``.
-
-    Example:
-        >>> is_int_at_least(3, 1), is_int_at_least(True, 1), is_int_at_least(2.0, 1)
-        (True, False, False)
-    """
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low
 
 
 def enabled_groups(groups: Any, token_ids_keys: Any) -> frozenset[str]:

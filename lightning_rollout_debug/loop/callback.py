@@ -19,7 +19,6 @@ from typing_extensions import override
 
 from lightning_rollout_debug.checks.alerts import DEFAULT_DRIFT_BASELINE
 from lightning_rollout_debug.loop.arguments import (
-    is_int_at_least,
     is_process_group,
     metric_names,
     process_group_problems,
@@ -29,6 +28,7 @@ from lightning_rollout_debug.loop.monitor import FrontDoor, RolloutDebugMonitor,
 from lightning_rollout_debug.loop.packages import Callback
 from lightning_rollout_debug.loop.ranks import Ranks, rank_in
 from lightning_rollout_debug.metrics.backends import prepare_native
+from lightning_rollout_debug.metrics.settings import is_int_at_least
 from lightning_rollout_debug.views.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS, prepare_pictures
 
 CALLBACK_DOOR = FrontDoor(

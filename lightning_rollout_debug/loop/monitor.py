@@ -1,12 +1,13 @@
 """RolloutDebugMonitor: the window of a training loop, its merge across ranks, and its logs.
 
 The engine behind every front door that follows a training loop. It finds the tensors of
-each batch (:mod:`.batch`), adds them to a window of statistics and extras on the batch's
-device (:mod:`.stats`, :mod:`.extras`, held by :mod:`.window`), and at a logged step
-merges the window of every rank with one collective, copies it to the host once, logs
-the scalars and writes the TensorBoard extras (:mod:`.logs`), checks the alerts
-(:mod:`.alerts`) and starts a new window; :mod:`.checkpoint` writes the window's
-checkpoint state and reads it back.
+each batch (:mod:`~lightning_rollout_debug.metrics.batch`), adds them to a window of
+statistics and extras on the batch's device (:mod:`~lightning_rollout_debug.metrics.stats`,
+:mod:`~lightning_rollout_debug.metrics.extras`, held by :mod:`.window`), and at a logged
+step merges the window of every rank with one collective, copies it to the host once,
+logs the scalars and writes the TensorBoard extras (:mod:`.logs`), checks the alerts
+(:mod:`~lightning_rollout_debug.checks.alerts`) and starts a new window;
+:mod:`.checkpoint` writes the window's checkpoint state and reads it back.
 :class:`~lightning_rollout_debug.RolloutDebugCallback` is this engine with a Lightning
 Trainer deciding when to log and how ranks gather.
 """

@@ -25,7 +25,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from lightning_rollout_debug.loop.arguments import is_token_id
+from lightning_rollout_debug.metrics.settings import is_token_id
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ into a fixed-size tensor, ``topk``) with no host synchronisation, one pass of th
 kernel on CPUs. Because the bins are fixed, windows and ranks merge exactly: bin counts,
 counts and sums add, extremes fold, and the best ``k`` of all candidates are kept.
 :meth:`TokenExtras.summary` reads a merged vector, copied to the host once; the writers
-of :mod:`.tensorboard` draw it.
+of :mod:`lightning_rollout_debug.views.tensorboard` draw it.
 
 Tokens count exactly as in the statistics: log-probs are floored at
 :data:`~lightning_rollout_debug.metrics.tokens.LOG_PROB_FLOOR` first, and a token counts where

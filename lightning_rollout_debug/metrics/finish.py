@@ -33,7 +33,7 @@ from torch import Tensor
 from lightning_rollout_debug.metrics.layout import STATE, Layout, filled, ranked
 from lightning_rollout_debug.metrics.token_pass import POSITION_PLANES, TokenSums, places
 from lightning_rollout_debug.metrics.tokens import LOG_RATIO_CLAMP
-from lightning_rollout_debug.metrics.worst_tokens import PLACEHOLDER, WORST_TIES
+from lightning_rollout_debug.metrics.worst_tokens import PLACEHOLDER, WORST_FIELDS, WORST_TIES
 
 
 def _rows(batches: Sequence[TokenSums], field: str) -> Tensor:
@@ -453,7 +453,5 @@ def _worst_block(batches: Sequence[TokenSums], k: int, device: torch.device) -> 
     candidates = torch.where(counted.unsqueeze(1), candidates, placeholder)
     if len(candidates) < k:
         candidates = torch.cat([candidates, placeholder.repeat(k - len(candidates), 1)])
-    from lightning_rollout_debug.metrics.native import WORST_FIELDS
-
     best = ranked(candidates, [WORST_FIELDS.index(name) for name in WORST_TIES])
     return candidates.index_select(0, best[:k]).flatten()

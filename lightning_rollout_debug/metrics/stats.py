@@ -12,8 +12,6 @@ derives every metric of the catalog (:mod:`.catalog`) from it.
 from __future__ import annotations
 
 import copy
-import math
-import numbers
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -28,6 +26,11 @@ from lightning_rollout_debug.metrics.finish import finish_statistics
 from lightning_rollout_debug.metrics.layout import STATE, STATE_SIZE, identity_state, merge_states
 from lightning_rollout_debug.metrics.profile import Profile
 from lightning_rollout_debug.metrics.rows import pad_slots
+from lightning_rollout_debug.metrics.settings import (
+    validate_groups,
+    validate_is_threshold,
+    validate_seq_ratio_bounds,
+)
 from lightning_rollout_debug.metrics.token_pass import TokenSums
 
 _PENDING = 32
@@ -444,48 +447,3 @@ def _same_setting(saved: Any, current: float | tuple[float, float]) -> bool:
         return float(saved) == current
     except (TypeError, ValueError):
         return False
-
-
-# ---------------------------------------------------------------------- validation
-def validate_is_threshold(value: float) -> float:
-    """Return ``value`` as a float if it is a finite number greater than 1."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not (1.0 < float(value) < math.inf)
-    ):
-        raise ValueError(f"`is_threshold` must be a finite number greater than 1, got {value!r}.")
-    return float(value)
-
-
-def validate_seq_ratio_bounds(value: Sequence[float]) -> tuple[float, float]:
-    """Return ``(lo, hi)`` if ``0 < lo <= 1 <= hi < inf``."""
-    try:
-        lo, hi = (float(bound) for bound in value)
-    except (TypeError, ValueError):
-        lo = hi = math.nan
-    if not (0.0 < lo <= 1.0 <= hi < math.inf):
-        raise ValueError(
-            f"`seq_ratio_bounds` must be (lo, hi) with 0 < lo <= 1 <= hi, got {value!r}."
-        )
-    return lo, hi
-
-
-def validate_groups(groups: Iterable[str] | None) -> frozenset[str]:
-    """Return the chosen groups as a set, or all of :data:`GROUPS` for ``None``."""
-    if groups is None:
-        return frozenset(GROUPS)
-    if isinstance(groups, str):
-        groups = [groups]
-    if not isinstance(groups, Iterable) or isinstance(groups, (bytes, Mapping)):
-        raise ValueError(
-            f"`groups` must be None (all of them) or a list of group names from {list(GROUPS)}, "
-            f"got {groups!r}."
-        )
-    listed = list(groups)
-    unknown = sorted(
-        (group for group in listed if not isinstance(group, str) or group not in GROUPS), key=repr
-    )
-    if unknown:
-        raise ValueError(f"Unknown metric groups {unknown}; valid groups are {list(GROUPS)}.")
-    return frozenset(listed)

@@ -28,7 +28,6 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.metrics.layout import Block, filled
-from lightning_rollout_debug.metrics.native import WORST_FIELDS
 
 __all__ = [
     "MAX_WORST_TOKENS_K",
@@ -39,6 +38,19 @@ __all__ = [
     "read_worst_tokens",
     "worst_tokens_block",
 ]
+
+WORST_FIELDS: tuple[str, ...] = (
+    "abs_log_ratio",
+    "log_ratio",
+    "actor_prob",
+    "rollout_prob",
+    "batch",
+    "row",
+    "position",
+    "token_id",
+    "rank",
+)
+"""Columns of a worst-token candidate in the packed extras (``token_id`` is -1 if unknown)."""
 
 FIELDS = len(WORST_FIELDS)
 """The values of one candidate in the packed state."""

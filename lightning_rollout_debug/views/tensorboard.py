@@ -3,10 +3,11 @@
 The scalars reach TensorBoard through each Lightning logger's ``log_metrics``
 (:func:`log_scalars`); what only a ``SummaryWriter`` can show is written here with its
 public methods, from a window's host summary
-(:class:`~lightning_rollout_debug.metrics.extras.ExtrasSummary`): histograms with the fixed bins
-of :mod:`.extras` (``add_histogram_raw``), a markdown table of the worst tokens
-(``add_text``), the pictures of the profile (:mod:`.pictures`, ``add_image``), and the
-custom-scalars layout of the catalog's :data:`~lightning_rollout_debug.metrics.catalog.DASHBOARD`.
+(:class:`~lightning_rollout_debug.metrics.extras.ExtrasSummary`): histograms with the
+fixed bins of :mod:`~lightning_rollout_debug.metrics.extras` (``add_histogram_raw``), a
+markdown table of the worst tokens (``add_text``), the pictures of the profile
+(:mod:`.pictures`, ``add_image``), and the custom-scalars layout of the catalog's
+:data:`~lightning_rollout_debug.metrics.catalog.DASHBOARD`.
 """
 
 from __future__ import annotations

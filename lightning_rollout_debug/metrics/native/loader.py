@@ -38,6 +38,7 @@ from lightning_rollout_debug.metrics.profile import (
     profile_parts,
 )
 from lightning_rollout_debug.metrics.rows import CHECK_SLOTS
+from lightning_rollout_debug.metrics.worst_tokens import WORST_FIELDS
 
 VECTOR_LANES = (4, 8, 16)
 """The vector widths the kernel is built with, in float32 lanes (``ROLLOUT_LANES``)."""
@@ -47,18 +48,6 @@ MAX_WORST_TOKENS = 64
 """The most worst tokens per row the kernel keeps (``kMaxWorst``)."""
 HISTOGRAM_MOMENTS = 5
 """What a packed histogram holds after its bins: num, min, max, sum, sum of squares."""
-WORST_FIELDS: tuple[str, ...] = (
-    "abs_log_ratio",
-    "log_ratio",
-    "actor_prob",
-    "rollout_prob",
-    "batch",
-    "row",
-    "position",
-    "token_id",
-    "rank",
-)
-"""Columns of a worst-token candidate in the packed extras (``token_id`` is -1 if unknown)."""
 GROUP_ORDER = ("seed", "log_space", "kl", "importance_ratio", "sequence", "health")
 """The groups the kernel's finishing step knows, in the order of its bits."""
 SWITCH_ENV = "LIGHTNING_ROLLOUT_DEBUG_NATIVE"

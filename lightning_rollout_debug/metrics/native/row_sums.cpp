@@ -1540,7 +1540,7 @@ void run(const void* rollout, const void* old, int log_prob_kind, const void* ma
 #define ROLLOUT_GROUPS(X)                                                                   \
   X(g_seed, "seed") X(g_log_space, "log_space") X(g_kl, "kl") X(g_ratio, "importance_ratio") \
   X(g_sequence, "sequence") X(g_health, "health")
-// The fields of a worst-token candidate (`WORST_FIELDS` in extras.py).
+// The fields of a worst-token candidate (`WORST_FIELDS` in worst_tokens.py).
 #define ROLLOUT_WORST_FIELDS(X)                                                             \
   X(w_key, "abs_log_ratio") X(w_r, "log_ratio") X(w_pa, "actor_prob") X(w_pb, "rollout_prob") \
   X(w_batch, "batch") X(w_row, "row") X(w_position, "position") X(w_id, "token_id")         \
