@@ -46,7 +46,7 @@ from lightning_rollout_debug.checks.diagnosis import (
     diagnose,
     lag_spreads,
 )
-from lightning_rollout_debug.metrics.catalog import Window, lag_correlations
+from lightning_rollout_debug.metrics.formulas import Window, lag_correlations
 from lightning_rollout_debug.metrics.layout import merge_states
 
 pytestmark = [

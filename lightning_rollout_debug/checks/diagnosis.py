@@ -2,14 +2,14 @@
 
 Most of the mismatch a new pipeline shows comes from how its log-probs were sliced,
 masked or sampled, not from numerics. Each rule here reads a merged window (its
-:class:`~lightning_rollout_debug.metrics.catalog.Window` and metrics) and returns a
+:class:`~lightning_rollout_debug.metrics.formulas.Window` and metrics) and returns a
 :class:`Diagnosis` whose message names the mistake and its fix; none of them holds on a
 correct run. The callback warns once per kind and run (raises under ``strict=True``).
 
 Example:
     >>> import torch
     >>> from lightning_rollout_debug import MismatchStats
-    >>> from lightning_rollout_debug.metrics.catalog import Window
+    >>> from lightning_rollout_debug.metrics.formulas import Window
     >>> old = torch.log(0.9 * torch.rand(8, 64, generator=torch.Generator().manual_seed(0)))
     >>> stats = MismatchStats()  # the engine renormalised over 95% of the mass: + 0.05 nats
     >>> stats.update(old + 0.05, old, torch.ones(8, 64))
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.modules.dropout import _DropoutNd
 
-from lightning_rollout_debug.metrics.catalog import Window, lag_correlations
+from lightning_rollout_debug.metrics.formulas import Window, lag_correlations
 
 MIN_PAIRS = 64
 """Neighbouring token pairs a window needs before its alignment is judged."""
@@ -180,7 +180,7 @@ def _k1_error(window: Window, k3: float) -> float:
 def lag_spreads(window: Window) -> dict[int, float]:
     """Mean squared difference of ``a_t`` and ``b_(t+L)`` over the pairs of each lag.
 
-    The pairs of :func:`~lightning_rollout_debug.metrics.catalog.lag_correlations`; NaN without
+    The pairs of :func:`~lightning_rollout_debug.metrics.formulas.lag_correlations`; NaN without
     pairs.
     """
     pairs = window["neighbour_pairs"]

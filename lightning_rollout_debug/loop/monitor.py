@@ -53,8 +53,8 @@ from lightning_rollout_debug.metrics.batch import (
     batch_type_error,
     read_batch,
 )
-from lightning_rollout_debug.metrics.catalog import Window
 from lightning_rollout_debug.metrics.extras import TokenExtras
+from lightning_rollout_debug.metrics.formulas import Window
 from lightning_rollout_debug.metrics.profile import Profile
 from lightning_rollout_debug.metrics.stats import MismatchStats
 from lightning_rollout_debug.views.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS
