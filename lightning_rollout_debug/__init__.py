@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_rollout_debug.checks.alerts import (
     DEFAULT_ALERT_RANGES,
-    DEFAULT_DRIFT_FACTORS,
     RolloutAlertError,
     RolloutAlertWarning,
 )
 from lightning_rollout_debug.checks.diagnosis import RolloutDiagnosisError, RolloutDiagnosisWarning
+from lightning_rollout_debug.checks.drift import DEFAULT_DRIFT_FACTORS
 from lightning_rollout_debug.metrics.alignment import response_log_probs
 from lightning_rollout_debug.metrics.batch import BatchError
 from lightning_rollout_debug.metrics.catalog import GROUPS, METRIC_NAMES

@@ -20,7 +20,7 @@ from lightning_rollout_debug import (
     RolloutDebugMonitor,
     RolloutDebugWarning,
 )
-from lightning_rollout_debug.checks.alerts import (
+from lightning_rollout_debug.checks.drift import (
     DEFAULT_DRIFT_BASELINE,
     DEFAULT_DRIFT_FACTORS,
     DriftMonitor,

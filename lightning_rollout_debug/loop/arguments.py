@@ -23,11 +23,8 @@ from typing import Any
 
 import torch
 
-from lightning_rollout_debug.checks.alerts import (
-    DEFAULT_DRIFT_BASELINE,
-    alert_problems,
-    drift_problems,
-)
+from lightning_rollout_debug.checks.alerts import alert_problems
+from lightning_rollout_debug.checks.drift import DEFAULT_DRIFT_BASELINE, drift_problems
 from lightning_rollout_debug.metrics.backends import compile_problems
 from lightning_rollout_debug.metrics.catalog import GROUPS, METRIC_NAMES
 from lightning_rollout_debug.metrics.extras import extras_problems

@@ -17,7 +17,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_rollout_debug.checks.alerts import DEFAULT_DRIFT_BASELINE
+from lightning_rollout_debug.checks.drift import DEFAULT_DRIFT_BASELINE
 from lightning_rollout_debug.loop.arguments import (
     is_process_group,
     metric_names,

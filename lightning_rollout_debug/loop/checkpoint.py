@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from lightning_rollout_debug.checks.alerts import DriftMonitor
+from lightning_rollout_debug.checks.drift import DriftMonitor
 from lightning_rollout_debug.loop.arguments import checkpoint_problems
 from lightning_rollout_debug.loop.ranks import global_rank, rank_in
 from lightning_rollout_debug.metrics.extras import TokenExtras

@@ -26,11 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lightning_rollout_debug.checks.alerts import (
-    DEFAULT_DRIFT_BASELINE,
-    resolve_alert_ranges,
-    resolve_drift_factors,
-)
+from lightning_rollout_debug.checks.alerts import resolve_alert_ranges
+from lightning_rollout_debug.checks.drift import DEFAULT_DRIFT_BASELINE, resolve_drift_factors
 from lightning_rollout_debug.loop.arguments import enabled_groups, monitor_problems, once
 from lightning_rollout_debug.metrics.catalog import GROUPS
 from lightning_rollout_debug.views.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS

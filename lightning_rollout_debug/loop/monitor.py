@@ -23,9 +23,7 @@ from typing import Any, Literal
 import torch
 
 from lightning_rollout_debug.checks.alerts import (
-    DEFAULT_DRIFT_BASELINE,
     AlertMonitor,
-    DriftMonitor,
     RolloutAlertError,
     RolloutAlertWarning,
 )
@@ -36,6 +34,7 @@ from lightning_rollout_debug.checks.diagnosis import (
     active_dropout,
     diagnose,
 )
+from lightning_rollout_debug.checks.drift import DEFAULT_DRIFT_BASELINE, DriftMonitor
 from lightning_rollout_debug.loop.arguments import (
     checked_loggers,
     checked_step,

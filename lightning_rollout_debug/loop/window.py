@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_rollout_debug.checks.alerts import DriftMonitor
+from lightning_rollout_debug.checks.drift import DriftMonitor
 from lightning_rollout_debug.loop.checkpoint import saved_state
 from lightning_rollout_debug.loop.ranks import Ranks
 from lightning_rollout_debug.metrics.extras import ExtrasSummary, TokenExtras
