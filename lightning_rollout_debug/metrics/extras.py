@@ -51,6 +51,7 @@ from lightning_rollout_debug.metrics.bins import (
 from lightning_rollout_debug.metrics.finish import finish_extras
 from lightning_rollout_debug.metrics.histograms import Histogram, histogram_blocks, read_histograms
 from lightning_rollout_debug.metrics.layout import Layout
+from lightning_rollout_debug.metrics.packed_window import PENDING, ThreadSafeWindow
 from lightning_rollout_debug.metrics.profile import (
     PROFILE_SIZE,
     Profile,
@@ -58,7 +59,7 @@ from lightning_rollout_debug.metrics.profile import (
     read_profile,
 )
 from lightning_rollout_debug.metrics.rows import ROW_FIELDS, rows_for
-from lightning_rollout_debug.metrics.stats import _PENDING, MismatchStats, ThreadSafeWindow
+from lightning_rollout_debug.metrics.stats import MismatchStats
 from lightning_rollout_debug.metrics.token_pass import TokenSums
 from lightning_rollout_debug.metrics.worst_tokens import (
     FIELDS,
@@ -351,7 +352,7 @@ class TokenExtras(ThreadSafeWindow):
             if self._added_head is None:  # a view, made once a window
                 self._added_head = self._added[: self._profile_at]
             self._heads.append(self._added_head.clone())
-            if len(self._heads) >= _PENDING:
+            if len(self._heads) >= PENDING:
                 self._heads = [self._head_layout.merge(torch.stack(self._heads))]
         return True, found[0]
 
