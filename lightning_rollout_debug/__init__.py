@@ -19,8 +19,8 @@ from lightning_rollout_debug.checks.alerts import (
 from lightning_rollout_debug.checks.diagnosis import RolloutDiagnosisError, RolloutDiagnosisWarning
 from lightning_rollout_debug.checks.drift import DEFAULT_DRIFT_FACTORS
 from lightning_rollout_debug.metrics.alignment import response_log_probs
-from lightning_rollout_debug.metrics.batch import BatchError
 from lightning_rollout_debug.metrics.catalog import GROUPS, METRIC_NAMES
+from lightning_rollout_debug.metrics.inputs import BatchError
 from lightning_rollout_debug.metrics.stats import MismatchStats
 
 if TYPE_CHECKING:

@@ -17,15 +17,11 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.metrics.backends import add_batch
-from lightning_rollout_debug.metrics.batch import (
-    check_inputs,
-    check_token_ids,
-    extract_inputs,
-    tensor_sources,
-)
+from lightning_rollout_debug.metrics.batch import extract_inputs, tensor_sources
 from lightning_rollout_debug.metrics.catalog import METRIC_NAMES, SEED_FUNCTION_NAMES
 from lightning_rollout_debug.metrics.extras import TokenExtras
 from lightning_rollout_debug.metrics.formulas import pearson_from_moments
+from lightning_rollout_debug.metrics.inputs import check_inputs, check_token_ids
 from lightning_rollout_debug.metrics.rows import paired_moments
 from lightning_rollout_debug.metrics.settings import prefix_problems
 from lightning_rollout_debug.metrics.stats import MismatchStats

@@ -10,15 +10,17 @@ from tensordict import TensorDict
 
 from lightning_rollout_debug.functional import calculate_debug_metrics
 from lightning_rollout_debug.metrics.batch import (
-    BatchError,
-    MismatchInputs,
-    check_inputs,
-    check_token_ids,
     extract_inputs,
     lookup,
     require,
     select_mask,
     tensor_sources,
+)
+from lightning_rollout_debug.metrics.inputs import (
+    BatchError,
+    MismatchInputs,
+    check_inputs,
+    check_token_ids,
 )
 
 

@@ -25,9 +25,9 @@ from reference import assert_metrics_close, reference_metrics
 
 from lightning_rollout_debug import GROUPS, METRIC_NAMES, MismatchStats, RolloutDebugCallback
 from lightning_rollout_debug.metrics import native
-from lightning_rollout_debug.metrics.batch import check_inputs
 from lightning_rollout_debug.metrics.bins import LOG_RATIO_BINS, PROBS_DIFF_BINS
 from lightning_rollout_debug.metrics.extras import TokenExtras
+from lightning_rollout_debug.metrics.inputs import check_inputs
 from lightning_rollout_debug.metrics.layout import Block
 from lightning_rollout_debug.metrics.profile import (
     POSITION_BUCKETS,

@@ -46,14 +46,10 @@ from lightning_rollout_debug.loop.logs import WindowLogs
 from lightning_rollout_debug.loop.ranks import Ranks, global_rank, loop_ranks
 from lightning_rollout_debug.loop.window import DeviceWindow
 from lightning_rollout_debug.metrics.backends import add_batch
-from lightning_rollout_debug.metrics.batch import (
-    BatchError,
-    BatchRead,
-    batch_type_error,
-    read_batch,
-)
+from lightning_rollout_debug.metrics.batch import BatchRead, batch_type_error, read_batch
 from lightning_rollout_debug.metrics.extras import TokenExtras
 from lightning_rollout_debug.metrics.formulas import Window
+from lightning_rollout_debug.metrics.inputs import BatchError
 from lightning_rollout_debug.metrics.profile import Profile
 from lightning_rollout_debug.metrics.stats import MismatchStats
 from lightning_rollout_debug.views.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.metrics import native
-from lightning_rollout_debug.metrics.batch import MismatchInputs
+from lightning_rollout_debug.metrics.inputs import MismatchInputs
 from lightning_rollout_debug.metrics.layout import STATE
 from lightning_rollout_debug.metrics.rows import token_id_slots
 from lightning_rollout_debug.metrics.token_pass import (

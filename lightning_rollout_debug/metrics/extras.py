@@ -37,11 +37,6 @@ from torch import Tensor
 
 from lightning_rollout_debug.metrics import native
 from lightning_rollout_debug.metrics.backends import add_batch, compile_problems, native_wanted
-from lightning_rollout_debug.metrics.batch import (
-    MismatchInputs,
-    check_inputs,
-    check_token_ids,
-)
 from lightning_rollout_debug.metrics.bins import (
     HISTOGRAMS,
     LOG_RATIO_BINS,
@@ -50,6 +45,7 @@ from lightning_rollout_debug.metrics.bins import (
 )
 from lightning_rollout_debug.metrics.finish import finish_extras
 from lightning_rollout_debug.metrics.histograms import Histogram, histogram_blocks, read_histograms
+from lightning_rollout_debug.metrics.inputs import MismatchInputs, check_inputs, check_token_ids
 from lightning_rollout_debug.metrics.layout import Layout
 from lightning_rollout_debug.metrics.packed_window import PENDING, ThreadSafeWindow
 from lightning_rollout_debug.metrics.profile import (

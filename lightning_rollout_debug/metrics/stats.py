@@ -20,9 +20,9 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.metrics.backends import add_batch, compile_problems
-from lightning_rollout_debug.metrics.batch import MismatchInputs, check_inputs
 from lightning_rollout_debug.metrics.catalog import GROUPS, METRIC_NAMES, metrics_from_state
 from lightning_rollout_debug.metrics.finish import finish_statistics
+from lightning_rollout_debug.metrics.inputs import MismatchInputs, check_inputs
 from lightning_rollout_debug.metrics.layout import STATE, STATE_SIZE, identity_state, merge_states
 from lightning_rollout_debug.metrics.packed_window import ThreadSafeWindow
 from lightning_rollout_debug.metrics.profile import Profile
@@ -201,7 +201,7 @@ class MismatchStats(ThreadSafeWindow):
 
     @torch.no_grad()
     def _update_inputs(self, inputs: MismatchInputs) -> None:
-        """Add one batch whose tensors :func:`~.batch.check_inputs` has checked."""
+        """Add one batch whose tensors :func:`~.inputs.check_inputs` has checked."""
         add_batch(inputs, None, stats=self, extras=None)
 
     def finish(self, sums: Sequence[TokenSums]) -> Tensor:
