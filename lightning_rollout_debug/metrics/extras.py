@@ -43,7 +43,7 @@ from lightning_rollout_debug.metrics.bins import (
     PROBS_DIFF_BINS,
     QuarterOctaveBins,
 )
-from lightning_rollout_debug.metrics.finish import finish_extras
+from lightning_rollout_debug.metrics.finish_extras import finish_extras
 from lightning_rollout_debug.metrics.histograms import Histogram, histogram_blocks, read_histograms
 from lightning_rollout_debug.metrics.inputs import MismatchInputs, check_inputs, check_token_ids
 from lightning_rollout_debug.metrics.layout import Layout
