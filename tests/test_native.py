@@ -46,7 +46,7 @@ pytestmark = pytest.mark.skipif(KERNEL_SKIP is not None, reason=str(KERNEL_SKIP)
 def test_the_kernel_is_installed_and_loads() -> None:
     # Only a kernel turned off, or an install without a compiler, skips this module: a
     # kernel missing or refused here fails, with why.
-    assert native.available(), native._kernel["problem"]
+    assert native.available(), native.kernel._kernel["problem"]
 
 
 ALL = frozenset(GROUPS)
@@ -71,14 +71,14 @@ EXACT = (
 def native_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Records, per fused update, whether the native kernel's pass took it."""
     calls: list[bool] = []
-    original = native._pass
+    original = native.passes._pass
 
     def spy(*args: object, **kwargs: object) -> object:
         rows = original(*args, **kwargs)  # type: ignore[arg-type]
         calls.append(rows is not None)
         return rows
 
-    monkeypatch.setattr(native, "_pass", spy)
+    monkeypatch.setattr(native.passes, "_pass", spy)
     return calls
 
 
@@ -372,7 +372,7 @@ def test_native_worst_tokens_are_the_largest_and_the_earlier_of_equal_ones(
     log-probs take few values, so ties are common) the earlier ones in the batch, for any
     number of threads: each thread's rows only keep tokens above the k-th |r| of its rows
     so far, which never drops one of the k."""
-    monkeypatch.setattr(native, "_TOKENS_PER_THREAD", 1 << 12)
+    monkeypatch.setattr(native.passes, "_TOKENS_PER_THREAD", 1 << 12)
     rng = np.random.default_rng(17)
     count = torch.get_num_threads()
     try:
@@ -560,7 +560,7 @@ def test_native_profile_does_not_depend_on_the_thread_count(
     in the order of the blocks, so any number of threads gives the same bits (of the
     histograms added up from the fine bins too). 100x3000: more blocks of 4096 tokens
     than the kernel keeps, so its blocks take more."""
-    monkeypatch.setattr(native, "_TOKENS_PER_THREAD", 1 << 10)
+    monkeypatch.setattr(native.passes, "_TOKENS_PER_THREAD", 1 << 10)
     rng = np.random.default_rng(44)
     batch = make_batch(rng, shape, regime="mixed", mask_kind="counts", special_rate=0.01)
     request = TokenExtras(profile=True).kernel_request()
@@ -843,7 +843,8 @@ def test_histogram_bins_beyond_the_kernel_slots_are_refused(
 ) -> None:
     """A lane's two slots, its copy's offset included, are 16-bit fields: bins that do not
     fit are refused before anything is counted, and the torch path takes over."""
-    monkeypatch.setattr(native, "_kernel", dict(native._kernel))  # this test's give-up only
+    kernel = native.kernel
+    monkeypatch.setattr(kernel, "_kernel", dict(kernel._kernel))  # this test's give-up only
     rng = np.random.default_rng(46)
     batch = make_batch(rng, (4, 300), regime="mixed", mask_kind="prefix")
     fits = TokenExtras().kernel_request()
@@ -861,12 +862,13 @@ def test_a_finishing_step_that_fails_falls_back_to_torch(
     """An error in the kernel's finishing calls gives the kernel up with one warning: the
     batch and every later one go to the torch path, none is skipped."""
     assert native.available()
-    monkeypatch.setattr(native, "_kernel", dict(native._kernel))  # this test's give-up only
+    kernel = native.kernel
+    monkeypatch.setattr(kernel, "_kernel", dict(kernel._kernel))  # this test's give-up only
 
     def failing(*args: object) -> int:
         raise ctypes.ArgumentError("argument 3: wrong type")
 
-    monkeypatch.setitem(native._kernel, "finish", (failing, failing))
+    monkeypatch.setitem(native.kernel._kernel, "finish", (failing, failing))
     rng = np.random.default_rng(49)
     batches = [make_batch(rng, (4, 90), regime="mixed", mask_kind="prefix") for _ in range(2)]
     stats = MismatchStats()

@@ -43,7 +43,7 @@ def lanes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> in
     if wanted > widest:
         pytest.skip(f"this CPU runs the kernel at up to {widest} lanes")
     fresh = {"function": None, "problem": None, "columns": (), "finish": None, "lanes": None}
-    monkeypatch.setattr(native, "_kernel", fresh)
+    monkeypatch.setattr(native.kernel, "_kernel", fresh)
     native.load(wanted)
     assert native.vector_lanes() == wanted
     return wanted

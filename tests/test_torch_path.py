@@ -92,7 +92,7 @@ def test_an_eager_update_issues_the_same_few_operations_at_every_size(
 def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """CPU batches through torch.compile, as an accelerator's: no native kernel, fresh
     compiled functions."""
-    monkeypatch.setattr(native, "_pass", lambda *args, **kwargs: None)
+    monkeypatch.setattr(native.passes, "_pass", lambda *args, **kwargs: None)
     monkeypatch.setattr(backends, "_compiling", {"functions": {}, "failed": {}})
     torch._dynamo.reset()
     yield
