@@ -24,9 +24,10 @@ from lightning_rollout_debug.metrics.inputs import BatchError
 from lightning_rollout_debug.metrics.stats import MismatchStats
 
 if TYPE_CHECKING:
+    from lightning_rollout_debug.loop.batch_updates import RolloutDebugWarning
     from lightning_rollout_debug.loop.callback import RolloutDebugCallback
     from lightning_rollout_debug.loop.config import RolloutDebugConfig
-    from lightning_rollout_debug.loop.monitor import RolloutDebugMonitor, RolloutDebugWarning
+    from lightning_rollout_debug.loop.monitor import RolloutDebugMonitor
 
 __all__ = [
     "DEFAULT_ALERT_RANGES",
@@ -51,7 +52,7 @@ _LOOP_NAMES = {
     "RolloutDebugCallback": "lightning_rollout_debug.loop.callback",
     "RolloutDebugConfig": "lightning_rollout_debug.loop.config",
     "RolloutDebugMonitor": "lightning_rollout_debug.loop.monitor",
-    "RolloutDebugWarning": "lightning_rollout_debug.loop.monitor",
+    "RolloutDebugWarning": "lightning_rollout_debug.loop.batch_updates",
 }
 """The public names of the training-loop side, and the module each is defined in."""
 

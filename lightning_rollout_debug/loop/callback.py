@@ -23,8 +23,9 @@ from lightning_rollout_debug.loop.arguments import (
     metric_names,
     process_group_problems,
 )
+from lightning_rollout_debug.loop.batch_updates import FrontDoor, RolloutDebugWarning
 from lightning_rollout_debug.loop.config import InvalidSettings, RolloutDebugConfig, settings
-from lightning_rollout_debug.loop.monitor import FrontDoor, RolloutDebugMonitor, RolloutDebugWarning
+from lightning_rollout_debug.loop.monitor import RolloutDebugMonitor
 from lightning_rollout_debug.loop.packages import Callback
 from lightning_rollout_debug.loop.ranks import Ranks, rank_in
 from lightning_rollout_debug.metrics.backends import prepare_native

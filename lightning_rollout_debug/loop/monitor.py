@@ -7,72 +7,38 @@ statistics and extras on the batch's device (:mod:`~lightning_rollout_debug.metr
 step merges the window of every rank with one collective, copies it to the host once,
 logs the scalars and writes the TensorBoard extras (:mod:`.logs`), checks the alerts
 (:mod:`~lightning_rollout_debug.checks.alerts`) and starts a new window;
-:mod:`.checkpoint` writes the window's checkpoint state and reads it back.
-:class:`~lightning_rollout_debug.RolloutDebugCallback` is this engine with a Lightning
-Trainer deciding when to log and how ranks gather.
+:mod:`.checkpoint` writes the window's checkpoint state and reads it back. The road of an
+update is :class:`~.batch_updates.BatchUpdates`', that of a logged step
+:class:`~.logged_step.LoggedStep`'s; the monitor holds the state both read and the calls
+of a loop. :class:`~lightning_rollout_debug.RolloutDebugCallback` is this engine with a
+Lightning Trainer deciding when to log and how ranks gather.
 """
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from lightning_rollout_debug.checks.alerts import (
-    AlertMonitor,
-    RolloutAlertError,
-    RolloutAlertWarning,
-)
-from lightning_rollout_debug.checks.diagnosis import (
-    Diagnosis,
-    RolloutDiagnosisError,
-    RolloutDiagnosisWarning,
-    active_dropout,
-    diagnose,
-)
+from lightning_rollout_debug.checks.alerts import AlertMonitor
 from lightning_rollout_debug.checks.drift import DEFAULT_DRIFT_BASELINE, DriftMonitor
 from lightning_rollout_debug.loop.arguments import (
     checked_loggers,
     checked_step,
     process_group_problems,
 )
+from lightning_rollout_debug.loop.batch_updates import BatchUpdates, FrontDoor, RolloutDebugWarning
 from lightning_rollout_debug.loop.checkpoint import StateReader
 from lightning_rollout_debug.loop.config import InvalidSettings, RolloutDebugConfig, settings
+from lightning_rollout_debug.loop.logged_step import LoggedStep
 from lightning_rollout_debug.loop.logs import WindowLogs
-from lightning_rollout_debug.loop.ranks import Ranks, global_rank, loop_ranks
+from lightning_rollout_debug.loop.ranks import Ranks, loop_ranks
 from lightning_rollout_debug.loop.window import DeviceWindow
-from lightning_rollout_debug.metrics.backends import add_batch
-from lightning_rollout_debug.metrics.batch import BatchRead, batch_type_error, read_batch
 from lightning_rollout_debug.metrics.extras import TokenExtras
-from lightning_rollout_debug.metrics.formulas import Window
-from lightning_rollout_debug.metrics.inputs import BatchError
 from lightning_rollout_debug.metrics.profile import Profile
 from lightning_rollout_debug.metrics.stats import MismatchStats
 from lightning_rollout_debug.views.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS
-
-POSITIVE_LOG_PROB_TOLERANCE = 1e-3
-"""Log-probs above this (nats) are reported: no log-probability is above 0."""
-
-
-class RolloutDebugWarning(UserWarning):
-    """A batch that was skipped, or a setting that cannot be honoured."""
-
-
-@dataclass(frozen=True)
-class FrontDoor:
-    """How messages name a front door.
-
-    Its name, what it searches before the batch, and how its dropout check is turned off.
-    """
-
-    name: str
-    before_batch: str
-    dropout_off: str
-
 
 MONITOR_DOOR = FrontDoor(
     "RolloutDebugMonitor",
@@ -81,7 +47,7 @@ MONITOR_DOOR = FrontDoor(
 )
 
 
-class RolloutDebugMonitor:
+class RolloutDebugMonitor(BatchUpdates, LoggedStep):
     r"""Measure the mismatch between rollout-engine and trainer log-probabilities in any loop.
 
     The front door for loops that are not a Lightning Trainer: Lightning Fabric, or plain
@@ -368,102 +334,6 @@ class RolloutDebugMonitor:
         """
         self.restore(state_dict)
 
-    # ------------------------------------------------------------------ updates
-    def _update(self, sources: Sequence[Any], index: int) -> None:
-        """Add the batch of ``sources`` (the batch last) as the window's ``index``-th."""
-        try:
-            read = read_batch(
-                sources,
-                rollout_log_probs_key=self.config.rollout_log_probs_key,
-                old_log_probs_key=self.config.old_log_probs_key,
-                response_mask_key=self.config.response_mask_key,
-                token_ids_keys=self.config.token_ids_keys,
-            )
-            if read.mask_fallback is not None:
-                self._warn_once("mask-fallback", read.mask_fallback)
-            rank = self.rank if self.rank is not None else global_rank()
-            add_batch(
-                read.inputs,
-                read.token_ids,
-                stats=self._stats,
-                extras=self._extras,
-                batch=index,
-                rank=rank,
-            )
-            self._count_pads(read)
-        except BatchError as error:
-            # No local may hold the error (its traceback holds this frame, and with it the
-            # batch and any autograd graph, until a gc cycle).
-            self._skip_batch(batch_type_error(sources[-1], error, self._door.before_batch))
-            return
-        except Exception as error:
-            if self.config.strict:
-                raise
-            self._warn_once(
-                type(error).__name__, f"Could not update the statistics ({error!r}); skipped."
-            )
-
-    def _count_pads(self, read: BatchRead) -> None:
-        if self.config.pad_token_id is None:
-            return
-        if read.token_ids is None:
-            self._warn_once(
-                "pad-ids",
-                f"`pad_token_id={self.config.pad_token_id}` is set but the batch"
-                f"{read.ids_problem}; pad tokens are not counted.",
-            )
-            return
-        self._stats.count_pads(read.inputs.mask, read.token_ids, self.config.pad_token_id)
-
-    def _skip_batch(self, error: BatchError) -> None:
-        if self.config.strict:
-            raise error
-        self._warn_once(error.kind, f"{error} The batch is skipped.")
-
-    def _warn_once(self, kind: str, message: str) -> None:
-        if kind not in self._warned:
-            self._warned.add(kind)
-            warnings.warn(f"{self._door.name}: {message}", RolloutDebugWarning, stacklevel=3)
-
-    # ------------------------------------------------------------------ diagnoses
-    def check_dropout(self, model: torch.nn.Module) -> None:
-        """Warn once (raise with ``strict=True``) if ``model`` has dropout active.
-
-        Log-probs recomputed by a model in training mode with dropout ``p > 0`` carry
-        dropout noise that reads as mismatch; compute them in eval mode.
-        """
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                f"`check_dropout` takes a torch.nn.Module, got a {type(model).__name__}."
-            )
-        active = active_dropout(model)
-        if active:
-            shown = ", ".join(active[:3]) + (", ..." if len(active) > 3 else "")
-            self._report(
-                Diagnosis(
-                    "dropout",
-                    f"{len(active)} dropout module(s) of the model are active in training mode "
-                    f"({shown}). Log-probs recomputed with dropout carry its noise, which reads "
-                    "as mismatch: recompute old_log_probs in eval mode (model.eval()), or set "
-                    f"the dropout to 0. {self._door.dropout_off}",
-                ),
-                rank_zero=global_rank() == 0,
-            )
-
-    def _diagnose(
-        self, stats: MismatchStats, metrics: Mapping[str, float], rank_zero: bool
-    ) -> None:
-        for found in diagnose(Window(stats.state.tolist()), metrics):
-            self._report(found, rank_zero=rank_zero)
-
-    def _report(self, found: Diagnosis, *, rank_zero: bool) -> None:
-        """Warn once per kind (on rank zero), or raise with ``strict=True`` (every rank)."""
-        if self.config.strict:
-            raise RolloutDiagnosisError(f"{self._door.name}: {found.message}")
-        if rank_zero and found.kind not in self.diagnosed:
-            self.diagnosed.add(found.kind)
-            warnings.warn(f"{self._door.name}: {found.message}", RolloutDiagnosisWarning, 3)
-
     # ------------------------------------------------------------------ windows
     def begin(self, *, keep_window: bool = False, device: torch.device | None = None) -> None:
         """Start a run: the window emptied, or kept on ``device``.
@@ -483,77 +353,6 @@ class RolloutDebugMonitor:
             self.diagnosed.clear()
         elif device is not None:
             self._window.move_to(device)
-
-    # ------------------------------------------------------------------ logged steps
-    def log_window(
-        self, step: int, loggers: Sequence[Any], ranks: Ranks
-    ) -> tuple[dict[str, float], dict[str, float]]:
-        """Merge the window over ``ranks``, log it at ``step`` and empty it.
-
-        :meth:`log` for a loop that brings its own ranks and checks the alerts itself
-        (:meth:`check_alerts`), as the callback does. Returns the logged scalars by
-        prefixed name, and every metric by its own.
-        """
-        stats, extras = self._window.on_host(ranks)
-        # A window restored without its extras has a profile of only part of its tokens:
-        # no quantiles and no pictures for it.
-        partial = self._window.partial_profile
-        self._window.empty()
-        self.profile = None if extras is None or partial else extras.profile
-        metrics = stats.compute(self.profile)
-        scalars = {
-            f"{self.config.prefix}{name}": value
-            for name, value in metrics.items()
-            if not math.isnan(value)
-        }
-        if ranks.is_global_zero:  # the merged window: said and written once
-            self._check_log_prob_signs(stats, step)
-            show_rank = ranks.world_size > 1
-            self._logs.write(loggers, scalars, extras, self.profile, step, show_rank=show_rank)
-        # After the writes: with strict=True the window a mistake is named from is logged.
-        self._diagnose(stats, metrics, ranks.is_global_zero)
-        return scalars, metrics
-
-    def _check_log_prob_signs(self, stats: MismatchStats, step: int) -> None:
-        """Warn once per key when the window holds log-probs above 0 (read off the host copy)."""
-        keys = (self.config.old_log_probs_key, self.config.rollout_log_probs_key)
-        for key, largest in zip(keys, stats.largest_log_probs(), strict=True):
-            if largest > POSITIVE_LOG_PROB_TOLERANCE:
-                self._warn_once(
-                    f"positive:{key}",
-                    f"`{key}` holds values up to {largest:.6g} in the window ending at step "
-                    f"{step}; log-probabilities are at most 0 (logits, or negative "
-                    "log-likelihoods?). Its tokens are counted as they are: probabilities "
-                    "above 1, perplexities below 1.",
-                )
-
-    def check_alerts(self, metrics: Mapping[str, float], step: int, *, warn: bool) -> bool:
-        """Act on the metrics outside their range or drifted; whether the loop should stop.
-
-        The metrics are the same on every rank, so every rank decides the same; only
-        ``warn`` ranks (rank 0) warn.
-        """
-        fixed, drift = self._alerts.check(metrics), self._drift.check(metrics)
-        outside = [*fixed.outside, *drift.outside]
-        if not outside:
-            return False
-        if self.config.on_alert == "raise":
-            found = "; ".join(alert.describe(self.config.prefix) for alert in outside)
-            raise RolloutAlertError(f"{self._door.name} at step {step}: {found}.")
-        stop = self.config.on_alert == "stop"
-        self.should_stop = self.should_stop or stop
-        for alert in [*fixed.new, *drift.new] if warn else ():
-            then = (
-                "stopping the training (on_alert='stop')"
-                if stop
-                else f"warning again only after it is {alert.back}"
-            )
-            warnings.warn(
-                f"{self._door.name} at step {step}: {alert.describe(self.config.prefix)}; {then}.",
-                RolloutAlertWarning,
-                stacklevel=3,
-            )
-        return stop
 
     # ------------------------------------------------------------------ state
     def window_state(
