@@ -1,9 +1,10 @@
 """See the mismatch between rollout-engine and trainer log-probabilities in RL fine-tuning.
 
-The statistics, the one-shot functions (:mod:`.functional`) and the checks load with the
-package; the names of the training-loop side (the callback, the monitor, their settings
-and warning, in :mod:`.loop`) load with Lightning when one of them is first used, so that
-a loop of its own, or the functions alone, never import Lightning, TensorBoard or Pillow.
+The statistics (:mod:`.metrics`) and the checks (:mod:`.checks`) load with the package;
+the names of the training-loop side (the callback, the monitor, their settings and
+warning, in :mod:`.loop`) load with Lightning when one of them is first used, so that the
+statistics and the one-shot functions (:mod:`.functional`) run without Lightning,
+TensorBoard or Pillow imported.
 """
 
 from __future__ import annotations
