@@ -1,7 +1,7 @@
 """The package's one compiled part: the CPU kernel, built with the package.
 
 ``pip install .``, ``pip install -e .`` and ``python -m build`` compile
-``lightning_rollout_debug/native/row_sums.cpp`` into plain shared libraries, one per vector
+``lightning_rollout_debug/metrics/native/row_sums.cpp`` into plain shared libraries, one per vector
 width the platform has (on x86-64: 16 float32 lanes with AVX-512, 8 with AVX2, 4 with
 SSE4.2, which every x86-64 CPU since 2009 has; elsewhere 4), which the package loads
 with ``ctypes``, choosing at run time by what the CPU supports. They call nothing of Python or
@@ -21,7 +21,7 @@ import sysconfig
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCE = "lightning_rollout_debug/native/row_sums.cpp"
+SOURCE = "lightning_rollout_debug/metrics/native/row_sums.cpp"
 FLAGS = [
     "-O3",
     "-g0",  # no debugging sections (Python's own flags may ask for them): a seventh of the size
@@ -61,7 +61,7 @@ def widths() -> dict[int, list[str]]:
 def kernel(lanes: int, flags: list[str]) -> Extension:
     """The kernel of ``lanes`` float32 lanes."""
     return Extension(
-        f"lightning_rollout_debug.native._row_sums_{lanes}",
+        f"lightning_rollout_debug.metrics.native._row_sums_{lanes}",
         sources=[SOURCE],
         language="c++",
         define_macros=[("ROLLOUT_LANES", str(lanes))],

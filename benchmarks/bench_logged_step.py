@@ -52,10 +52,10 @@ from bench_metrics import kernel_width
 from bench_trainer import QUIET, RolloutBatches
 
 from lightning_rollout_debug import RolloutDebugCallback
-from lightning_rollout_debug.canvas import encode_png
-from lightning_rollout_debug.pictures import profile_images
-from lightning_rollout_debug.profile import PROFILE_SIZE, read_profile
-from lightning_rollout_debug.tensorboard import log_scalars, write_profile
+from lightning_rollout_debug.metrics.profile import PROFILE_SIZE, read_profile
+from lightning_rollout_debug.views.canvas import encode_png
+from lightning_rollout_debug.views.pictures import profile_images
+from lightning_rollout_debug.views.tensorboard import log_scalars, write_profile
 
 
 def rgb_png(image: Image.Image) -> bytes:

@@ -43,9 +43,10 @@ from bench_metrics import kernel_width
 from bench_trainer import QUIET, RolloutBatches
 from configurations import NO_PROFILE
 
-from lightning_rollout_debug import RolloutDebugMonitor, logs
-from lightning_rollout_debug.extras import TokenExtras
-from lightning_rollout_debug.window import DeviceWindow
+from lightning_rollout_debug import RolloutDebugMonitor
+from lightning_rollout_debug.loop import logs
+from lightning_rollout_debug.loop.window import DeviceWindow
+from lightning_rollout_debug.metrics.extras import TokenExtras
 
 CONFIGURATIONS: dict[str, dict[str, Any]] = {"defaults": {}, "no profile": dict(NO_PROFILE)}
 PARTS = {

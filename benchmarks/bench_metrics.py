@@ -36,12 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from seed_baseline import seed_calculate_debug_metrics
 
-from lightning_rollout_debug import GROUPS, native
+from lightning_rollout_debug import GROUPS
 from lightning_rollout_debug.functional import (
     calculate_debug_metrics,
     mismatch_metrics,
 )
-from lightning_rollout_debug.stats import MismatchStats
+from lightning_rollout_debug.metrics import native
+from lightning_rollout_debug.metrics.stats import MismatchStats
 
 SHAPES = ((256, 4096), (512, 8192))
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -35,7 +35,7 @@ from bench_metrics import status_kib
 from configurations import SCALARS_ONLY
 
 from lightning_rollout_debug import MismatchStats, RolloutDebugCallback
-from lightning_rollout_debug.extras import TokenExtras
+from lightning_rollout_debug.metrics.extras import TokenExtras
 
 
 class Timed(RolloutDebugCallback):

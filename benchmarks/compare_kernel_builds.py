@@ -40,12 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_metrics import make_batch
 from bench_trainer import RolloutBatches
 
-from lightning_rollout_debug import RolloutDebugCallback, native
-from lightning_rollout_debug.native import loader
-from lightning_rollout_debug.rows import ROW_FIELDS
+from lightning_rollout_debug import RolloutDebugCallback
+from lightning_rollout_debug.metrics import native
+from lightning_rollout_debug.metrics.native import loader, passes
+from lightning_rollout_debug.metrics.rows import ROW_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "lightning_rollout_debug" / "native" / "row_sums.cpp"
+SOURCE = ROOT / "lightning_rollout_debug" / "metrics" / "native" / "row_sums.cpp"
 LEVELS = {"seed": 0, "every group": 3, "defaults": 3}
 
 
@@ -87,18 +88,18 @@ def case(
         batch[key].to(dtype).contiguous() for key in ("rollout_log_probs", "old_log_probs")
     )
     flags = batch["response_mask"]
-    flags = (flags if flags.dtype in native._MASK_KINDS else flags != 0).contiguous()
+    flags = (flags if flags.dtype in passes._MASK_KINDS else flags != 0).contiguous()
     extras = RolloutDebugCallback().monitor._extras
     request = extras.kernel_request() if what == "defaults" and extras is not None else None
-    kind = native._LOG_PROB_KINDS[dtype]
-    threads = native._threads(rows * width, profile=request is not None)
+    kind = passes._LOG_PROB_KINDS[dtype]
+    threads = passes._threads(rows * width, profile=request is not None)
     calls, outputs = {}, {}
     for name, function in functions.items():
         table = torch.empty(rows, len(ROW_FIELDS), dtype=torch.float64)
         kept = [table]
         pointers: list[int | None] = [None, None, None]
         if request is not None:
-            settings = native._settings(request)
+            settings = passes._settings(request)
             extras_rows = torch.empty(
                 rows, native.EXTRAS_MOMENTS + 2 * request.k, dtype=torch.float64
             )
@@ -111,7 +112,7 @@ def case(
         ) -> int:
             return function(
                 rollout.data_ptr(), old.data_ptr(), flags.data_ptr(), kind,
-                native._MASK_KINDS[flags.dtype], rows, width, LEVELS[what], 1.0, -0.5, threads,
+                passes._MASK_KINDS[flags.dtype], rows, width, LEVELS[what], 1.0, -0.5, threads,
                 table.data_ptr(), *pointers,
             )  # fmt: skip
 

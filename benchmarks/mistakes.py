@@ -75,7 +75,7 @@ from pathlib import Path
 import torch
 
 from lightning_rollout_debug import RolloutDebugMonitor, RolloutDebugWarning, response_log_probs
-from lightning_rollout_debug.diagnosis import KINDS, RolloutDiagnosisWarning
+from lightning_rollout_debug.checks.diagnosis import KINDS, RolloutDiagnosisWarning
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import calibrate_alerts

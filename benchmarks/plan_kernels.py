@@ -1,7 +1,7 @@
 """The GPU kernels inductor plans for one compiled update, counted on a machine without one.
 
 On an accelerator every update runs through ``torch.compile`` (see
-``lightning_rollout_debug/backends.py``), and each Triton kernel of the compiled graph is
+``lightning_rollout_debug/metrics/backends.py``), and each Triton kernel of the compiled graph is
 one launch. This script asks inductor for the Triton code of the same functions on CPU
 tensors (inductor's Triton backend for CPUs, told to plan for an sm_90 GPU, adding
 atomically as a GPU does) and counts the kernels the generated wrapper calls, without
@@ -35,8 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_metrics import make_batch
 from configurations import SCALARS_ONLY
 
-from lightning_rollout_debug import RolloutDebugCallback, backends
-from lightning_rollout_debug.token_pass import PassPlan, constants
+from lightning_rollout_debug import RolloutDebugCallback
+from lightning_rollout_debug.metrics import backends
+from lightning_rollout_debug.metrics.token_pass import PassPlan, constants
 
 _WRAPPERS: list[str] = []
 

@@ -3,8 +3,8 @@
 The first four keep the names and call shapes of the original debug-metrics module;
 :func:`mismatch_metrics` returns the whole catalog and :func:`mismatch_profile` where the
 mismatch lives. :func:`calculate_debug_metrics` goes through
-:class:`~lightning_rollout_debug.stats.MismatchStats`, :func:`mismatch_profile` through
-:class:`~lightning_rollout_debug.extras.TokenExtras` and :func:`mismatch_metrics`
+:class:`~lightning_rollout_debug.metrics.stats.MismatchStats`, :func:`mismatch_profile` through
+:class:`~lightning_rollout_debug.metrics.extras.TokenExtras` and :func:`mismatch_metrics`
 through both; the other three are plain tensor arithmetic.
 """
 
@@ -16,18 +16,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_rollout_debug.arguments import prefix_problems
-from lightning_rollout_debug.backends import add_batch
-from lightning_rollout_debug.batch import (
-    check_inputs,
-    check_token_ids,
-    extract_inputs,
-    tensor_sources,
-)
-from lightning_rollout_debug.catalog import METRIC_NAMES, SEED_FUNCTION_NAMES, pearson_from_moments
-from lightning_rollout_debug.extras import TokenExtras
-from lightning_rollout_debug.rows import paired_moments
-from lightning_rollout_debug.stats import MismatchStats
+from lightning_rollout_debug.metrics.backends import add_batch
+from lightning_rollout_debug.metrics.batch import extract_inputs, tensor_sources
+from lightning_rollout_debug.metrics.catalog import METRIC_NAMES, SEED_FUNCTION_NAMES
+from lightning_rollout_debug.metrics.extras import TokenExtras
+from lightning_rollout_debug.metrics.formulas import pearson_from_moments
+from lightning_rollout_debug.metrics.inputs import check_inputs, check_token_ids
+from lightning_rollout_debug.metrics.rows import paired_moments
+from lightning_rollout_debug.metrics.settings import prefix_problems
+from lightning_rollout_debug.metrics.stats import MismatchStats
 
 __all__ = [
     "calculate_debug_metrics",

@@ -37,7 +37,7 @@ def kernel_skip_reason() -> str | None:
     there to build it, skips them: an installation that has a compiler but lacks the
     kernel, or whose kernel fails to load, fails the tests.
     """
-    from lightning_rollout_debug.native import SWITCH_ENV, builds
+    from lightning_rollout_debug.metrics.native import SWITCH_ENV, builds
 
     switch = os.environ.get(SWITCH_ENV, "").strip().lower()
     if switch in ("0", "false", "off", "no"):
@@ -59,7 +59,7 @@ NEEDS_CXX = pytest.mark.skipif(
 """For a test that compiles on the CPU with inductor and checks that it did."""
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE = ROOT / "lightning_rollout_debug" / "native" / "row_sums.cpp"
+SOURCE = ROOT / "lightning_rollout_debug" / "metrics" / "native" / "row_sums.cpp"
 """The kernel's source, in the checkout."""
 
 

@@ -13,7 +13,7 @@ import torch
 from lightning_helpers import TRAINER_DEFAULTS, RolloutModule, make_batch
 
 from lightning_rollout_debug import RolloutDebugCallback
-from lightning_rollout_debug.alerts import (
+from lightning_rollout_debug.checks.alerts import (
     DEFAULT_ALERT_RANGES,
     AlertMonitor,
     RolloutAlertError,
@@ -21,7 +21,7 @@ from lightning_rollout_debug.alerts import (
     alert_problems,
     resolve_alert_ranges,
 )
-from lightning_rollout_debug.catalog import GROUPS, METRIC_NAMES
+from lightning_rollout_debug.metrics.catalog import GROUPS, METRIC_NAMES
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),

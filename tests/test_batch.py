@@ -8,18 +8,20 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from lightning_rollout_debug.batch import (
-    BatchError,
-    MismatchInputs,
-    check_inputs,
-    check_token_ids,
+from lightning_rollout_debug.functional import calculate_debug_metrics
+from lightning_rollout_debug.metrics.batch import (
     extract_inputs,
     lookup,
     require,
     select_mask,
     tensor_sources,
 )
-from lightning_rollout_debug.functional import calculate_debug_metrics
+from lightning_rollout_debug.metrics.inputs import (
+    BatchError,
+    MismatchInputs,
+    check_inputs,
+    check_token_ids,
+)
 
 
 class FakeDataProto:

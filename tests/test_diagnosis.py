@@ -2,8 +2,8 @@
 
 Each mistake (log-probs shifted by one position, padding left in the mask, the prompt's
 columns kept, truncated sampling in the engine, dropout in the recompute) must produce
-its own :class:`~lightning_rollout_debug.diagnosis.RolloutDiagnosisWarning` (once per
-run and kind; :class:`~lightning_rollout_debug.diagnosis.RolloutDiagnosisError` with
+its own :class:`~lightning_rollout_debug.checks.diagnosis.RolloutDiagnosisWarning` (once per
+run and kind; :class:`~lightning_rollout_debug.checks.diagnosis.RolloutDiagnosisError` with
 ``strict=True``), and a correct run none. The realistic data come from a tiny random
 GPT-2 (``benchmarks/calibrate_alerts.py``'s ``realistic`` model): a bf16 copy samples
 with ``generate`` and its KV cache (the rollout engine), the float32 model recomputes the
@@ -39,15 +39,15 @@ from lightning_rollout_debug import (
     RolloutDebugWarning,
     response_log_probs,
 )
-from lightning_rollout_debug.catalog import Window, lag_correlations
-from lightning_rollout_debug.diagnosis import (
+from lightning_rollout_debug.checks.diagnosis import (
     RolloutDiagnosisError,
     RolloutDiagnosisWarning,
     active_dropout,
     diagnose,
     lag_spreads,
 )
-from lightning_rollout_debug.layout import merge_states
+from lightning_rollout_debug.metrics.formulas import Window, lag_correlations
+from lightning_rollout_debug.metrics.layout import merge_states
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),

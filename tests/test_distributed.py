@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_rollout_debug
 from lightning_rollout_debug import METRIC_NAMES, MismatchStats, RolloutDebugCallback
-from lightning_rollout_debug.layout import STATE_SIZE, identity_state, merge_states
+from lightning_rollout_debug.metrics.layout import STATE_SIZE, identity_state, merge_states
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -738,7 +738,7 @@ def test_merge_of_empty_ranks_is_empty() -> None:
 
 def test_docs_state_the_size_of_the_collective() -> None:
     """docs/distributed.md quotes the vector sizes: keep them in step with the code."""
-    from lightning_rollout_debug.extras import TokenExtras
+    from lightning_rollout_debug.metrics.extras import TokenExtras
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
     extras = TokenExtras(histograms=True, worst_tokens_k=10, profile=True).size

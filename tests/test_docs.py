@@ -102,7 +102,7 @@ def charts_of_the_dashboard_table() -> dict[str, list[tuple[str, ...]]]:
 
 
 def test_the_dashboard_table_lists_every_chart() -> None:
-    from lightning_rollout_debug.catalog import DASHBOARD
+    from lightning_rollout_debug.metrics.catalog import DASHBOARD
 
     expected = {category: [names for _, names in charts] for category, charts in DASHBOARD}
     assert charts_of_the_dashboard_table() == expected
@@ -175,7 +175,7 @@ def test_every_page_is_in_the_navigation() -> None:
 
 
 def test_default_alerts_are_documented() -> None:
-    from lightning_rollout_debug.alerts import DEFAULT_ALERT_RANGES
+    from lightning_rollout_debug.checks.alerts import DEFAULT_ALERT_RANGES
 
     text = read("metrics.md")
     table = text[text.index("## Reference points at a glance") :]
@@ -254,7 +254,7 @@ def _counted(pattern: str) -> list[int]:
 def test_the_counts_in_the_prose_are_the_packages() -> None:
     """ "42 scalars", the extras' "6,343 float64 slots", the profile's "5,930 slots": each
     count the prose gives is the one the package has."""
-    from lightning_rollout_debug.profile import PROFILE_SIZE
+    from lightning_rollout_debug.metrics.profile import PROFILE_SIZE
 
     monitor = RolloutDebugCallback().monitor
     scalars = sum(len(METRIC_NAMES[group]) for group in monitor.config.groups)

@@ -20,13 +20,13 @@ from lightning_rollout_debug import (
     RolloutDebugMonitor,
     RolloutDebugWarning,
 )
-from lightning_rollout_debug.alerts import (
+from lightning_rollout_debug.checks.drift import (
     DEFAULT_DRIFT_BASELINE,
     DEFAULT_DRIFT_FACTORS,
     DriftMonitor,
     resolve_drift_factors,
 )
-from lightning_rollout_debug.catalog import GROUPS
+from lightning_rollout_debug.metrics.catalog import GROUPS
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),

@@ -22,11 +22,10 @@ from lightning_rollout_debug import (
     MismatchStats,
     RolloutDebugCallback,
     RolloutDebugWarning,
-    backends,
-    native,
 )
-from lightning_rollout_debug.extras import TokenExtras
-from lightning_rollout_debug.token_pass import PassPlan
+from lightning_rollout_debug.metrics import backends, native
+from lightning_rollout_debug.metrics.extras import TokenExtras
+from lightning_rollout_debug.metrics.token_pass import PassPlan
 
 LOG_RATIO_TAG = "training/rollout_log_ratio_hist"
 COMPILE_FAILED = "torch.compile of the rollout metrics failed"
@@ -37,13 +36,13 @@ NAMES = [n for g in GROUPS if g != "token_ids" for n in METRIC_NAMES[g]]
 def fused_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each fused CPU update once through the native kernel and once through inductor."""
     if request.param == "torch.compile":
-        monkeypatch.setattr(native, "_pass", lambda *args, **kwargs: None)
+        monkeypatch.setattr(native.passes, "_pass", lambda *args, **kwargs: None)
     return request.param
 
 
 @pytest.fixture
 def inductor_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "_pass", lambda *args, **kwargs: None)
+    monkeypatch.setattr(native.passes, "_pass", lambda *args, **kwargs: None)
 
 
 def _batch(dtype: torch.dtype, rows: int = 96, width: int = 1024) -> tuple[torch.Tensor, ...]:
@@ -146,7 +145,7 @@ def test_traced_updates_shift_tensors_only(monkeypatch: pytest.MonkeyPatch) -> N
         torch, "compile", lambda function, **_: compile(function, dynamic=True, backend=capture)
     )
     monkeypatch.setattr(backends, "_compiling", {"functions": {}, "failed": {}})
-    monkeypatch.setattr(native, "_pass", lambda *args, **kwargs: None)
+    monkeypatch.setattr(native.passes, "_pass", lambda *args, **kwargs: None)
     torch._dynamo.reset()
     rollout, old, mask, ids, _ = _batch(torch.float32)
     try:
@@ -187,7 +186,7 @@ def test_a_pass_that_fails_to_compile_leaves_the_others_compiled(
 
     monkeypatch.setattr(torch, "compile", compile_failing_for_the_extras)
     monkeypatch.setattr(backends, "_compiling", {"functions": {}, "failed": {}})
-    monkeypatch.setattr(native, "_pass", lambda *args, **kwargs: None)
+    monkeypatch.setattr(native.passes, "_pass", lambda *args, **kwargs: None)
     rollout, old, mask, ids, _ = _batch(torch.float32)
     stats, extras = MismatchStats(compile=True), TokenExtras(worst_tokens_k=4, compile=True)
     eager = TokenExtras(worst_tokens_k=4, compile=False)

@@ -45,8 +45,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_rollout_debug import BatchError, RolloutDebugCallback, RolloutDebugWarning
-from lightning_rollout_debug.batch import extract_inputs, tensor_sources
-from lightning_rollout_debug.stats import MismatchStats
+from lightning_rollout_debug.metrics.batch import extract_inputs, tensor_sources
+from lightning_rollout_debug.metrics.stats import MismatchStats
 
 ROLLOUT, OLD, MASK = "rollout_log_probs", "old_log_probs", "response_mask"
 ATTENTION, RESPONSES = "attention_mask", "responses"

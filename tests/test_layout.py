@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_rollout_debug.catalog import (
+from lightning_rollout_debug.metrics.catalog import (
     CATALOG,
     CATEGORIES,
     DASHBOARD,
@@ -16,7 +16,7 @@ from lightning_rollout_debug.catalog import (
     GROUPS,
     METRIC_NAMES,
 )
-from lightning_rollout_debug.layout import STATE, Block, Layout
+from lightning_rollout_debug.metrics.layout import STATE, Block, Layout
 
 
 def moments_layout() -> Layout:

@@ -37,8 +37,8 @@ from reference import assert_metrics_close, reference_metrics
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_rollout_debug import RolloutDebugCallback, RolloutDebugWarning
-from lightning_rollout_debug.layout import STATE_SIZE
-from lightning_rollout_debug.stats import MismatchStats
+from lightning_rollout_debug.metrics.layout import STATE_SIZE
+from lightning_rollout_debug.metrics.stats import MismatchStats
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),

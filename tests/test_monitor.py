@@ -52,7 +52,7 @@ from lightning_rollout_debug import (
     RolloutDebugMonitor,
     RolloutDebugWarning,
 )
-from lightning_rollout_debug.layout import STATE
+from lightning_rollout_debug.metrics.layout import STATE
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),

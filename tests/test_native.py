@@ -23,26 +23,21 @@ from conftest import REGIMES, SOURCE, Batch, cxx, kernel_skip_reason, make_batch
 from lightning_helpers import TRAINER_DEFAULTS, MemoryLogger, RolloutModule, make_batches
 from reference import assert_metrics_close, reference_metrics
 
-from lightning_rollout_debug import (
-    GROUPS,
-    METRIC_NAMES,
-    MismatchStats,
-    RolloutDebugCallback,
-    native,
-)
-from lightning_rollout_debug.batch import check_inputs
-from lightning_rollout_debug.bins import LOG_RATIO_BINS, PROBS_DIFF_BINS
-from lightning_rollout_debug.extras import TokenExtras
-from lightning_rollout_debug.layout import Block
-from lightning_rollout_debug.profile import (
+from lightning_rollout_debug import GROUPS, METRIC_NAMES, MismatchStats, RolloutDebugCallback
+from lightning_rollout_debug.metrics import native
+from lightning_rollout_debug.metrics.bins import LOG_RATIO_BINS, PROBS_DIFF_BINS
+from lightning_rollout_debug.metrics.extras import TokenExtras
+from lightning_rollout_debug.metrics.inputs import check_inputs
+from lightning_rollout_debug.metrics.layout import Block
+from lightning_rollout_debug.metrics.profile import (
     POSITION_BUCKETS,
     PROBABILITY_BUCKETS,
     PROFILE_SIZE,
     QUANTILE_BINS,
     profile_blocks,
 )
-from lightning_rollout_debug.rows import ROW_FIELDS, row_sums, rows_for
-from lightning_rollout_debug.worst_tokens import WorstToken
+from lightning_rollout_debug.metrics.rows import ROW_FIELDS, row_sums, rows_for
+from lightning_rollout_debug.metrics.worst_tokens import WorstToken
 
 KERNEL_SKIP = kernel_skip_reason()
 pytestmark = pytest.mark.skipif(KERNEL_SKIP is not None, reason=str(KERNEL_SKIP))
@@ -51,7 +46,7 @@ pytestmark = pytest.mark.skipif(KERNEL_SKIP is not None, reason=str(KERNEL_SKIP)
 def test_the_kernel_is_installed_and_loads() -> None:
     # Only a kernel turned off, or an install without a compiler, skips this module: a
     # kernel missing or refused here fails, with why.
-    assert native.available(), native._kernel["problem"]
+    assert native.available(), native.kernel._kernel["problem"]
 
 
 ALL = frozenset(GROUPS)
@@ -76,14 +71,14 @@ EXACT = (
 def native_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Records, per fused update, whether the native kernel's pass took it."""
     calls: list[bool] = []
-    original = native._pass
+    original = native.passes._pass
 
     def spy(*args: object, **kwargs: object) -> object:
         rows = original(*args, **kwargs)  # type: ignore[arg-type]
         calls.append(rows is not None)
         return rows
 
-    monkeypatch.setattr(native, "_pass", spy)
+    monkeypatch.setattr(native.passes, "_pass", spy)
     return calls
 
 
@@ -175,7 +170,8 @@ def test_other_layouts_and_dtypes_go_the_torch_way(native_calls: list[bool]) -> 
 NO_KERNEL_RUN = """
 import warnings
 import torch
-from lightning_rollout_debug import MismatchStats, native
+from lightning_rollout_debug import MismatchStats
+from lightning_rollout_debug.metrics import native
 rollout = torch.linspace(-3.0, -0.01, 300 * 260).reshape(300, 260)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -190,7 +186,7 @@ print(native.builds(), stats.compute()["rollout_log_probs_diff_mean"])
 def test_an_install_without_the_kernel_warns_once_and_computes_on_torch(tmp_path: Path) -> None:
     """The package as a source install without a compiler leaves it: no kernel beside the
     loader. The first CPU batch warns once, saying how to get it; the results hold."""
-    package = Path(native.__file__).parent.parent
+    package = Path(native.__file__).parents[2]
     copy = tmp_path / package.name
     shutil.copytree(package, copy, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     done = subprocess.run(
@@ -213,7 +209,8 @@ import pytorch_lightning as pl
 from pytorch_lightning.loggers import TensorBoardLogger
 sys.path.insert(0, sys.argv[1])
 from lightning_helpers import TRAINER_DEFAULTS, RolloutModule, make_batches
-from lightning_rollout_debug import RolloutDebugCallback, native
+from lightning_rollout_debug import RolloutDebugCallback
+from lightning_rollout_debug.metrics import native
 trainer = pl.Trainer(
     **{**TRAINER_DEFAULTS, "max_steps": 3}, logger=TensorBoardLogger("logs"),
     callbacks=[RolloutDebugCallback(log_every_n_steps=1)],
@@ -375,7 +372,7 @@ def test_native_worst_tokens_are_the_largest_and_the_earlier_of_equal_ones(
     log-probs take few values, so ties are common) the earlier ones in the batch, for any
     number of threads: each thread's rows only keep tokens above the k-th |r| of its rows
     so far, which never drops one of the k."""
-    monkeypatch.setattr(native, "_TOKENS_PER_THREAD", 1 << 12)
+    monkeypatch.setattr(native.passes, "_TOKENS_PER_THREAD", 1 << 12)
     rng = np.random.default_rng(17)
     count = torch.get_num_threads()
     try:
@@ -563,7 +560,7 @@ def test_native_profile_does_not_depend_on_the_thread_count(
     in the order of the blocks, so any number of threads gives the same bits (of the
     histograms added up from the fine bins too). 100x3000: more blocks of 4096 tokens
     than the kernel keeps, so its blocks take more."""
-    monkeypatch.setattr(native, "_TOKENS_PER_THREAD", 1 << 10)
+    monkeypatch.setattr(native.passes, "_TOKENS_PER_THREAD", 1 << 10)
     rng = np.random.default_rng(44)
     batch = make_batch(rng, shape, regime="mixed", mask_kind="counts", special_rate=0.01)
     request = TokenExtras(profile=True).kernel_request()
@@ -846,7 +843,8 @@ def test_histogram_bins_beyond_the_kernel_slots_are_refused(
 ) -> None:
     """A lane's two slots, its copy's offset included, are 16-bit fields: bins that do not
     fit are refused before anything is counted, and the torch path takes over."""
-    monkeypatch.setattr(native, "_kernel", dict(native._kernel))  # this test's give-up only
+    kernel = native.kernel
+    monkeypatch.setattr(kernel, "_kernel", dict(kernel._kernel))  # this test's give-up only
     rng = np.random.default_rng(46)
     batch = make_batch(rng, (4, 300), regime="mixed", mask_kind="prefix")
     fits = TokenExtras().kernel_request()
@@ -864,12 +862,13 @@ def test_a_finishing_step_that_fails_falls_back_to_torch(
     """An error in the kernel's finishing calls gives the kernel up with one warning: the
     batch and every later one go to the torch path, none is skipped."""
     assert native.available()
-    monkeypatch.setattr(native, "_kernel", dict(native._kernel))  # this test's give-up only
+    kernel = native.kernel
+    monkeypatch.setattr(kernel, "_kernel", dict(kernel._kernel))  # this test's give-up only
 
     def failing(*args: object) -> int:
         raise ctypes.ArgumentError("argument 3: wrong type")
 
-    monkeypatch.setitem(native._kernel, "finish", (failing, failing))
+    monkeypatch.setitem(native.kernel._kernel, "finish", (failing, failing))
     rng = np.random.default_rng(49)
     batches = [make_batch(rng, (4, 90), regime="mixed", mask_kind="prefix") for _ in range(2)]
     stats = MismatchStats()

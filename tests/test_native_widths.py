@@ -22,10 +22,11 @@ from reference import assert_metrics_close
 from test_native import EXACT, _assert_same_extras, _assert_same_profile, _profile_of
 from torch import Tensor
 
-from lightning_rollout_debug import GROUPS, MismatchStats, native
-from lightning_rollout_debug.extras import TokenExtras
-from lightning_rollout_debug.profile import POSITION_BUCKETS
-from lightning_rollout_debug.rows import ROW_FIELDS, row_sums, rows_for
+from lightning_rollout_debug import GROUPS, MismatchStats
+from lightning_rollout_debug.metrics import native
+from lightning_rollout_debug.metrics.extras import TokenExtras
+from lightning_rollout_debug.metrics.profile import POSITION_BUCKETS
+from lightning_rollout_debug.metrics.rows import ROW_FIELDS, row_sums, rows_for
 
 KERNEL_SKIP = kernel_skip_reason()
 pytestmark = pytest.mark.skipif(KERNEL_SKIP is not None, reason=str(KERNEL_SKIP))
@@ -42,7 +43,7 @@ def lanes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> in
     if wanted > widest:
         pytest.skip(f"this CPU runs the kernel at up to {widest} lanes")
     fresh = {"function": None, "problem": None, "columns": (), "finish": None, "lanes": None}
-    monkeypatch.setattr(native, "_kernel", fresh)
+    monkeypatch.setattr(native.kernel, "_kernel", fresh)
     native.load(wanted)
     assert native.vector_lanes() == wanted
     return wanted

@@ -26,9 +26,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 from torch.utils.tensorboard import SummaryWriter
 
-from lightning_rollout_debug import canvas, heatmap, pictures
-from lightning_rollout_debug.extras import TokenExtras
-from lightning_rollout_debug.pictures import (
+from lightning_rollout_debug.metrics.extras import TokenExtras
+from lightning_rollout_debug.metrics.profile import PROBABILITY_BUCKETS, Profile
+from lightning_rollout_debug.views import canvas, heatmap, pictures
+from lightning_rollout_debug.views.pictures import (
     BACKGROUND,
     DIAGONAL_COLOUR,
     HEIGHT,
@@ -48,8 +49,7 @@ from lightning_rollout_debug.pictures import (
     profile_pictures,
     profile_pngs,
 )
-from lightning_rollout_debug.profile import PROBABILITY_BUCKETS, Profile
-from lightning_rollout_debug.tensorboard import PROFILE_IMAGE_TAGS, write_profile
+from lightning_rollout_debug.views.tensorboard import PROFILE_IMAGE_TAGS, write_profile
 
 PREFIX = "training/"
 
@@ -207,7 +207,7 @@ sys.modules["PIL._imagingft"] = None  # as a Pillow built without libfreetype ha
 import torch
 from PIL import Image, ImageFont
 from lightning_rollout_debug import RolloutDebugMonitor
-from lightning_rollout_debug.pictures import profile_pngs
+from lightning_rollout_debug.views.pictures import profile_pngs
 try:
     ImageFont.load_default(size=12)
     raise SystemExit("FreeType still loads")

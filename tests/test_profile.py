@@ -25,10 +25,10 @@ from reference import (
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_rollout_debug import GROUPS, RolloutDebugCallback, RolloutDebugMonitor
-from lightning_rollout_debug.extras import TokenExtras
 from lightning_rollout_debug.functional import mismatch_metrics, mismatch_profile
-from lightning_rollout_debug.layout import STATE_SIZE
-from lightning_rollout_debug.profile import PROFILE_SIZE, read_profile
+from lightning_rollout_debug.metrics.extras import TokenExtras
+from lightning_rollout_debug.metrics.layout import STATE_SIZE
+from lightning_rollout_debug.metrics.profile import PROFILE_SIZE, read_profile
 
 KEYS = ("rollout_log_probs", "old_log_probs", "response_mask")
 

@@ -44,7 +44,7 @@ from reference import NAMES, Reference, assert_metrics_close, reference_metrics
 
 from lightning_rollout_debug import BatchError, RolloutDebugCallback, RolloutDebugWarning
 from lightning_rollout_debug.functional import mismatch_metrics
-from lightning_rollout_debug.stats import MismatchStats
+from lightning_rollout_debug.metrics.stats import MismatchStats
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),

@@ -18,10 +18,15 @@ from reference import ALL_NAMES, NAMES, assert_metrics_close, reference_metrics
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_rollout_debug.catalog import GROUPS, METRIC_NAMES
-from lightning_rollout_debug.extras import TokenExtras
-from lightning_rollout_debug.layout import STATE_SIZE, identity_state, merge_states, state_problems
-from lightning_rollout_debug.stats import MismatchStats
+from lightning_rollout_debug.metrics.catalog import GROUPS, METRIC_NAMES
+from lightning_rollout_debug.metrics.extras import TokenExtras
+from lightning_rollout_debug.metrics.layout import (
+    STATE_SIZE,
+    identity_state,
+    merge_states,
+    state_problems,
+)
+from lightning_rollout_debug.metrics.stats import MismatchStats
 
 # The metrics of MismatchStats' own state: the quantiles come from a profile (test_profile.py).
 STATS_NAMES = tuple(name for name in ALL_NAMES if name not in NAMES["quantiles"])

@@ -37,8 +37,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_rollout_debug import RolloutDebugCallback, RolloutDebugMonitor, RolloutDebugWarning
-from lightning_rollout_debug.alerts import enabled_metric_names
-from lightning_rollout_debug.bins import (
+from lightning_rollout_debug.checks.alerts import enabled_metric_names
+from lightning_rollout_debug.loop.ranks import Ranks
+from lightning_rollout_debug.metrics.bins import (
     HISTOGRAMS,
     LOG_RATIO_BINS,
     LOG_RATIO_EDGES,
@@ -46,12 +47,11 @@ from lightning_rollout_debug.bins import (
     PROBS_DIFF_EDGES,
     QuarterOctaveBins,
 )
-from lightning_rollout_debug.catalog import DASHBOARD
-from lightning_rollout_debug.extras import TokenExtras
-from lightning_rollout_debug.ranks import Ranks
-from lightning_rollout_debug.tensorboard import dashboard_layout
-from lightning_rollout_debug.tokens import LOG_PROB_FLOOR
-from lightning_rollout_debug.worst_tokens import WORST_FIELDS, earliest_top
+from lightning_rollout_debug.metrics.catalog import DASHBOARD
+from lightning_rollout_debug.metrics.extras import TokenExtras
+from lightning_rollout_debug.metrics.tokens import LOG_PROB_FLOOR
+from lightning_rollout_debug.metrics.worst_tokens import WORST_FIELDS, earliest_top
+from lightning_rollout_debug.views.tensorboard import dashboard_layout
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),
@@ -829,7 +829,7 @@ def test_extras_that_fail_to_be_written_never_stop_the_fit(
     def failing(*args: Any, **kwargs: Any) -> None:
         raise ValueError("no picture today")
 
-    monkeypatch.setattr("lightning_rollout_debug.logs.write_profile", failing)
+    monkeypatch.setattr("lightning_rollout_debug.loop.logs.write_profile", failing)
     batches = [batch(seed) for seed in range(4)]
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
     callback = RolloutDebugCallback(profile_images_every_n_steps=1, strict=strict)

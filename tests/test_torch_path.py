@@ -25,7 +25,8 @@ from conftest import NEEDS_CXX
 from reference import assert_metrics_close, reference_metrics
 from torch.profiler import ProfilerActivity, profile
 
-from lightning_rollout_debug import GROUPS, METRIC_NAMES, RolloutDebugMonitor, backends, native
+from lightning_rollout_debug import GROUPS, METRIC_NAMES, RolloutDebugMonitor
+from lightning_rollout_debug.metrics import backends, native
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(4, 256), (64, 2048), (512, 8192)]
@@ -92,7 +93,7 @@ def test_an_eager_update_issues_the_same_few_operations_at_every_size(
 def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """CPU batches through torch.compile, as an accelerator's: no native kernel, fresh
     compiled functions."""
-    monkeypatch.setattr(native, "_pass", lambda *args, **kwargs: None)
+    monkeypatch.setattr(native.passes, "_pass", lambda *args, **kwargs: None)
     monkeypatch.setattr(backends, "_compiling", {"functions": {}, "failed": {}})
     torch._dynamo.reset()
     yield

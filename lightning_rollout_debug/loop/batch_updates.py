@@ -1,0 +1,108 @@
+"""A monitor's updates: each batch read and added to the window, and its warnings.
+
+:class:`BatchUpdates` is the part of :class:`~.monitor.RolloutDebugMonitor` that an
+update runs through: the batch read once
+(:func:`~lightning_rollout_debug.metrics.batch.read_batch`), added to the window on its
+device (:func:`~lightning_rollout_debug.metrics.backends.add_batch`), its pad tokens
+counted; a batch that cannot be used is skipped with one
+:class:`RolloutDebugWarning` per kind of problem (raised with ``strict=True``).
+:class:`FrontDoor` says how the messages name the monitor or the callback.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_rollout_debug.loop.config import RolloutDebugConfig
+from lightning_rollout_debug.loop.ranks import global_rank
+from lightning_rollout_debug.metrics.backends import add_batch
+from lightning_rollout_debug.metrics.batch import BatchRead, batch_type_error, read_batch
+from lightning_rollout_debug.metrics.extras import TokenExtras
+from lightning_rollout_debug.metrics.inputs import BatchError
+from lightning_rollout_debug.metrics.stats import MismatchStats
+
+
+class RolloutDebugWarning(UserWarning):
+    """A batch that was skipped, or a setting that cannot be honoured."""
+
+
+@dataclass(frozen=True)
+class FrontDoor:
+    """How messages name a front door.
+
+    Its name, what it searches before the batch, and how its dropout check is turned off.
+    """
+
+    name: str
+    before_batch: str
+    dropout_off: str
+
+
+class BatchUpdates:
+    """The updates of a monitor's window, and the warnings once per kind of problem."""
+
+    config: RolloutDebugConfig
+    rank: int | None
+    _door: FrontDoor
+    _stats: MismatchStats
+    _extras: TokenExtras | None
+    _warned: set[str]
+
+    def _update(self, sources: Sequence[Any], index: int) -> None:
+        """Add the batch of ``sources`` (the batch last) as the window's ``index``-th."""
+        try:
+            read = read_batch(
+                sources,
+                rollout_log_probs_key=self.config.rollout_log_probs_key,
+                old_log_probs_key=self.config.old_log_probs_key,
+                response_mask_key=self.config.response_mask_key,
+                token_ids_keys=self.config.token_ids_keys,
+            )
+            if read.mask_fallback is not None:
+                self._warn_once("mask-fallback", read.mask_fallback)
+            rank = self.rank if self.rank is not None else global_rank()
+            add_batch(
+                read.inputs,
+                read.token_ids,
+                stats=self._stats,
+                extras=self._extras,
+                batch=index,
+                rank=rank,
+            )
+            self._count_pads(read)
+        except BatchError as error:
+            # No local may hold the error (its traceback holds this frame, and with it the
+            # batch and any autograd graph, until a gc cycle).
+            self._skip_batch(batch_type_error(sources[-1], error, self._door.before_batch))
+            return
+        except Exception as error:
+            if self.config.strict:
+                raise
+            self._warn_once(
+                type(error).__name__, f"Could not update the statistics ({error!r}); skipped."
+            )
+
+    def _count_pads(self, read: BatchRead) -> None:
+        if self.config.pad_token_id is None:
+            return
+        if read.token_ids is None:
+            self._warn_once(
+                "pad-ids",
+                f"`pad_token_id={self.config.pad_token_id}` is set but the batch"
+                f"{read.ids_problem}; pad tokens are not counted.",
+            )
+            return
+        self._stats.count_pads(read.inputs.mask, read.token_ids, self.config.pad_token_id)
+
+    def _skip_batch(self, error: BatchError) -> None:
+        if self.config.strict:
+            raise error
+        self._warn_once(error.kind, f"{error} The batch is skipped.")
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(f"{self._door.name}: {message}", RolloutDebugWarning, stacklevel=3)

@@ -1,0 +1,286 @@
+"""From the sums of one pass or many to packed states: the finishing of a window's batches.
+
+:func:`~.token_pass.token_sums` leaves each batch as :class:`~.token_pass.TokenSums`:
+sums, extremes and centred squares per row, counted bins and candidates per batch. A
+window keeps them as they come and finishes them together when it folds: every row of
+every waiting batch is a small window of its own (:class:`RowSums`), and
+:func:`finish_statistics` merges them all into one packed state of
+:data:`~.layout.STATE` (Chan's formulas for the second moments, sums and extremes for
+the rest); :func:`~.finish_extras.finish_extras` does the same for the extras. A fold of
+many batches costs what a fold of one does.
+
+Everything is float64 arithmetic on a few vectors, on the batches' device.
+
+Example:
+    >>> import torch
+    >>> from lightning_rollout_debug.metrics.token_pass import PassPlan, read_sums, token_sums
+    >>> plan = PassPlan(frozenset({"seed"}))
+    >>> rollout, old = torch.log(torch.tensor([[0.5, 0.25]])), torch.log(torch.tensor([[0.5, 0.2]]))
+    >>> sums = read_sums(plan, 2, token_sums(plan, rollout, old, torch.ones(1, 2)))
+    >>> state = finish_statistics([sums])
+    >>> from lightning_rollout_debug.metrics.layout import STATE
+    >>> state[STATE.at["count"]].item(), round(state[STATE.at["max_prob_diff"]].item(), 6)
+    (2.0, 0.05)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_rollout_debug.metrics.layout import STATE
+from lightning_rollout_debug.metrics.token_pass import TokenSums
+from lightning_rollout_debug.metrics.tokens import LOG_RATIO_CLAMP
+
+
+def _rows(batches: Sequence[TokenSums], field: str) -> Tensor:
+    """The per-row ``field`` of every batch, side by side along the rows, in float64.
+
+    A compiled pass leaves lists of ``[B]`` rows (36 of them for the lag products),
+    stacked here.
+    """
+    parts = [stacked_rows(getattr(sums, field), field) for sums in batches]
+    joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return joined.to(torch.float64)
+
+
+def _log_ratios(batches: Sequence[TokenSums]) -> Tensor | None:
+    """Each row's float64 sum of ``r`` (``None``: a pass that needs none)."""
+    if any(sums.log_ratio is None for sums in batches):
+        return None
+    parts = [stacked_rows(sums.log_ratio, "log_ratio").to(torch.float64) for sums in batches]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def row_count(sums: TokenSums) -> int:
+    """The rows of the batch a pass read."""
+    first = sums.first
+    return first.shape[1] if isinstance(first, Tensor) else len(first[0])
+
+
+def stacked_rows(rows: Tensor | Sequence[Tensor], field: str) -> Tensor:
+    """A pass's per-row ``field`` as one tensor (a compiled pass leaves a list of rows)."""
+    if isinstance(rows, Tensor):
+        return rows.flatten(0, 1) if field == "lag" else rows  # [6, 6, B] to [36, B]
+    stacked = torch.stack(list(rows))
+    return stacked.unsqueeze(-1) if field == "first" else stacked
+
+
+class RowSums:
+    """The rows of a window's waiting batches, and what they merge to.
+
+    ``totals`` and ``top`` are each plane's sum and largest value over every counting
+    token; ``moments`` the centred second moment ``M`` of each
+    centred plane and ``means`` their means, merged over the rows with Chan's formula.
+    """
+
+    def __init__(self, batches: Sequence[TokenSums]) -> None:
+        plan = batches[0].plan
+        self.plan = plan
+        self.at = plan.at
+        first = _rows(batches, "first").squeeze(-1)  # [planes, rows]
+        self.first = first
+        self.n = first[self.at["one"]]
+        self.count = self.n.sum()
+        self.totals = first.sum(1)
+        self.row_top = _rows(batches, "top")
+        self.top = self.row_top.amax(1)
+        centred = first[plan.centred]
+        rows = self.n.clamp(min=1.0)
+        shift = torch.cat(
+            [  # a compiled pass leaves its values where they are
+                torch.zeros_like(centred[:, :1].expand(-1, len(stacked_rows(sums.top, "top")[0])))
+                if sums.shift is None
+                else sums.shift.squeeze(-1).to(torch.float64)
+                for sums in batches
+            ],
+            dim=1,
+        )
+        offset = centred - self.n * shift  # each row's sum of its centred values, about 0
+        row_means = centred / rows
+        self.means = self.totals[plan.centred] / self.count.clamp(min=1.0)
+        deviation = row_means - self.means.unsqueeze(1)
+        second = _rows(batches, "second")
+        squares = len(offset)
+        # Chan: each row's own centred sums, plus its mean's deviation from the window's.
+        within = second[:squares] - offset * offset / rows
+        # M is a sum of squares: Chan's terms may round below zero, a sum of them cannot.
+        self.moments = (within + self.n * deviation * deviation).sum(1).clamp(min=0.0)
+        self._products = {}
+        for i, (left, right) in enumerate(plan.products):
+            x, y = self.at[left] - plan.centred.start, self.at[right] - plan.centred.start
+            within = second[squares + i] - offset[x] * offset[y] / rows
+            self._products[left, right] = (within + self.n * deviation[x] * deviation[y]).sum()
+        self.shift = shift
+        self.lag = _rows(batches, "lag") if batches[0].lag is not None else None  # [36, rows]
+        self._log_ratio = _log_ratios(batches)
+        self.widths = [sums.width for sums in batches]
+
+    @property
+    def log_ratio(self) -> Tensor:
+        """Each row's float64 sum of ``r`` (of a plan that needs it)."""
+        assert self._log_ratio is not None
+        return self._log_ratio
+
+    def total(self, name: str) -> Tensor:
+        """The sum of plane ``name`` over every counting token."""
+        return self.totals[self.at[name]]
+
+    def moment(self, name: str) -> Tensor:
+        """``M`` of centred plane ``name``: the sum of squared deviations from its mean."""
+        return self.moments[self.at[name] - self.plan.centred.start]
+
+    def mean(self, name: str) -> Tensor:
+        """The mean of centred plane ``name``."""
+        return self.means[self.at[name] - self.plan.centred.start]
+
+    def squares(self, name: str) -> Tensor:
+        """The plain sum of squares of centred plane ``name``: ``M + (sum x)^2 / n``."""
+        return self.moment(name) + self.total(name) ** 2 / self.count.clamp(min=1.0)
+
+    def comoment(self, left: str, right: str) -> Tensor:
+        """``M_xy``: the sum of the products of the deviations of ``pa, pb`` or ``a, b``."""
+        return self._products[left, right]
+
+    def extreme(self, kind: str, name: str) -> Tensor:
+        """The largest (``"max"``) or smallest (``"min"``) value of plane ``name``.
+
+        The smallest of ``r`` and ``d`` are the largest of ``nr = -r`` and ``nd = -d``.
+        """
+        return self.top[self.at[name]] if kind == "max" else -self.top[self.at[f"n{name}"]]
+
+
+def finish_statistics(
+    batches: Sequence[TokenSums], seq_ratio_bounds: tuple[float, float] = (0.99, 1.01)
+) -> Tensor:
+    """The packed statistics (:data:`~.layout.STATE`) of the tokens of ``batches``.
+
+    The batches share one plan (a window's). Slots of groups the plan leaves out stay
+    empty, as do those of the token-id checks (their own states).
+    """
+    rows = RowSums(batches)
+    groups = rows.plan.groups
+    slots: dict[str, Tensor] = {
+        "count": rows.count,
+        "nonfinite": rows.total("masked") - rows.count,
+        "max_actor_log_prob": rows.extreme("max", "a"),
+        "max_rollout_log_prob": rows.extreme("max", "b"),
+    }
+    if "seed" in groups:
+        slots |= {
+            "prob_actor": rows.mean("pa"),
+            "prob_rollout": rows.mean("pb"),
+            "prob_diff": rows.mean("d"),
+            "prob_actor*prob_actor": rows.moment("pa"),
+            "prob_rollout*prob_rollout": rows.moment("pb"),
+            "prob_actor*prob_rollout": rows.comoment("pa", "pb"),
+            "prob_diff*prob_diff": rows.moment("d"),
+            "max_prob_diff": rows.extreme("max", "d"),
+        }
+    if "log_space" in groups:
+        slots |= {
+            "log_diff": rows.mean("l"),
+            "log_diff*log_diff": rows.moment("l"),
+            "max_log_diff": rows.extreme("max", "l"),
+        }
+    if {"kl", "importance_ratio"} & groups:
+        slots["log_ratio"] = rows.log_ratio.sum()
+    if "kl" in groups:
+        slots["kl_k3"] = rows.total("k3")
+        slots["mult_error_m1"] = rows.total("mult")
+    if "importance_ratio" in groups:
+        slots |= _importance_ratio(rows)
+    if "sequence" in groups or "health" in groups:
+        slots |= _sequences(rows, seq_ratio_bounds, "sequence" in groups)
+    if "health" in groups:
+        slots |= _health(rows)
+    return STATE.pack(slots)
+
+
+def _importance_ratio(rows: RowSums) -> dict[str, Tensor]:
+    ratio_m1 = rows.total("e")  # e = rho - 1
+    extremes = (rows.extreme("max", "r"), rows.extreme("min", "r"))
+    clamped = [
+        torch.where(x.isinf(), x, x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) for x in extremes
+    ]
+    return {
+        "ratio_m1": ratio_m1,
+        "ratio_sq_m1": rows.squares("e") + 2.0 * ratio_m1,  # rho^2 - 1 = e^2 + 2 e
+        "ratio": rows.total("rho"),
+        "ratio_sq": rows.squares("rho"),
+        "ratio_high": rows.total("hi"),
+        "ratio_low": rows.total("hilo") - rows.total("hi"),
+        "max_log_ratio": clamped[0],
+        "min_log_ratio": clamped[1],
+    }
+
+
+def _sequences(rows: RowSums, bounds: tuple[float, float], sequence: bool) -> dict[str, Tensor]:
+    """The sequence group's slots from each row's means (and the health group's count)."""
+    n, first, at = rows.n, rows.first, rows.at
+    has = n > 0
+    slots = {"sequences": has.sum(dtype=torch.float64)}
+    if not sequence:
+        return slots
+    means = first[at["a"] : at["b"] + 1] / n  # NaN for a row without tokens
+    ppl = torch.exp(-means)
+    mean_r = rows.log_ratio / n
+    outside = (mean_r < math.log(bounds[0])) | (mean_r > math.log(bounds[1]))
+    summed = torch.stack([ppl[0], ppl[1], mean_r, outside.to(mean_r.dtype)]).nansum(1)
+    extremes = torch.stack([mean_r.abs(), mean_r, -mean_r]).nan_to_num(-math.inf).amax(1)
+    return slots | {
+        "seq_ppl_actor": summed[0],
+        "seq_ppl_rollout": summed[1],
+        "seq_log_ratio": summed[2],
+        "seq_outside": summed[3],
+        "max_seq_abs_log_ratio": extremes[0],
+        "max_seq_log_ratio": extremes[1],
+        "min_seq_log_ratio": -extremes[2],
+    }
+
+
+def _health(rows: RowSums) -> dict[str, Tensor]:
+    """The health group's counts and the log-probs' moments at lags -1, 0 and +1."""
+    assert rows.lag is not None
+    at = rows.at
+    count = rows.count.clamp(min=1.0)
+    sum_a, sum_b = rows.total("a"), rows.total("b")
+    m_ab = rows.comoment("a", "b")
+    slots = {
+        "zero_rollout_log_prob": rows.total("zero"),
+        # ninf_b and zb hold their products with ninf_a
+        "masked_actor_log_prob": rows.total("ninf_a") - rows.total("ninf_b") - rows.total("zb"),
+        "sum_actor_log_prob": sum_a,
+        "sum_rollout_log_prob": sum_b,
+        "sum_actor_log_prob_sq": rows.squares("a"),
+        "sum_rollout_log_prob_sq": rows.squares("b"),
+        "sum_actor_x_rollout": m_ab + sum_a * sum_b / count,
+    }
+    # The sums of the products of neighbours x_t y_(t+1), a^2 and b^2 among the planes.
+    lag = rows.lag.sum(1).view(6, 6)  # summed over the rows
+    plane = {name: i for i, name in enumerate(("zero", "one", "a", "b", "a^2", "b^2"))}
+
+    def g(left: str, right: str) -> Tensor:
+        return lag[plane[left], plane[right]]
+
+    slots |= {
+        "neighbour_pairs": g("one", "one"),
+        "plus_actor": g("a", "one"),
+        "plus_actor_sq": g("a^2", "one"),
+        "plus_rollout": g("one", "b"),
+        "plus_rollout_sq": g("one", "b^2"),
+        "minus_actor": g("one", "a"),
+        "minus_actor_sq": g("one", "a^2"),
+        "minus_rollout": g("b", "one"),
+        "minus_rollout_sq": g("b^2", "one"),
+        "sum_actor_x_next_rollout": g("a", "b"),
+        "sum_next_actor_x_rollout": g("b", "a"),
+    }
+    # A row's padding zeros: each right after another, and a lone one at its last token.
+    code = rows.row_top[at["code"]]  # 4 t + 2 zero_t + zero_(t-1) at each row's last token
+    lone_last = (code >= 0) & (torch.remainder(code, 4) >= 2) & (torch.remainder(code, 2) == 0)
+    slots["zero_rollout_log_prob_run"] = g("zero", "zero") + lone_last.sum(dtype=torch.float64)
+    return slots

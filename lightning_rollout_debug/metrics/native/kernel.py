@@ -1,0 +1,155 @@
+"""The kernel this process runs: loaded once, checked, or the one reason it is not used.
+
+The first CPU batch (or :func:`prepare`, which the callback calls at the Trainer's
+``setup``) loads the widest build the CPU runs, checked by :mod:`.loader`, once per
+process under a lock; :func:`load` replaces it with another build. Where it cannot be
+loaded, or a pass later fails (:func:`give_up`), one ``RuntimeWarning`` says why and
+updates take the torch path.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_rollout_debug.metrics.native.loader import (
+    Off,
+    load_checked,
+)
+from lightning_rollout_debug.metrics.rows import ROW_FIELDS
+
+_kernel: dict[str, Any] = {
+    "function": None,
+    "problem": None,
+    "columns": (),
+    "finish": None,
+    "lanes": None,
+}
+
+
+_process_lock = threading.Lock()
+
+
+def vector_lanes() -> int | None:
+    """The float32 values one step of the kernel's loop takes, or ``None`` without a kernel.
+
+    It follows the CPU: 16 with AVX-512, 8 with AVX2, 4 otherwise (:func:`load` chooses).
+
+    Example:
+        >>> from lightning_rollout_debug.metrics.native.loader import VECTOR_LANES
+        >>> vector_lanes() in (*VECTOR_LANES, None)
+        True
+    """
+    return _kernel["lanes"] if row_function(None) is not None else None
+
+
+def available(fields: Sequence[str] | None = None) -> bool:
+    """Whether the kernel is usable (loading it now if needed); warns once if it is not.
+
+    ``fields`` are the column names the caller expects (``rows.ROW_FIELDS`` by default).
+    """
+    return row_function(fields) is not None
+
+
+def load(lanes: int | None = None, fields: Sequence[str] | None = None) -> Path:
+    """Load the kernel's build of ``lanes`` lanes for every update from now on; its path.
+
+    By default the widest build this CPU runs; it takes the place of the one in use.
+
+    Raises:
+        KernelUnavailable: it is turned off, not installed, or this CPU cannot run it.
+
+    Example:
+        >>> from lightning_rollout_debug.metrics.native.loader import KernelUnavailable
+        >>> try:
+        ...     print(load().name.startswith("_row_sums_"))
+        ... except KernelUnavailable:
+        ...     print(True)
+        True
+    """
+    with _process_lock:
+        columns = _expected(fields)
+        path, entries = load_checked(columns, lanes)
+        _kernel.update(columns=columns, problem=None)
+        _kernel["function"], _kernel["finish"], _kernel["lanes"] = entries
+    return path
+
+
+def prepare() -> bool:
+    """Load and check the kernel now (milliseconds); whether it is usable.
+
+    A loop calls it before its first CPU batch (the callback does at the Trainer's
+    ``setup``), so that the first training step does not pay for it. A problem found is
+    warned about by the first CPU batch, as without it.
+
+    Example:
+        >>> prepare() in (True, False)
+        True
+    """
+    _load_once(None)
+    return _kernel["function"] is not None
+
+
+def row_function(fields: Sequence[str] | None) -> Any:
+    """The kernel's row function, loaded now if needed; ``None`` where it is not usable.
+
+    The first caller after a failed load warns, whichever thread loaded.
+    """
+    _load_once(fields)
+    unsaid = _kernel.pop("unsaid", None)  # said by the first caller, whichever thread loaded
+    if unsaid is not None:
+        _warn(unsaid, stacklevel=4)
+    return _kernel["function"]
+
+
+def _load_once(fields: Sequence[str] | None) -> None:
+    """Load the kernel unless it is loaded or known to be unusable; never raises."""
+    if _kernel["function"] is None and _kernel["problem"] is None:
+        with _process_lock:  # one load per process; other threads wait for it
+            if _kernel["function"] is None and _kernel["problem"] is None:
+                _load(_kernel, fields)
+
+
+def _load(kernel: dict[str, Any], fields: Sequence[str] | None) -> None:
+    """Load the kernel into ``kernel`` (the caller holds the lock); never raises."""
+    try:
+        kernel["columns"] = _expected(fields)
+        _, entries = load_checked(kernel["columns"])
+        kernel["function"], kernel["finish"], kernel["lanes"] = entries
+    except Off as off:
+        kernel["problem"] = str(off)  # the user's choice: no warning
+    except Exception as error:  # anything at all: the torch path takes over
+        kernel["function"], kernel["problem"], kernel["unsaid"] = None, str(error), str(error)
+
+
+def columns() -> tuple[str, ...]:
+    """The column names the loaded kernel was checked against."""
+    return _kernel["columns"]
+
+
+def finishers() -> tuple[Any, Any]:
+    """The loaded kernel's finishing steps: of the statistics' state, of the extras'."""
+    return _kernel["finish"]
+
+
+def give_up(problem: str) -> None:
+    """Stop using the kernel in this process, with one warning saying why."""
+    _kernel["function"], _kernel["problem"] = None, problem
+    _warn(problem, stacklevel=5)
+
+
+def _warn(problem: str, *, stacklevel: int) -> None:
+    """The warning that the kernel is not used; ``stacklevel`` counts from the caller."""
+    warnings.warn(
+        f"The native CPU kernel is not used: {problem}. CPU updates use torch.compile or "
+        "eager arithmetic instead (the same results to float32 rounding, slower).",
+        RuntimeWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
+def _expected(fields: Sequence[str] | None) -> tuple[str, ...]:
+    return tuple(ROW_FIELDS if fields is None else fields)
