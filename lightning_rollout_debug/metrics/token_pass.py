@@ -192,7 +192,7 @@ class Planes:
         self.dtype = dtype
         self.values: dict[str, Tensor] = {}
         self._runs: dict[tuple[int, int], Tensor] = {}
-        self._derived: dict[str, Any] = {}
+        self._derived: dict[Any, Any] = {}
         if not self.traced:
             rows, width = like.shape
             if buffer is None:
@@ -209,7 +209,7 @@ class Planes:
     def __getitem__(self, name: str) -> Tensor:
         return self.values[name]
 
-    def derived(self, key: str, make: Callable[[], Any]) -> Any:
+    def derived(self, key: Any, make: Callable[[], Any]) -> Any:
         """``make()``, made once for this set of planes (a set of views of them)."""
         if key not in self._derived:
             self._derived[key] = make()
@@ -837,7 +837,7 @@ def _bin_indices(plan: PassPlan, p: Planes, edges: Constants) -> Planes:
         buffer = p.tail(plan.tail, len(names), torch.int32)
         return Planes(names, p["one"], torch.int32, buffer, pairs=False)
 
-    index: Planes = p.derived("index", make)
+    index: Planes = p.derived(("index", *names), make)
     sources = {"fine_d": "d", "fine_l": "l", "ratio": "r", "diff": "d", "probability": "a"}
     for name in names:
         if name in sources:
