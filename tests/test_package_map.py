@@ -10,7 +10,8 @@
   (and using them) leaves Lightning, TensorBoard and Pillow out of ``sys.modules``; the
   loop's public names are still there, on first use;
 - the package map of ``docs/contributing.md`` names every module and gives the same
-  matrix.
+  matrix;
+- no module runs over 450 lines, and only three functions over 60.
 """
 
 from __future__ import annotations
@@ -140,6 +141,32 @@ def test_the_kernel_is_reached_through_backends_and_extras(path: Path) -> None:
 def test_every_module_says_what_it_holds(path: Path) -> None:
     docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
     assert docstring, f"{dotted(path)} has no module docstring"
+
+
+MODULE_LINES_AT_MOST = 450
+LONG_FUNCTION_LINES = 60
+LONG_FUNCTIONS = frozenset({"response_log_probs", "row_sums", "_series_picture"})
+"""The functions allowed over :data:`LONG_FUNCTION_LINES` lines: a slicing recipe, the torch
+reference of the kernel's row quantities, and a picture's drawing."""
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda path: dotted(path))
+def test_a_module_holds_at_most_450_lines(path: Path) -> None:
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    assert lines <= MODULE_LINES_AT_MOST, f"{dotted(path)} has {lines} lines"
+
+
+def test_only_three_functions_run_over_60_lines() -> None:
+    long = {}
+    for path in modules():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                length = (node.end_lineno or node.lineno) - first + 1
+                if length > LONG_FUNCTION_LINES:
+                    long[f"{dotted(path)}.{node.name}"] = length
+    assert {name.rsplit(".", 1)[1] for name in long} <= LONG_FUNCTIONS, long
+    assert len(long) <= len(LONG_FUNCTIONS), long
 
 
 QUIET_IMPORTS = """

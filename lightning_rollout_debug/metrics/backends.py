@@ -30,14 +30,10 @@ from torch import Tensor
 from lightning_rollout_debug.metrics import native
 from lightning_rollout_debug.metrics.inputs import MismatchInputs
 from lightning_rollout_debug.metrics.layout import STATE
+from lightning_rollout_debug.metrics.pass_constants import constants
+from lightning_rollout_debug.metrics.planes import PassPlan
 from lightning_rollout_debug.metrics.rows import token_id_slots
-from lightning_rollout_debug.metrics.token_pass import (
-    PassPlan,
-    TokenSums,
-    constants,
-    read_sums,
-    token_sums,
-)
+from lightning_rollout_debug.metrics.token_pass import TokenSums, read_sums, token_sums
 
 CHUNK_TOKENS = 1 << 22
 """The most tokens one pass reads: a larger batch is read in passes of whole rows."""

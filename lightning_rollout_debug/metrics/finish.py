@@ -13,7 +13,8 @@ Everything is float64 arithmetic on a few vectors, on the batches' device.
 
 Example:
     >>> import torch
-    >>> from lightning_rollout_debug.metrics.token_pass import PassPlan, read_sums, token_sums
+    >>> from lightning_rollout_debug.metrics.planes import PassPlan
+    >>> from lightning_rollout_debug.metrics.token_pass import read_sums, token_sums
     >>> plan = PassPlan(frozenset({"seed"}))
     >>> rollout, old = torch.log(torch.tensor([[0.5, 0.25]])), torch.log(torch.tensor([[0.5, 0.2]]))
     >>> sums = read_sums(plan, 2, token_sums(plan, rollout, old, torch.ones(1, 2)))

@@ -19,14 +19,10 @@ from torch import Tensor
 from lightning_rollout_debug.metrics.bins import LOG_RATIO_BINS, PROBS_DIFF_BINS
 from lightning_rollout_debug.metrics.finish import RowSums, row_count, stacked_rows
 from lightning_rollout_debug.metrics.layout import Layout, filled, ranked
+from lightning_rollout_debug.metrics.pass_bins import POSITION_PLANES, places
+from lightning_rollout_debug.metrics.pass_constants import JOINT_EDGES, PROBABILITY_EDGES
 from lightning_rollout_debug.metrics.profile import JOINT_BINS, QUANTILE_BINS
-from lightning_rollout_debug.metrics.token_pass import (
-    _JOINT_EDGES,
-    _PROBABILITY_EDGES,
-    POSITION_PLANES,
-    TokenSums,
-    places,
-)
+from lightning_rollout_debug.metrics.token_pass import TokenSums
 from lightning_rollout_debug.metrics.worst_tokens import PLACEHOLDER, WORST_FIELDS, WORST_TIES
 
 
@@ -114,8 +110,8 @@ def _zero_bins() -> dict[str, int]:
     """The bin of a token whose values are all 0, in each counted part."""
     zero = torch.zeros(())
     ratio = int(torch.bucketize(zero, torch.tensor(LOG_RATIO_BINS.edges), right=True))
-    probability = int(torch.bucketize(zero, torch.tensor(_PROBABILITY_EDGES[torch.float32])))
-    joint = int(torch.bucketize(zero, torch.tensor(_JOINT_EDGES)))
+    probability = int(torch.bucketize(zero, torch.tensor(PROBABILITY_EDGES[torch.float32])))
+    joint = int(torch.bucketize(zero, torch.tensor(JOINT_EDGES)))
     side = len(JOINT_BINS.edges) + 1
     return {
         "ratio": ratio,

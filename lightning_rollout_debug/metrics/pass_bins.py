@@ -1,0 +1,207 @@
+"""The extras of a pass: counted bins, sums by bucket, worst-token candidates.
+
+Eagerly (:func:`bin_indices`, :func:`count_bins`, :func:`by_position`,
+:func:`by_probability`): the bins' indices in planes of their own, counted in one
+scatter-add; compiled (:func:`scattered`): every counted bin and sum by bucket in one
+float64 scatter-add. The worst tokens are the ``k`` largest keys (:func:`worst_keys`),
+each row's best first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from lightning_rollout_debug.metrics.layout import compiling
+from lightning_rollout_debug.metrics.pass_constants import (
+    HOST,
+    Constants,
+    by_shape,
+    on_device,
+    part_starts,
+)
+from lightning_rollout_debug.metrics.planes import PassPlan, Planes
+from lightning_rollout_debug.metrics.profile import (
+    JOINT_BINS,
+    POSITION_BUCKETS,
+    PROBABILITY_BUCKETS,
+)
+
+INF = math.inf
+
+
+def worst_keys(abs_r: Tensor) -> Tensor:
+    """Each token's worst-token key: ``|r|``'s bits above, less the token's place.
+
+    ``abs_r`` holds ``|r|`` (``-inf`` where a token does not count). Non-negative floats order
+    as their bits do, so a larger key is a larger ``|r|``, then an earlier token (row, then
+    column); a token that does not count has a negative key. Float64 values are ranked at
+    float32 precision (ties go to the earlier token).
+    """
+    bits = (abs_r if abs_r.dtype == torch.float32 else abs_r.float()).view(torch.int32)
+    rows, width = abs_r.shape
+    if compiling():
+        places = torch.arange(0, -abs_r.numel(), -1, device=abs_r.device).view(abs_r.shape)
+        return torch.add(places, bits, alpha=1 << 32)
+
+    def starts(device: torch.device) -> Tensor:  # -(each row's first place), [B, 1]
+        return torch.arange(0, -rows * width, -width, device=device).view(rows, 1)
+
+    keys = torch.add(by_shape("row starts", abs_r, starts), bits, alpha=1 << 32)
+    return keys.sub_(by_shape("columns", abs_r, lambda device: torch.arange(width, device=device)))
+
+
+def bin_indices(plan: PassPlan, p: Planes, edges: Constants) -> Planes:
+    """Each token's bin in every counted part (:func:`counted_parts`), from 0 in its part.
+
+    ``joint`` counts the bins of ``a`` and ``b`` backwards (``3843 - bin``): the
+    finishing reverses the part.
+    """
+    names = [name for name, _ in plan.parts]
+    if plan.profile:  # the joint bins take two planes: a's, then b's, added into a's
+        names.append("joint_b")
+
+    def make() -> Planes:
+        buffer = p.tail(plan.tail, len(names), torch.int32)
+        return Planes(names, p["one"], torch.int32, buffer, pairs=False)
+
+    index: Planes = p.derived(("index", *names), make)
+    sources = {"fine_d": "d", "fine_l": "l", "ratio": "r", "diff": "d", "probability": "a"}
+    for name in names:
+        if name in sources:
+            right = name != "probability"
+            values, bins = p[sources[name]], getattr(edges, name)
+            index.write(name, torch.bucketize, values, bins, out_int32=True, right=right)
+    if plan.profile:
+        index.write(
+            ("joint", "joint_b"), torch.bucketize, p.run("a", "b"), edges.joint, out_int32=True
+        )
+        side = len(JOINT_BINS.edges) + 1
+        index.write("joint", torch.add, index["joint_b"], index["joint"], alpha=side)
+    return index
+
+
+def count_bins(plan: PassPlan, index: Planes) -> Tensor:
+    """The counted bins of every token, those that do not count too: one scatter-add."""
+    parts = plan.parts
+    starts = part_starts(parts)
+    like = index[parts[0][0]]
+    run = index.update(parts[0][0], parts[-1][0], lambda i: i.add_(_offsets(starts[:-1], like)))
+    flat = run.reshape(-1)
+    counts = torch.zeros(starts[-1], dtype=torch.float32, device=like.device)
+    return counts.index_put_((flat,), _one(like), accumulate=True)
+
+
+def _offsets(starts: tuple[int, ...], like: Tensor) -> Tensor:
+    """``starts`` as an int32 ``[parts, 1, 1]`` tensor on the device of ``like``."""
+    return on_device(("offsets", starts), like)
+
+
+def _one(like: Tensor) -> Tensor:
+    """A float32 1 on the device of ``like``."""
+    return on_device("one", like)
+
+
+def by_position(columns: Tensor, width: int, edges: Tensor) -> Tensor:
+    """Every plane's column sums ``[planes, T]`` summed by position bucket, in float64.
+
+    Column ``t`` is in bucket ``floor(log2 t) + 1`` (0 for column 0): the powers of two up
+    to ``t``, of ``edges``.
+    """
+
+    def buckets(device: torch.device) -> Tensor:  # eagerly: on the CPU
+        host = HOST[edges.dtype].position
+        return torch.bucketize(torch.arange(width, dtype=edges.dtype), host, right=True)
+
+    bucket = by_shape("position", columns, buckets)
+    sums = torch.zeros(len(columns), POSITION_BUCKETS, dtype=torch.float64, device=columns.device)
+    return sums.index_add_(1, bucket, columns.double())
+
+
+def by_probability(p: Planes, bucket: Tensor) -> Tensor:
+    """``|pa - pb|`` and ``|a - b|`` summed by the trainer's probability bucket, in float64."""
+    values = torch.stack([p["d"], p["l"]]).view(2, -1).double()
+    sums = torch.zeros(2, PROBABILITY_BUCKETS, dtype=torch.float64, device=bucket.device)
+    return sums.index_add_(1, bucket.reshape(-1), values)
+
+
+def worst_candidates(
+    keys: Tensor,
+    p: Planes,
+    token_ids: Tensor | None,
+    k: int,
+    width: int,
+    value: dict[str, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The ``k`` tokens of largest key: their keys, ``[a, b]`` and ids.
+
+    Each row's best first (rows in parallel), then the best of those.
+    """
+    best = keys.topk(min(k, width), dim=-1).values
+    found = best.flatten().topk(min(k, best.numel())).values
+    flat = places(found)
+    ab = p.run("a", "b") if value is None else torch.stack([value["a"], value["b"]])
+    ab = ab.reshape(2, -1).index_select(1, flat)
+    ids = None if token_ids is None else token_ids.reshape(-1).index_select(0, flat)
+    return found, ab, ids
+
+
+def places(keys: Tensor) -> Tensor:
+    """The place in the batch (``row * T + t``) of each worst-token key."""
+    return keys.neg().bitwise_and_(0xFFFFFFFF)
+
+
+POSITION_PLANES = ("one", "d", "k3")
+"""The planes a compiled pass sums by position: the tokens, ``|pa - pb|`` and k3."""
+
+
+def scattered(
+    plan: PassPlan, p: dict[str, Tensor], edges: Constants, width: int
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Compiled, every counted bin and every sum by bucket in one float64 scatter-add.
+
+    The counted parts add each token's weight (1 where it counts, 0 elsewhere), the
+    position and probability buckets their values; compiled, one kernel computes each
+    token's slots and adds to them, and the concatenations are never stored.
+    """
+    one = p["one"]
+    slots: list[Tensor] = []
+    values: list[Tensor] = []
+    start = 0
+    sources = {"fine_d": "d", "fine_l": "l", "ratio": "r", "diff": "d", "probability": "a"}
+    for name, size in plan.parts:
+        if name == "joint":
+            ia, ib = (torch.bucketize(p[side], edges.joint) for side in ("a", "b"))
+            bins = ia * (len(JOINT_BINS.edges) + 1) + ib
+        else:
+            values_of = p[sources[name]]
+            bins = torch.bucketize(values_of, getattr(edges, name), right=name != "probability")
+        slots.append(bins + start)
+        values.append(one)
+        start += size
+    position = probability = None
+    if plan.profile:
+        # The powers of two up to each column, as comparisons the compiler keeps in its loop.
+        columns = torch.arange(width, device=one.device).expand_as(one)
+        bucket = sum((columns >= 1 << k).long() for k in range(POSITION_BUCKETS - 1))
+        for name in POSITION_PLANES:
+            slots.append(bucket + start)
+            values.append(p[name])
+            start += POSITION_BUCKETS
+        prob = torch.bucketize(p["a"], edges.probability)
+        for name in ("d", "l"):
+            slots.append(prob + start)
+            values.append(p[name])
+            start += PROBABILITY_BUCKETS
+    summed = torch.zeros(start, dtype=torch.float64, device=one.device)
+    index = torch.cat([slot.flatten() for slot in slots])
+    summed.scatter_add_(0, index, torch.cat([value.flatten() for value in values]).double())
+    bins_end = sum(size for _, size in plan.parts)
+    if plan.profile:
+        at = bins_end
+        position = summed[at : at + 3 * POSITION_BUCKETS].view(3, POSITION_BUCKETS)
+        at += 3 * POSITION_BUCKETS
+        probability = summed[at : at + 2 * PROBABILITY_BUCKETS].view(2, PROBABILITY_BUCKETS)
+    return summed[:bins_end], position, probability

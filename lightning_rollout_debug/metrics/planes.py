@@ -1,0 +1,346 @@
+"""The planes of a pass: what it computes, its named ``[B, T]`` planes, their workspaces.
+
+:class:`PassPlan` says what a pass computes, :class:`Planes` holds its planes, and a CPU
+pass keeps them in a workspace of its thread.
+
+Each per-token value of :mod:`.token_pass` is a named plane. Eagerly the planes of a
+pass are one buffer, written in place, so an update holds a fixed amount of memory and
+reduces a run of planes in one operation; a CPU pass keeps that buffer and its views for
+the shapes it saw (:func:`planes_for`). Traced by ``torch.compile``, the planes are plain
+values that the compiler fuses into the kernels reading them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+
+from lightning_rollout_debug.metrics.bins import LOG_RATIO_BINS, PROBS_DIFF_BINS
+from lightning_rollout_debug.metrics.layout import compiling
+from lightning_rollout_debug.metrics.profile import (
+    JOINT_BINS,
+    PROBABILITY_BUCKETS,
+    QUANTILE_BINS,
+)
+
+
+@dataclass(frozen=True)
+class PassPlan:
+    """What one pass computes: the metric groups and the extras that are on.
+
+    Args:
+        groups: the statistics' metric groups (those of ``catalog.GROUPS``).
+        is_threshold: ``C`` of the importance-ratio group.
+        histograms: count the two histograms' bins.
+        worst_tokens_k: find this many worst-token candidates (0: none).
+        profile: count the profile's bins and sum its buckets.
+
+    The layout of the pass's planes follows from these, once (:attr:`planes`).
+    """
+
+    groups: frozenset[str]
+    is_threshold: float = 2.0
+    histograms: bool = False
+    worst_tokens_k: int = 0
+    profile: bool = False
+    planes: tuple[str, ...] = field(init=False, compare=False, repr=False)
+    """The planes of the pass, in pairs (one operation writes or reads a pair).
+
+    The order keeps together what is reduced, centred or compared at once: the lag
+    products read ``zero`` to ``b``, the centred planes run from ``a`` to ``rho``, their
+    products follow, and ``masked`` comes last."""
+    at: dict[str, int] = field(init=False, compare=False, repr=False)
+    """The index of each plane."""
+    parts: tuple[tuple[str, int], ...] = field(init=False, compare=False, repr=False)
+    """The parts of the extras' counted bins, in order after the unused bin 0: name and size."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parts", counted_parts(self.histograms, self.profile))
+        lean = not (self.extras or {"kl", "importance_ratio", "health"} & self.groups)
+        planes = LEAN_PLANES if lean else plane_names(self, self.index_planes)
+        object.__setattr__(self, "planes", planes)
+        object.__setattr__(self, "at", {name: i for i, name in enumerate(planes)})
+
+    @property
+    def extras(self) -> bool:
+        """Whether any extra is on."""
+        return self.histograms or self.profile or self.worst_tokens_k > 0
+
+    @property
+    def index_planes(self) -> int:
+        """The planes of the extras' bin indices: one a counted part, two for the joint bins."""
+        return len(self.parts) + int(self.profile)
+
+    @property
+    def centred(self) -> slice:
+        """The planes centred at their rows' means: from ``a`` to ``rho`` (or ``d``)."""
+        return slice(self.at["a"], self.at["rho" if "rho" in self.at else "d"] + 1)
+
+    @property
+    def products(self) -> tuple[tuple[str, str], ...]:
+        """The pairs of centred planes whose products are summed: ``pa pb``, then ``a b``."""
+        return (("pa", "pb"), ("a", "b")) if "ab" in self.at else (("pa", "pb"),)
+
+    @property
+    def tail(self) -> str:
+        """The first of the planes that are not read once the rows are summed."""
+        return self.planes[self.at["ab" if "ab" in self.at else "papb"] + 1]
+
+    @property
+    def log_ratio(self) -> bool:
+        """Whether the rows' sums of ``r`` are needed (in float64, from ``a - b``)."""
+        return self.histograms or bool({"kl", "importance_ratio", "sequence"} & self.groups)
+
+
+LEAN_PLANES = ("one", "a", "b", "l", "pa", "pb", "d", "papb", "masked")
+"""The planes of a pass of the seed, log-space and sequence groups alone."""
+
+
+def plane_names(plan: PassPlan, index_planes: int) -> tuple[str, ...]:
+    """The planes of :attr:`PassPlan.planes` for the other groups and the extras."""
+    groups, profile = plan.groups, plan.profile
+    health = "health" in groups
+    pairs = [
+        ("zero", "one"),
+        ("a", "b"),
+        ("r", "l"),
+        ("pa", "pb"),
+        ("e", "mult"),
+        ("d", "rho"),
+        ("papb", "ab"),  # the centred products pa pb and a b
+    ]
+    # Read only until the rows are summed: the extras' bin indices then take their place.
+    # Pairs first (one operation writes each), then single planes.
+    # Smallest values are the largest of the negated: nr = -r and nd = -d.
+    names = []
+    if "importance_ratio" in groups:
+        names += ["hi", "hilo"]
+    if health:
+        names += ["ninf_a", "ninf_b", "zb", "code"]
+    if {"kl", "importance_ratio"} & groups or profile:
+        names.append("k3")
+    if "importance_ratio" in groups or plan.histograms:
+        names.append("nr")
+    if plan.histograms:
+        names.append("nd")
+    while len(names) < index_planes or len(names) % 2 == 0:
+        names.append(f"spare{len(names)}")
+    names.append("masked")  # last: kept out of the clearing (its tokens need not count)
+    pairs += list(zip(names[::2], names[1::2], strict=True))
+    return tuple(name for pair in pairs for name in pair)
+
+
+class Planes:
+    """The named ``[B, T]`` planes of one pass.
+
+    Eagerly, one ``[len(names), B, T]`` buffer holds them all (``buffer``: a new one, or
+    planes of another set that are no longer needed, seen as ``dtype``): each plane is
+    written in place (``out=``), so the pass allocates once, and a run of planes is a view
+    that one operation reads or writes. Traced by ``torch.compile``, each plane is a value
+    of its own and a run a stack of them, which the compiler fuses into the kernels that
+    read it.
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        like: Tensor,
+        dtype: torch.dtype,
+        buffer: Tensor | None = None,
+        *,
+        pairs: bool = True,
+    ) -> None:
+        self.names = tuple(names)
+        self.at = {name: i for i, name in enumerate(self.names)}
+        self.traced = compiling()
+        self.dtype = dtype
+        self.values: dict[str, Tensor] = {}
+        self._runs: dict[tuple[int, int], Tensor] = {}
+        self._derived: dict[Any, Any] = {}
+        if not self.traced:
+            rows, width = like.shape
+            if buffer is None:
+                buffer = torch.empty(
+                    (len(self.names), rows, width), dtype=dtype, device=like.device
+                )
+            self.buffer = buffer
+            self.values = dict(zip(self.names, buffer.unbind(), strict=True))
+            if pairs and len(self.names) % 2 == 0:
+                pairs = buffer.view(-1, 2, rows, width).unbind()
+                self._runs = {(2 * i, 2 * i + 2): pair for i, pair in enumerate(pairs)}
+            self._runs[0, len(self.names)] = buffer
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.values[name]
+
+    def derived(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, made once for this set of planes (a set of views of them)."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
+
+    def run(self, first: str, last: str) -> Tensor:
+        """The planes from ``first`` to ``last`` as one ``[k, B, T]`` tensor.
+
+        Traced, a plane not written yet is zeros (eagerly its buffer holds anything).
+        """
+        start, stop = self.at[first], self.at[last] + 1
+        if self.traced:
+            planes = [self.values.get(name) for name in self.names[start:stop]]
+            like = next(plane for plane in planes if plane is not None)
+            return torch.stack([torch.zeros_like(like) if p is None else p for p in planes])
+        if (start, stop) not in self._runs:
+            self._runs[start, stop] = self.buffer[start:stop]
+        return self._runs[start, stop]
+
+    def tail(self, first: str, count: int, dtype: torch.dtype) -> Tensor | None:
+        """Eagerly, ``count`` planes from ``first`` on, seen as ``dtype`` (of the same size)."""
+        if self.traced:
+            return None
+        start = self.at[first]
+        if self.buffer.element_size() == dtype.itemsize:
+            return self.buffer[start : start + count].view(dtype)
+        _, rows, width = self.buffer.shape  # float64 planes: two int32 planes each
+        flat = self.buffer[start:].reshape(-1).view(dtype)
+        return flat[: count * rows * width].view(count, rows, width)
+
+    def plane(self, run: Tensor, name: str) -> Tensor:
+        """Plane ``name`` of ``run``, the value of the whole set being updated."""
+        return self.values[name] if not self.traced else run[self.at[name]]
+
+    def write(
+        self,
+        names: str | tuple[str, str],
+        function: Callable[..., Tensor],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Tensor:
+        """``function(*args, **kwargs)`` into the plane ``names`` (or the run of the two named).
+
+        ``function`` takes ``out=`` (eagerly it writes there; traced it returns a value).
+        """
+        if not self.traced:
+            target = self.values[names] if isinstance(names, str) else self.run(*names)
+            function(*args, **kwargs, out=target)
+            return target
+        result = function(*args, **kwargs).to(self.dtype)
+        self._bind(names, result)
+        return result
+
+    def map(
+        self,
+        targets: tuple[str, str],
+        function: Callable[..., Tensor],
+        sources: tuple[str, str],
+        *args: Any,
+    ) -> None:
+        """``function(source, *args)`` of each plane of a pair into the pair ``targets``.
+
+        Eagerly one operation on the pairs (``out=``); traced, one value a plane.
+        """
+        if not self.traced:
+            function(self.run(*sources), *args, out=self.run(*targets))
+            return
+        for target, source in zip(targets, sources, strict=True):
+            self.values[target] = function(self.values[source], *args).to(self.dtype)
+
+    def update(self, first: str, last: str, function: Callable[[Tensor], Tensor]) -> Tensor:
+        """Replace the run ``first`` to ``last`` with ``function`` of it (in place eagerly).
+
+        ``function`` must work in place on its argument and return it; traced, it is
+        applied to a copy of each plane of the run.
+        """
+        if not self.traced:
+            run = self.values[first] if first == last else self.run(first, last)
+            function(run)
+            return run
+        for name in self.names[self.at[first] : self.at[last] + 1]:
+            self.values[name] = function(self.values[name].clone())
+        return self.values[first] if first == last else self.run(first, last)
+
+    def _bind(self, names: str | tuple[str, str], value: Tensor) -> None:
+        if isinstance(names, str):
+            self.values[names] = value
+            return
+        named = self.names[self.at[names[0]] : self.at[names[1]] + 1]
+        for name, plane in zip(named, value.unbind(), strict=True):
+            self.values[name] = plane
+
+
+class _Kept(threading.local):
+    """This thread's workspaces: flat buffers by role and dtype, and what is made over them."""
+
+    def __init__(self) -> None:
+        self.flat: dict[tuple[str, torch.dtype], Tensor] = {}
+        self.made: dict[tuple[Any, ...], Any] = {}
+
+
+_KEPT = _Kept()
+
+
+_KEPT_SHAPES = 4
+"""How many batch shapes a thread keeps the planes (and their views) of."""
+
+
+def kept(role: str, size: int, dtype: torch.dtype, key: Any, make: Callable[[Tensor], Any]) -> Any:
+    """``make`` of ``size`` elements of this thread's ``role`` buffer, made once a ``key``.
+
+    The buffer grows to the largest pass seen and is reused: a fresh buffer of this size
+    costs more in page faults than the whole pass computes, and what is made over it (the
+    views of its planes) costs torch operations at every pass.
+    """
+    kept = _KEPT
+    flat = kept.flat.get((role, dtype))
+    if flat is None or flat.numel() < size:
+        kept.flat.pop((role, dtype), None)  # freed before the larger one is made
+        kept.made = {k: v for k, v in kept.made.items() if k[:2] != (role, dtype)}
+        flat = kept.flat[role, dtype] = torch.empty(size, dtype=dtype)
+    made = [k for k in kept.made if k[:2] == (role, dtype)]
+    if (role, dtype, key) not in kept.made and len(made) >= _KEPT_SHAPES:
+        del kept.made[made[0]]
+    if (role, dtype, key) not in kept.made:
+        kept.made[role, dtype, key] = make(flat[:size])
+    return kept.made[role, dtype, key]
+
+
+def keeps(like: Tensor) -> bool:
+    """Whether a pass over ``like`` keeps its workspaces: an eager CPU pass.
+
+    An accelerator's caching allocator keeps its memory by itself.
+    """
+    return not compiling() and like.device.type == "cpu" and not is_fake(like)
+
+
+def planes_for(plan: PassPlan, like: Tensor, dtype: torch.dtype) -> Planes:
+    """The planes of a pass over a batch shaped like ``like``, kept where :func:`keeps`."""
+    if not keeps(like):
+        return Planes(plan.planes, like, dtype)
+    count, (rows, width) = len(plan.planes), like.shape
+
+    def make(flat: Tensor) -> Planes:
+        return Planes(plan.planes, like, dtype, flat.view(count, rows, width))
+
+    return kept("planes", count * rows * width, dtype, (plan.planes, rows, width), make)
+
+
+def counted_parts(histograms: bool, profile: bool) -> tuple[tuple[str, int], ...]:
+    """The parts of :attr:`PassPlan.parts`."""
+    parts = []
+    if histograms:
+        parts.append(("ratio", len(LOG_RATIO_BINS.edges) + 1))
+        if not profile:  # with the profile, |pa - pb|'s bins add up its fine bins
+            parts.append(("diff", len(PROBS_DIFF_BINS.edges) + 1))
+    if profile:
+        parts += [
+            ("fine_d", len(QUANTILE_BINS[0][2].edges) + 1),
+            ("fine_l", len(QUANTILE_BINS[1][2].edges) + 1),
+            ("probability", PROBABILITY_BUCKETS),
+            ("joint", (len(JOINT_BINS.edges) + 1) ** 2),  # last: its second plane follows
+        ]
+    return tuple(parts)
