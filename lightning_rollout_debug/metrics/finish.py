@@ -89,6 +89,7 @@ class RowSums:
         self.totals = first.sum(1)
         self.row_top = _rows(batches, "top")
         self.top = self.row_top.amax(1)
+        self.bottom = _rows(batches, "bottom").amin(1) if plan.bottoms else None
         centred = first[plan.centred]
         rows = self.n.clamp(min=1.0)
         shift = torch.cat(
@@ -149,9 +150,11 @@ class RowSums:
     def extreme(self, kind: str, name: str) -> Tensor:
         """The largest (``"max"``) or smallest (``"min"``) value of plane ``name``.
 
-        The smallest of ``r`` and ``d`` are the largest of ``nr = -r`` and ``nd = -d``.
+        Smallest values are kept of the planes of :attr:`~.planes.PassPlan.bottoms` alone.
         """
-        return self.top[self.at[name]] if kind == "max" else -self.top[self.at[f"n{name}"]]
+        if kind == "max":
+            return self.top[self.at[name]]
+        return self.bottom[self.plan.bottoms.index(name)]
 
 
 def finish_statistics(

@@ -93,6 +93,12 @@ class PassPlan:
         return self.planes[self.at["ab" if "ab" in self.at else "papb"] + 1]
 
     @property
+    def bottoms(self) -> tuple[str, ...]:
+        """The planes whose smallest values are needed: ``r`` and ``d`` (the histograms)."""
+        r = "importance_ratio" in self.groups or self.histograms
+        return ("r",) * r + ("d",) * self.histograms
+
+    @property
     def log_ratio(self) -> bool:
         """Whether the rows' sums of ``r`` are needed (in float64, from ``a - b``)."""
         return self.histograms or bool({"kl", "importance_ratio", "sequence"} & self.groups)
@@ -117,7 +123,6 @@ def plane_names(plan: PassPlan, index_planes: int) -> tuple[str, ...]:
     ]
     # Read only until the rows are summed: the extras' bin indices then take their place.
     # Pairs first (one operation writes each), then single planes.
-    # Smallest values are the largest of the negated: nr = -r and nd = -d.
     names = []
     if "importance_ratio" in groups:
         names += ["hi", "hilo"]
@@ -125,10 +130,6 @@ def plane_names(plan: PassPlan, index_planes: int) -> tuple[str, ...]:
         names += ["ninf_a", "ninf_b", "zb", "code"]
     if {"kl", "importance_ratio"} & groups or profile:
         names.append("k3")
-    if "importance_ratio" in groups or plan.histograms:
-        names.append("nr")
-    if plan.histograms:
-        names.append("nd")
     while len(names) < index_planes or len(names) % 2 == 0:
         names.append(f"spare{len(names)}")
     names.append("masked")  # last: kept out of the clearing (its tokens need not count)

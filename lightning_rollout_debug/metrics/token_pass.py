@@ -72,8 +72,10 @@ class TokenSums:
     first: Tensor
     """``[planes, B]``: each row's sum of every plane over its counting tokens."""
     top: Tensor
-    """``[planes, B]``: each row's largest value of every plane (``-inf``: no token); the
-    smallest of ``r`` and ``d`` are those of the planes ``nr = -r`` and ``nd = -d``."""
+    """``[planes, B]``: each row's largest value of every plane (``-inf``: no token)."""
+    bottom: list[Tensor] | None
+    """``[B]`` for each plane of :attr:`PassPlan.bottoms`: each row's smallest value
+    (``+inf``: no token; ``None``: no such plane)."""
     shift: Tensor | None
     """``[centred, B, 1]``: each row's mean of the centred planes, the values are centred at
     (``None``: not centred, the sums of squares are plain ones)."""
@@ -200,16 +202,12 @@ def _token_values(
 
 
 def _ratio_values(plan: PassPlan, p: Planes, r: Tensor) -> None:
-    """The values of the KL and importance-ratio groups, and the negated ``r`` and ``d``."""
+    """The values of the KL and importance-ratio groups."""
     on = plan.groups
     if {"kl", "importance_ratio"} & on:  # rho - 1 = e^clamp(r) - 1 from here on
         p.update("e", "e", lambda e: e.clamp_(RATIO_MIN - 1.0, RATIO_MAX - 1.0))
     if "k3" in p.at:
         p.write("k3", _kl_k3, r, p["e"])
-    if "nr" in p.at:
-        p.write("nr", torch.neg, r)
-    if "nd" in p.at:
-        p.write("nd", torch.neg, p["d"])
     if "importance_ratio" in on:
         p.write("rho", torch.clamp, r, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         p.update("rho", "rho", torch.exp_)
@@ -242,15 +240,17 @@ def _reduce_eagerly(
     """The sums of the planes, eagerly: few operations, each in place on the planes.
 
     The values of tokens that do not count are cleared in place, with -inf put there just
-    long enough to take each row's largest value; rows are summed in the planes' dtype,
+    long enough to take each row's largest value (the smallest of ``r`` and ``d`` are
+    taken apart); rows are summed in the planes' dtype,
     second moments about each row's mean; the extras' bins are counted in one
     scatter-add, sums by bucket each in one of their own.
     """
     one = p["one"]
     width = one.shape[-1]
     counted = torch.gt(one, 0.0)
-    fills = [on_device(fill, one) for fill in ("-inf", "zero")]
+    fills = [on_device(fill, one) for fill in ("-inf", "zero", "inf")]
     extremes: dict[str, Tensor] = {}
+    bottom = [torch.where(counted, p[n], fills[2]).amin(-1) for n in plan.bottoms] or None
 
     def clear(planes: Tensor) -> Tensor:
         torch.where(counted, planes, fills[0], out=planes)
@@ -284,7 +284,8 @@ def _reduce_eagerly(
         p.write("ab", torch.mul, p["a"], p["b"])
     p.update(start, stop, torch.square_)
     second = p.run(start, p.names[p.at[plan.tail] - 1]).sum(-1)
-    fields = (first, extremes["top"], shift, second, lag, counts, position, probability, worst)
+    top = extremes["top"]
+    fields = (first, top, bottom, shift, second, lag, counts, position, probability, worst)
     return (*fields, log_ratio)
 
 
@@ -333,7 +334,8 @@ def _reduce_compiled(
     if plan.worst_tokens_k:
         keys = worst_keys(torch.where(counted, raw["l"], -INF))
         worst = worst_candidates(keys, p, token_ids, plan.worst_tokens_k, width, value)
-    fields = (first, top, None, second, lag, counts, position, probability, worst)
+    bottom = [torch.where(counted, raw[n], INF).amin(-1) for n in plan.bottoms] or None
+    fields = (first, top, bottom, None, second, lag, counts, position, probability, worst)
     return (*fields, sums[-1])
 
 
