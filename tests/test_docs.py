@@ -242,6 +242,13 @@ def test_cost_figures_live_on_the_performance_page_only() -> None:
     assert not {name: found for name, found in quoted.items() if found}
 
 
+def test_the_performance_page_is_a_page_a_user_reads() -> None:
+    """At most 250 lines, and no dated entries: what holds now, with its command."""
+    text = read("performance.md")
+    assert len(text.splitlines()) <= 250
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text)
+
+
 def _counted(pattern: str) -> list[int]:
     """Every number the docs and the README put before ``pattern``, as ints."""
     texts = [read(page.name) for page in sorted(DOCS.glob("*.md"))]
