@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,19 @@ def assert_logged_like_the_reference(log_dir: Path, datamodule: Any) -> None:
             if name.startswith("rl/") and step in values
         }
         assert_metrics_close(got, want)
+
+
+@pytest.mark.parametrize("lit", PACKAGES)
+def test_the_help_lists_the_package_s_callback_alone(
+    lit: Lightning, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--help`` names the known subclasses of ``Callback``: of this package only the
+    public callback, not the base it derives from."""
+    with pytest.raises(SystemExit):
+        make_cli(lit, ["fit", "--help"], run=True)
+    known = capsys.readouterr().out
+    listed = set(re.findall(r"lightning_rollout_debug[\w.]*", known))
+    assert listed and all(name.endswith("RolloutDebugCallback") for name in listed), listed
 
 
 @pytest.mark.parametrize("lit", PACKAGES)

@@ -30,13 +30,16 @@ if LIGHTNING_AVAILABLE:
     import lightning.pytorch as _unified
     from lightning.fabric.loggers import TensorBoardLogger as _UnifiedTensorBoardLogger
 
-    class Callback(pl.Callback, _unified.Callback):
+    class _BothCallback(pl.Callback, _unified.Callback):
         """A callback of both packages: ``pytorch_lightning`` and ``lightning.pytorch``.
 
         The two base classes are the same code (every hook a no-op), so the hooks and the
         state key resolve alike through either; each package's Trainer and
-        ``LightningCLI`` accept the subclass as one of its own callbacks.
+        ``LightningCLI`` accept the subclass as one of its own callbacks. Its name is
+        private, so ``LightningCLI`` lists only the package's callback, not this base.
         """
+
+    Callback: type[pl.Callback] = _BothCallback
 
     _UNIFIED_LOGGERS: tuple[type, ...] = (_UnifiedTensorBoardLogger,)
 else:
