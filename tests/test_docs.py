@@ -242,6 +242,34 @@ def test_cost_figures_live_on_the_performance_page_only() -> None:
     assert not {name: found for name, found in quoted.items() if found}
 
 
+def test_the_readme_s_numbers_are_the_package_s() -> None:
+    """The README's counts come from their source: the example's steps, the pictures'
+    period, the drift baseline's length, the ranges of the example's alerts."""
+    import importlib.util
+
+    from lightning_rollout_debug import RolloutDebugConfig
+
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    spec = importlib.util.spec_from_file_location(
+        "grpo_mismatch", ROOT / "examples" / "grpo_mismatch.py"
+    )
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    steps = re.search(r"(\d+) steps: \d+ seconds on two CPU cores", readme)
+    assert steps and int(steps[1]) == example.parse_args([]).max_steps
+    config = RolloutDebugConfig()
+    assert f"every {config.profile_images_every_n_steps} steps three pictures" in readme
+    words = {10: "ten"}
+    assert f"median of its first {words[config.drift_baseline]}:" in readme
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_example import FIRST_KL_DRIFT, FIRST_PROBS_DRIFT, LOG_SPACE_GROWTH_AT_MOST
+
+    for first in (FIRST_PROBS_DRIFT, FIRST_KL_DRIFT):
+        assert f"first between steps {first.start} and {first.stop - 1}" in readme
+    assert f"within {LOG_SPACE_GROWTH_AT_MOST}x its start" in readme
+
+
 def test_the_performance_page_is_a_page_a_user_reads() -> None:
     """At most 250 lines, and no dated entries: what holds now, with its command."""
     text = read("performance.md")
