@@ -868,7 +868,9 @@ def test_a_finishing_step_that_fails_falls_back_to_torch(
     def failing(*args: object) -> int:
         raise ctypes.ArgumentError("argument 3: wrong type")
 
-    monkeypatch.setitem(native.kernel._kernel, "finish", (failing, failing))
+    failing_steps = {"finish_state": failing, "finish_extras": failing}
+    loaded = dataclasses.replace(native.kernel._kernel["kernel"], **failing_steps)
+    monkeypatch.setitem(native.kernel._kernel, "kernel", loaded)
     rng = np.random.default_rng(49)
     batches = [make_batch(rng, (4, 90), regime="mixed", mask_kind="prefix") for _ in range(2)]
     stats = MismatchStats()
