@@ -28,6 +28,8 @@ from lightning_rollout_debug.metrics.rows import ROWS_OF_GROUP
 from lightning_rollout_debug.metrics.worst_tokens import WORST_FIELDS
 
 _LOG_PROB_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+LOG_PROB_DTYPES = frozenset(_LOG_PROB_KINDS)
+"""The dtypes of the log-probs the kernel reads (both log-probs of one of them)."""
 _MASK_KINDS = {torch.bool: 0, torch.uint8: 0, torch.int32: 1, torch.int64: 2, torch.float32: 3}
 _ID_KINDS = {torch.int32: 1, torch.int64: 2}
 # The columns the kernel computes only at its catalog level (bit 0 of `level`): those of
