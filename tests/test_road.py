@@ -1,0 +1,159 @@
+"""One road for a batch: an update enters each module of the package once.
+
+An entry is a call into a module of the package whose nearest caller in the package is
+in another module (a call from outside the package, or back from torch, counts by its
+nearest caller in the package). One update of a :class:`RolloutDebugMonitor` on the CPU,
+its kernel loaded and its plans made by the updates before, must enter no module twice:
+the batch is read and checked once (``metrics.batch``, ``metrics.inputs``), added to the
+window by one call (``metrics.backends.add_batch``) that chooses the road once, and the
+windows are added to by one call (``metrics.packed_window``); the kernel's pass asks the
+loaded build for what it needs once (``metrics.native.kernel``).
+
+The torch road still enters ``metrics.token_pass`` twice (``token_sums``, then
+``read_sums`` to make its :class:`~.token_pass.TokenSums`): the eager cases are expected
+to fail with exactly that (:class:`TokenPassEnteredTwice`), and any other second entry
+fails them outright.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+import torch
+from conftest import kernel_skip_reason
+
+import lightning_rollout_debug
+from lightning_rollout_debug import GROUPS, RolloutDebugMonitor, RolloutDebugWarning
+
+PACKAGE = Path(lightning_rollout_debug.__file__).resolve().parent
+
+SCALARS_ONLY = {
+    "histograms": False,
+    "worst_tokens_k": 0,
+    "profile_images": False,
+    "groups": [group for group in GROUPS if group not in ("quantiles", "token_ids")],
+}
+"""A monitor without extras: every group of the statistics, no histograms, worst tokens,
+pictures or quantiles."""
+
+KERNEL_SKIP = kernel_skip_reason()
+NEEDS_KERNEL = pytest.mark.skipif(KERNEL_SKIP is not None, reason=str(KERNEL_SKIP))
+
+
+class TokenPassEnteredTwice(AssertionError):
+    """The torch road's one known second entry: ``token_pass.token_sums``, then
+    ``token_pass.read_sums`` (which makes the pass's ``TokenSums``), both from
+    ``backends``."""
+
+
+TORCH_ROAD = pytest.mark.xfail(
+    raises=TokenPassEnteredTwice,
+    strict=True,
+    reason="the torch road calls token_pass twice (token_sums, then read_sums)",
+)
+
+
+def module_of(frame: FrameType | None) -> str | None:
+    """The dotted module of the package a frame runs in (``None``: outside the package)."""
+    if frame is None:
+        return None
+    path = Path(frame.f_code.co_filename)
+    if not path.is_relative_to(PACKAGE):
+        return None
+    return ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+
+
+def entries(call: Callable[[], Any]) -> list[tuple[str, str]]:
+    """The entries ``call`` makes into the package's modules, in order: module, function."""
+    found: list[tuple[str, str]] = []
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        if event != "call":
+            return
+        module = module_of(frame)
+        if module is None:
+            return
+        caller = frame.f_back
+        while caller is not None and module_of(caller) is None:
+            caller = caller.f_back
+        if module_of(caller) != module:
+            found.append((module, frame.f_code.co_name))
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(previous)
+    return found
+
+
+def batch() -> dict[str, torch.Tensor]:
+    """A float32 CPU batch of 8 rows of up to 256 tokens, rows padded."""
+    generator = torch.Generator().manual_seed(0)
+    rollout = torch.rand(8, 256, generator=generator).clamp_min(1e-6).log()
+    old = (rollout + 0.01 * torch.randn(8, 256, generator=generator)).clamp(max=0.0)
+    lengths = torch.randint(64, 257, (8, 1), generator=generator)
+    mask = (torch.arange(256) < lengths).to(torch.int64)
+    return {"rollout_log_probs": rollout, "old_log_probs": old, "response_mask": mask}
+
+
+def road_of(settings: dict[str, Any]) -> list[tuple[str, str]]:
+    """The entries of a monitor's third update (the first two load and plan)."""
+    monitor = RolloutDebugMonitor(alert_ranges={}, **settings)
+    given = batch()
+    with warnings.catch_warnings():  # a skipped batch, or a kernel not used, fails
+        warnings.simplefilter("error", RolloutDebugWarning)
+        warnings.simplefilter("error", RuntimeWarning)
+        monitor.update(given)
+        monitor.update(given)
+        return entries(lambda: monitor.update(given))
+
+
+def assert_entered_once(road: list[tuple[str, str]]) -> None:
+    """Fail where a module is entered twice; the torch road's known pair fails apart."""
+    counts = Counter(module for module, _ in road)
+    twice = {module: [f for m, f in road if m == module] for module in counts if counts[module] > 1}
+    shown = " -> ".join(f"{module}.{function}" for module, function in road)
+    if twice == {"metrics.token_pass": ["token_sums", "read_sums"]}:
+        raise TokenPassEnteredTwice(f"token_pass entered twice: {shown}")
+    assert not twice, f"entered more than once: {twice}; the road: {shown}"
+
+
+@pytest.mark.parametrize(
+    ("settings", "road"),
+    [
+        pytest.param({}, "native", marks=NEEDS_KERNEL, id="native"),
+        pytest.param(SCALARS_ONLY, "native", marks=NEEDS_KERNEL, id="native-scalars-only"),
+        pytest.param({"compile": False}, "eager", marks=TORCH_ROAD, id="eager"),
+        pytest.param(
+            {**SCALARS_ONLY, "compile": False}, "eager", marks=TORCH_ROAD, id="eager-scalars-only"
+        ),
+    ],
+)
+def test_an_update_enters_each_module_once(settings: dict[str, Any], road: str) -> None:
+    found = road_of(settings)
+    modules = [module for module, _ in found]
+    assert modules[:3] == ["loop.monitor", "loop.batch_updates", "metrics.batch"], found
+    assert "metrics.inputs" in modules and "metrics.backends" in modules, found
+    taken = "metrics.native.passes" if road == "native" else "metrics.token_pass"
+    assert taken in modules, f"the {road} road was not taken: {found}"
+    assert_entered_once(found)
+
+
+def test_a_module_entered_twice_is_found() -> None:
+    """The probe sees a second entry: a module called again after another one."""
+    from lightning_rollout_debug.metrics import layout, rows
+
+    found = entries(lambda: (rows.rows_for(frozenset({"seed"})), layout.filled((1.0,))))
+    found += entries(lambda: rows.rows_for(frozenset({"kl"})))
+    assert [module for module, _ in found] == ["metrics.rows", "metrics.layout", "metrics.rows"]
+    with pytest.raises(AssertionError, match="entered more than once"):
+        assert_entered_once(found)
