@@ -5,9 +5,10 @@ in another module (a call from outside the package, or back from torch, counts b
 nearest caller in the package). One update of a :class:`RolloutDebugMonitor` on the CPU,
 its kernel loaded and its plans made by the updates before, must enter no module twice:
 the batch is read and checked once (``metrics.batch``, ``metrics.inputs``), added to the
-window by one call (``metrics.backends.add_batch``) that chooses the road once, and the
-windows are added to by one call (``metrics.packed_window``); the kernel's pass asks the
-loaded build for what it needs once (``metrics.native.kernel``).
+window, its token ids compared and its pad tokens counted, by one call
+(``metrics.backends.add_batch``) that chooses the road once, and the windows are added
+to by one call (``metrics.packed_window``); the kernel's pass asks the loaded build for
+what it needs once (``metrics.native.kernel``).
 
 The torch road still enters ``metrics.token_pass`` twice (``token_sums``, then
 ``read_sums`` to make its :class:`~.token_pass.TokenSums`): the eager cases are expected
@@ -42,6 +43,12 @@ SCALARS_ONLY = {
 }
 """A monitor without extras: every group of the statistics, no histograms, worst tokens,
 pictures or quantiles."""
+
+CHECKED_IDS = {
+    "token_ids_keys": ("rollout_token_ids", "trainer_token_ids"),
+    "pad_token_id": 0,
+}
+"""A monitor that compares the token ids and counts the pad tokens."""
 
 KERNEL_SKIP = kernel_skip_reason()
 NEEDS_KERNEL = pytest.mark.skipif(KERNEL_SKIP is not None, reason=str(KERNEL_SKIP))
@@ -96,13 +103,20 @@ def entries(call: Callable[[], Any]) -> list[tuple[str, str]]:
 
 
 def batch() -> dict[str, torch.Tensor]:
-    """A float32 CPU batch of 8 rows of up to 256 tokens, rows padded."""
+    """A float32 CPU batch of 8 rows of up to 256 tokens, rows padded, with token ids."""
     generator = torch.Generator().manual_seed(0)
     rollout = torch.rand(8, 256, generator=generator).clamp_min(1e-6).log()
     old = (rollout + 0.01 * torch.randn(8, 256, generator=generator)).clamp(max=0.0)
     lengths = torch.randint(64, 257, (8, 1), generator=generator)
     mask = (torch.arange(256) < lengths).to(torch.int64)
-    return {"rollout_log_probs": rollout, "old_log_probs": old, "response_mask": mask}
+    ids = torch.randint(0, 50, (8, 256), generator=generator)
+    return {
+        "rollout_log_probs": rollout,
+        "old_log_probs": old,
+        "response_mask": mask,
+        "rollout_token_ids": ids,
+        "trainer_token_ids": ids.clone(),
+    }
 
 
 def road_of(settings: dict[str, Any]) -> list[tuple[str, str]]:
@@ -132,9 +146,13 @@ def assert_entered_once(road: list[tuple[str, str]]) -> None:
     [
         pytest.param({}, "native", marks=NEEDS_KERNEL, id="native"),
         pytest.param(SCALARS_ONLY, "native", marks=NEEDS_KERNEL, id="native-scalars-only"),
+        pytest.param(CHECKED_IDS, "native", marks=NEEDS_KERNEL, id="native-ids-and-pads"),
         pytest.param({"compile": False}, "eager", marks=TORCH_ROAD, id="eager"),
         pytest.param(
             {**SCALARS_ONLY, "compile": False}, "eager", marks=TORCH_ROAD, id="eager-scalars-only"
+        ),
+        pytest.param(
+            {**CHECKED_IDS, "compile": False}, "eager", marks=TORCH_ROAD, id="eager-ids-and-pads"
         ),
     ],
 )

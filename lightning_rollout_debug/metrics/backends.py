@@ -34,7 +34,7 @@ from lightning_rollout_debug.metrics import native
 from lightning_rollout_debug.metrics.inputs import MismatchInputs
 from lightning_rollout_debug.metrics.layout import STATE
 from lightning_rollout_debug.metrics.packed_window import Finish, add_pass, add_states
-from lightning_rollout_debug.metrics.rows import ROW_FIELDS, rows_for, token_id_slots
+from lightning_rollout_debug.metrics.rows import ROW_FIELDS, check_slots, rows_for
 from lightning_rollout_debug.metrics.token_pass import (
     PassPlan,
     TokenSums,
@@ -58,18 +58,21 @@ def add_batch(
     extras: Any | None,
     batch: int = 0,
     rank: int = 0,
+    pad_token_id: int | None = None,
 ) -> None:
     """Add a checked batch to ``stats`` and ``extras`` (either may be ``None``), in one read.
 
     ``token_ids`` label the worst tokens; ``batch`` and ``rank`` too. The statistics'
-    token-id comparison is added as a packed state of its own.
+    token-id comparison, and with ``pad_token_id`` the count of the pad tokens among
+    ``token_ids``, are added as a packed state of their own (:func:`check_states`).
     """
     device = inputs.mask.device
     if inputs.mask.numel() == 0:
         if stats is not None:
-            add_states([(stats, _empty_statistics(inputs, stats.groups))], device)
+            pads = check_states(inputs, frozenset(), token_ids, pad_token_id)
+            add_states([(stats, [*_empty_statistics(inputs, stats.groups), *pads])], device)
         return
-    more = [] if stats is None else token_id_states(inputs, stats.groups)
+    more = [] if stats is None else check_states(inputs, stats.groups, token_ids, pad_token_id)
     plan = pass_plan(stats, extras)
     for road in roads(inputs, (stats if stats is not None else extras).compile, plan):
         if road == NATIVE:
@@ -277,11 +280,27 @@ def prepare_native(compile: bool | None) -> bool:
     return native_wanted(compile) and native.prepare()
 
 
-def token_id_states(inputs: MismatchInputs, groups: frozenset[str]) -> list[Tensor]:
-    """The token-id comparison of a batch as a packed state of its own (``[]``: none)."""
-    if "token_ids" not in groups:
+def check_states(
+    inputs: MismatchInputs,
+    groups: frozenset[str],
+    token_ids: Tensor | None = None,
+    pad_token_id: int | None = None,
+) -> list[Tensor]:
+    """A batch's checks of token ids as one packed state of its own (``[]``: none).
+
+    The comparison of the rollout's and the trainer's ids with the ``token_ids`` group,
+    the count of the pad tokens among ``token_ids`` with ``pad_token_id``.
+    """
+    compared = "token_ids" in groups
+    if not compared and (token_ids is None or pad_token_id is None):
         return []
-    slots = token_id_slots(inputs.mask, inputs.rollout_token_ids, inputs.trainer_token_ids)
+    slots = check_slots(
+        inputs.mask,
+        inputs.rollout_token_ids if compared else None,
+        inputs.trainer_token_ids if compared else None,
+        token_ids,
+        pad_token_id,
+    )
     return [STATE.pack(slots, inputs.mask.device)] if slots else []
 
 
