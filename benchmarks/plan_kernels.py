@@ -37,8 +37,8 @@ from configurations import SCALARS_ONLY
 
 from lightning_rollout_debug import RolloutDebugCallback
 from lightning_rollout_debug.metrics import backends
-from lightning_rollout_debug.metrics.pass_constants import constants
-from lightning_rollout_debug.metrics.planes import PassPlan
+from lightning_rollout_debug.metrics.torch_pass.constants import constants
+from lightning_rollout_debug.metrics.torch_pass.planes import PassPlan
 
 _WRAPPERS: list[str] = []
 

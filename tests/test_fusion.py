@@ -25,7 +25,7 @@ from lightning_rollout_debug import (
 )
 from lightning_rollout_debug.metrics import backends, native
 from lightning_rollout_debug.metrics.extras import TokenExtras
-from lightning_rollout_debug.metrics.planes import PassPlan
+from lightning_rollout_debug.metrics.torch_pass.planes import PassPlan
 
 LOG_RATIO_TAG = "training/rollout_log_ratio_hist"
 COMPILE_FAILED = "torch.compile of the rollout metrics failed"

@@ -24,7 +24,7 @@ from lightning_helpers import TRAINER_DEFAULTS, MemoryLogger, RolloutModule, mak
 from reference import assert_metrics_close, reference_metrics
 
 from lightning_rollout_debug import GROUPS, METRIC_NAMES, MismatchStats, RolloutDebugCallback
-from lightning_rollout_debug.metrics import native
+from lightning_rollout_debug.metrics import backends, native
 from lightning_rollout_debug.metrics.bins import LOG_RATIO_BINS, PROBS_DIFF_BINS
 from lightning_rollout_debug.metrics.extras import TokenExtras
 from lightning_rollout_debug.metrics.inputs import check_inputs
@@ -164,7 +164,7 @@ def test_other_layouts_and_dtypes_go_the_torch_way(native_calls: list[bool]) -> 
         stats = MismatchStats(compile=True)
         stats.update(*args)
         assert_metrics_close(stats.compute(), reference_metrics(*args))
-    assert native_calls == [True, False, False]
+    assert native_calls == [True]  # the other dtypes are not handed to the kernel
 
 
 NO_KERNEL_RUN = """
@@ -594,8 +594,9 @@ def test_native_profile_with_the_statistics_in_one_pass(
     batch = make_batch(rng, (20, 700), regime="unrelated", mask_kind="prefix", special_rate=0.01)
     inputs = check_inputs(batch.rollout, batch.old, batch.mask)
     extras = TokenExtras(profile=True)
-    found = extras.kernel_states(inputs, None, 0, 0, MismatchStats(groups=groups, compile=True))
-    alone = extras.kernel_states(inputs, None, 0, 0)
+    stats = MismatchStats(groups=groups, compile=True)
+    found = backends.kernel_states(inputs, stats=stats, extras=extras)
+    alone = backends.kernel_states(inputs, extras=extras)
     assert found is not None and alone is not None and native_calls == [True, True]
     assert torch.equal(found[1], alone[1])
     eager = TokenExtras(profile=True, compile=False)
@@ -616,7 +617,7 @@ def test_a_pass_adds_its_profile_into_the_state_it_is_finished_into(
     )
     extras = TokenExtras(worst_tokens_k=4, profile=True)
     found = [
-        extras.kernel_states(check_inputs(batch.rollout, batch.old, batch.mask), None, 0, 0)
+        backends.kernel_states(check_inputs(batch.rollout, batch.old, batch.mask), extras=extras)
         for batch in (first, second)
     ]
     assert found[0] is not None and found[1] is not None
@@ -624,7 +625,7 @@ def test_a_pass_adds_its_profile_into_the_state_it_is_finished_into(
     assert window is not None and batch_state is not None
     into = window.clone()
     inputs = check_inputs(second.rollout, second.old, second.mask)
-    added = extras.kernel_states(inputs, None, 0, 0, into=into)
+    added = backends.kernel_states(inputs, extras=extras, into=into)
     assert added is not None and added[1] is into and native_calls == [True] * 3
     head = extras.size - PROFILE_SIZE
     assert torch.equal(into[:head], batch_state[:head])
@@ -662,16 +663,18 @@ def test_a_cpu_window_adds_up_its_batches_profiles_in_place(
         batch = make_batch(rng, (3, 40 + index), regime="mixed", mask_kind="prefix")
         window.update(batch.rollout, batch.old, batch.mask, batch_index=index)
         inputs = check_inputs(batch.rollout, batch.old, batch.mask)
-        own = window.kernel_states(inputs, None, index, 0)
+        own = backends.kernel_states(inputs, extras=window, batch=index)
         assert own is not None
         states.append(own[1])
     assert all(native_calls) and len(native_calls) == 2 * batches
-    held = {  # the memory of every tensor the window holds, views counted once
+    kept = [*vars(window).values(), *vars(window._in_place).values()]
+    held = {  # the memory of every tensor the window holds, its in-place block's too, once
         tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
-        for value in vars(window).values()
+        for value in kept
         for tensor in (value if isinstance(value, list) else [value])
         if isinstance(tensor, torch.Tensor)
     }
+    assert window._in_place.state is not None and window._in_place.heads  # measured above
     head = window.size - PROFILE_SIZE
     assert sum(held.values()) <= 8 * (window.size + 31 * head)
     got = window.state
@@ -689,7 +692,8 @@ def test_the_histograms_beside_the_catalog_match_the_torch_extras(
     batch = make_batch(rng, (30, 900), regime="mixed", mask_kind="prefix", special_rate=0.01)
     inputs = check_inputs(batch.rollout, batch.old, batch.mask)
     extras = TokenExtras(histograms=True, worst_tokens_k=5, profile=profile)
-    found = extras.kernel_states(inputs, None, 0, 0, MismatchStats(groups=ALL, compile=True))
+    stats = MismatchStats(groups=ALL, compile=True)
+    found = backends.kernel_states(inputs, stats=stats, extras=extras)
     assert found is not None and native_calls == [True]
     eager = TokenExtras(histograms=True, worst_tokens_k=5, profile=profile, compile=False)
     eager.update(batch.rollout, batch.old, batch.mask)
@@ -868,7 +872,9 @@ def test_a_finishing_step_that_fails_falls_back_to_torch(
     def failing(*args: object) -> int:
         raise ctypes.ArgumentError("argument 3: wrong type")
 
-    monkeypatch.setitem(native.kernel._kernel, "finish", (failing, failing))
+    failing_steps = {"finish_state": failing, "finish_extras": failing}
+    loaded = dataclasses.replace(native.kernel._kernel["kernel"], **failing_steps)
+    monkeypatch.setitem(native.kernel._kernel, "kernel", loaded)
     rng = np.random.default_rng(49)
     batches = [make_batch(rng, (4, 90), regime="mixed", mask_kind="prefix") for _ in range(2)]
     stats = MismatchStats()

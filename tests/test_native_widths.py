@@ -42,7 +42,7 @@ def lanes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> in
     wanted, widest = request.param, native.loader.cpu_lanes()
     if wanted > widest:
         pytest.skip(f"this CPU runs the kernel at up to {widest} lanes")
-    fresh = {"function": None, "problem": None, "columns": (), "finish": None, "lanes": None}
+    fresh = {"kernel": None, "problem": None}
     monkeypatch.setattr(native.kernel, "_kernel", fresh)
     native.load(wanted)
     assert native.vector_lanes() == wanted

@@ -2,10 +2,11 @@
 
 :class:`BatchUpdates` is the part of :class:`~.monitor.RolloutDebugMonitor` that an
 update runs through: the batch read once
-(:func:`~lightning_rollout_debug.metrics.batch.read_batch`), added to the window on its
-device (:func:`~lightning_rollout_debug.metrics.backends.add_batch`), its pad tokens
-counted; a batch that cannot be used is skipped with one
-:class:`RolloutDebugWarning` per kind of problem (raised with ``strict=True``).
+(:func:`~lightning_rollout_debug.metrics.batch.read_batch`), then added to the window on
+its device, its pad tokens counted, by one call
+(:func:`~lightning_rollout_debug.metrics.backends.add_batch`); a batch that cannot be
+used is skipped with one :class:`RolloutDebugWarning` per kind of problem (raised with
+``strict=True``).
 :class:`FrontDoor` says how the messages name the monitor or the callback.
 """
 
@@ -71,8 +72,8 @@ class BatchUpdates:
                 extras=self._extras,
                 batch=index,
                 rank=rank,
+                pad_token_id=self._pad_token_id(read),
             )
-            self._count_pads(read)
         except BatchError as error:
             # No local may hold the error (its traceback holds this frame, and with it the
             # batch and any autograd graph, until a gc cycle).
@@ -85,17 +86,21 @@ class BatchUpdates:
                 type(error).__name__, f"Could not update the statistics ({error!r}); skipped."
             )
 
-    def _count_pads(self, read: BatchRead) -> None:
+    def _pad_token_id(self, read: BatchRead) -> int | None:
+        """The pad id the batch's pad tokens are counted by (``None``: not counted).
+
+        None is set, or the batch has no token ids (warned about once).
+        """
         if self.config.pad_token_id is None:
-            return
+            return None
         if read.token_ids is None:
             self._warn_once(
                 "pad-ids",
                 f"`pad_token_id={self.config.pad_token_id}` is set but the batch"
                 f"{read.ids_problem}; pad tokens are not counted.",
             )
-            return
-        self._stats.count_pads(read.inputs.mask, read.token_ids, self.config.pad_token_id)
+            return None
+        return self.config.pad_token_id
 
     def _skip_batch(self, error: BatchError) -> None:
         if self.config.strict:

@@ -1,28 +1,31 @@
-"""The road of a batch: which pass reads it, and the one call that adds it to the windows.
+"""The road of a batch: the one call that adds it to the windows, and the pass that reads it.
 
-:func:`add_batch` reads a checked batch once and adds it to a window of statistics and a
-window of extras (either may be absent):
+:func:`add_batch` adds a checked batch to a window of statistics and a window of extras
+(either may be absent) with one read of it. It chooses the road once, up front
+(:func:`roads`), and adds what the pass finished with one call into the windows
+(:func:`~.packed_window.add_pass` or :func:`~.packed_window.add_states`):
 
 * On CPUs, float32 and bfloat16 log-probs go through the native kernel (:mod:`.native`)
   unless ``compile=False``: one pass, finished into packed states.
-* On accelerators, :func:`~.token_pass.token_sums` compiled with ``torch.compile``
+* On accelerators, :func:`~.torch_pass.sums.token_sums` compiled with ``torch.compile``
   (unless ``compile=False``; on CPUs only with ``compile=True``): one graph for every
   batch size.
-* Everywhere else, and where compiling fails, :func:`~.token_pass.token_sums` eagerly:
+* Everywhere else, and where compiling fails, :func:`~.torch_pass.sums.token_sums` eagerly:
   a fixed number of torch operations at every size (one pass per 4,194,304 tokens of
   rows, which bounds the memory of larger batches).
 
-Every path counts the same tokens into the same packed states, to float32 rounding. A
-compiled pass that fails falls back to the eager one with one warning, and the batch is
-counted in full.
+Where the kernel does not take a batch (other dtypes, a kernel that is not there or gave
+up), the torch road chosen with it does. Every road counts the same tokens into the same
+packed states, to float32 rounding. A compiled pass that fails falls back to the eager
+one with one warning, and the batch is counted in full.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,19 +33,18 @@ from torch import Tensor
 from lightning_rollout_debug.metrics import native
 from lightning_rollout_debug.metrics.inputs import MismatchInputs
 from lightning_rollout_debug.metrics.layout import STATE
-from lightning_rollout_debug.metrics.pass_constants import constants
-from lightning_rollout_debug.metrics.planes import PassPlan
-from lightning_rollout_debug.metrics.rows import token_id_slots
-from lightning_rollout_debug.metrics.token_pass import TokenSums, read_sums, token_sums
+from lightning_rollout_debug.metrics.packed_window import Finish, add_pass, add_states
+from lightning_rollout_debug.metrics.rows import ROW_FIELDS, check_slots, rows_for
+from lightning_rollout_debug.metrics.torch_pass.bins import POSITION_PLANES
+from lightning_rollout_debug.metrics.torch_pass.constants import constants
+from lightning_rollout_debug.metrics.torch_pass.planes import PassPlan
+from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums, token_sums
 
 CHUNK_TOKENS = 1 << 22
 """The most tokens one pass reads: a larger batch is read in passes of whole rows."""
 
-
-class Window(Protocol):
-    """A window a batch is added to: statistics or extras."""
-
-    def _add(self, parts: list[Any], device: torch.device | None = None) -> None: ...
+NATIVE, COMPILED, EAGER = "native", "compiled", "eager"
+"""The roads of a batch: the native kernel, torch compiled, torch eagerly."""
 
 
 def add_batch(
@@ -53,25 +55,98 @@ def add_batch(
     extras: Any | None,
     batch: int = 0,
     rank: int = 0,
+    pad_token_id: int | None = None,
 ) -> None:
     """Add a checked batch to ``stats`` and ``extras`` (either may be ``None``), in one read.
 
     ``token_ids`` label the worst tokens; ``batch`` and ``rank`` too. The statistics'
-    token-id comparison is added as a packed state of its own.
+    token-id comparison, and with ``pad_token_id`` the count of the pad tokens among
+    ``token_ids``, are added as a packed state of their own (:func:`check_states`).
     """
     device = inputs.mask.device
-    rows, width = inputs.mask.shape
-    compile = (stats if stats is not None else extras).compile
-    if rows * width == 0:
+    if inputs.mask.numel() == 0:
         if stats is not None:
-            stats._add(_empty_statistics(inputs, stats.groups), device)
+            pads = check_states(inputs, frozenset(), token_ids, pad_token_id)
+            add_states([(stats, [*_empty_statistics(inputs, stats.groups), *pads])], device)
         return
-    if _native_pass(inputs, token_ids, stats, extras, batch, rank, compile):
-        return
+    more = [] if stats is None else check_states(inputs, stats.groups, token_ids, pad_token_id)
     plan = pass_plan(stats, extras)
+    for road in roads(inputs, (stats if stats is not None else extras).compile, plan):
+        if road == NATIVE:
+            request = None if extras is None else extras.kernel_request(add_profile=True)
+            finish = _kernel_pass(inputs, token_ids, stats, request, batch, rank)
+            if add_pass(finish, stats, extras, device, more):
+                return
+        else:
+            sums = _torch_sums(inputs, token_ids, plan, stats, extras, road, batch, rank)
+            add_states(((stats, [*sums, *more]), (extras, sums)), device)
+            return
+
+
+def roads(inputs: MismatchInputs, compile: bool | None, plan: PassPlan) -> tuple[str, ...]:
+    """The roads a batch takes, in order, until one takes it.
+
+    On a CPU the native kernel first, for log-probs of one dtype it reads, unless
+    ``compile=False`` or ``plan`` asks for more worst tokens than it keeps (where it is
+    not there, or gives up, the next road takes the batch); then the torch road:
+    compiled on accelerators unless ``compile=False``, on CPUs only with ``True``, and
+    never a ``plan`` that failed to compile; else eager.
+    """
+    cpu = inputs.mask.device.type == "cpu"
+    compiled = (compile if cpu else compile is not False) and plan not in _compiling["failed"]
+    torch_road = COMPILED if compiled else EAGER
+    dtype = inputs.rollout_log_probs.dtype
+    kernel = (
+        cpu
+        and native_wanted(compile)
+        and dtype == inputs.old_log_probs.dtype
+        and dtype in native.LOG_PROB_DTYPES
+        and plan.worst_tokens_k <= native.MAX_WORST_TOKENS
+    )
+    return (NATIVE, torch_road) if kernel else (torch_road,)
+
+
+def pass_plan(stats: Any | None, extras: Any | None) -> PassPlan:
+    """What one pass computes for ``stats`` and ``extras`` (made once per configuration)."""
+    return _plan(
+        frozenset() if stats is None else stats.groups,
+        2.0 if stats is None else stats.is_threshold,
+        extras is not None and bool(extras.histograms),
+        0 if extras is None else extras.worst_tokens_k,
+        extras is not None and extras.profile,
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(
+    groups: frozenset[str], is_threshold: float, histograms: bool, k: int, profile: bool
+) -> PassPlan:
+    """The :class:`~.torch_pass.planes.PassPlan` of these settings, made once."""
+    return PassPlan(
+        groups=groups,
+        is_threshold=is_threshold,
+        histograms=histograms,
+        worst_tokens_k=k,
+        profile=profile,
+    )
+
+
+def _torch_sums(
+    inputs: MismatchInputs,
+    token_ids: Tensor | None,
+    plan: PassPlan,
+    stats: Any | None,
+    extras: Any | None,
+    road: str,
+    batch: int,
+    rank: int,
+) -> list[TokenSums]:
+    """The sums of a batch's torch passes, each of whole rows (at most one chunk's tokens)."""
+    rows, width = inputs.mask.shape
     chunks = [w.chunk_tokens for w in (stats, extras) if w is not None and w.chunk_tokens]
     step = max(1, min(chunks, default=CHUNK_TOKENS) // width)
     tensors = (inputs.rollout_log_probs, inputs.old_log_probs, inputs.mask, token_ids)
+    sums = []
     for first in range(0, rows, step):
         part = (
             tensors
@@ -79,24 +154,9 @@ def add_batch(
             else [t if t is None else t[first : first + step] for t in tensors]
         )
         with torch.no_grad():  # out= arguments refuse tensors that require grad
-            sums = read_pass(plan, *part, compile=compile, batch=batch, rank=rank, first_row=first)
-        if stats is not None:
-            stats._add([sums], device)
-        if extras is not None:
-            extras._add([sums], device)
-    if stats is not None and "token_ids" in stats.groups:
-        stats._add(_token_id_states(inputs), device)
-
-
-def pass_plan(stats: Any | None, extras: Any | None) -> PassPlan:
-    """What one pass computes for ``stats`` and ``extras``."""
-    return PassPlan(
-        groups=frozenset() if stats is None else stats.groups,
-        is_threshold=2.0 if stats is None else stats.is_threshold,
-        histograms=extras is not None and bool(extras.histograms),
-        worst_tokens_k=0 if extras is None else extras.worst_tokens_k,
-        profile=extras is not None and extras.profile,
-    )
+            labels = {"batch": batch, "rank": rank, "first_row": first}
+            sums.append(read_pass(plan, *part, compiled=road == COMPILED, **labels))
+    return sums
 
 
 def read_pass(
@@ -106,21 +166,19 @@ def read_pass(
     mask: Tensor,
     token_ids: Tensor | None,
     *,
-    compile: bool | None,
+    compiled: bool,
     batch: int = 0,
     rank: int = 0,
     first_row: int = 0,
 ) -> TokenSums:
-    """The :class:`~.token_pass.TokenSums` of one pass, compiled or eagerly.
+    """The :class:`~.torch_pass.sums.TokenSums` of one pass, ``compiled`` or eagerly.
 
-    Compiled on accelerators unless ``compile=False``, on CPUs only with ``True``; where
-    compiling fails, eagerly from then on, with one warning.
+    Where compiling fails, eagerly, and the plan eagerly from then on, with one warning.
     """
-    cpu = mask.device.type == "cpu"
     tensors = (rollout_log_probs, old_log_probs, mask, token_ids)
     width = mask.shape[1]
     labels = {"batch": batch, "rank": rank, "first_row": first_row}
-    if (compile if cpu else compile is not False) and plan not in _compiling["failed"]:
+    if compiled and plan not in _compiling["failed"]:
         f64 = torch.float64
         dtype = f64 if f64 in (rollout_log_probs.dtype, old_log_probs.dtype) else torch.float32
         constants(dtype, mask)  # made once, before the trace reads them
@@ -130,6 +188,88 @@ def read_pass(
         except Exception as error:  # this plan stays eager from now on
             _compile_failed(plan, error)
     return read_sums(plan, width, token_sums(plan, *tensors), **labels)
+
+
+def kernel_states(
+    inputs: MismatchInputs,
+    token_ids: Tensor | None = None,
+    *,
+    stats: Any | None = None,
+    extras: Any | None = None,
+    batch: int = 0,
+    rank: int = 0,
+    into: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor | None] | None:
+    """One pass of the kernel over a CPU batch: ``(statistics state, extras state)``.
+
+    The packed states of ``stats`` and ``extras`` (``None``: not computed), added to no
+    window. ``None`` where the kernel does not apply (off the CPU, an empty batch, ``k``
+    above :data:`~.native.MAX_WORST_TOKENS`, other dtypes). ``into``: with the profile,
+    a packed extras state the batch's is finished into, its profile block added to (the
+    extras' state returned).
+    """
+    request = None if extras is None else extras.kernel_request(add_profile=into is not None)
+    cpu = inputs.mask.device.type == "cpu"
+    if not (cpu and inputs.mask.numel() > 0 and (extras is None or request is not None)):
+        return None
+    return _kernel_pass(inputs, token_ids, stats, request, batch, rank)(into=into)
+
+
+def _kernel_pass(
+    inputs: MismatchInputs,
+    token_ids: Tensor | None,
+    stats: Any | None,
+    request: native.ExtrasRequest | None,
+    batch: int,
+    rank: int,
+) -> Finish:
+    """The kernel's pass over a batch, finished into the packed states of both windows.
+
+    Those of ``stats`` and of the extras ``request`` asks for; call it with ``into`` (see
+    :func:`.native.states`).
+    """
+    return functools.partial(
+        native.states,
+        inputs.rollout_log_probs,
+        inputs.old_log_probs,
+        inputs.mask,
+        frozenset() if stats is None else _rows_for(stats.groups),
+        2.0 if stats is None else stats.is_threshold,
+        ROW_FIELDS,
+        statistics=None
+        if stats is None
+        else native.StateRequest(stats.groups, stats.seq_ratio_bounds),
+        extras=request,
+        token_ids=token_ids,
+        batch_index=batch,
+        rank=rank,
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _rows_for(groups: frozenset[str]) -> frozenset[str]:
+    """The row quantities the kernel computes for ``groups`` (made once per groups)."""
+    return rows_for(groups)
+
+
+def read_sums(
+    plan: PassPlan,
+    width: int,
+    fields: Sequence[Any],
+    *,
+    compiled: bool = False,
+    batch: int = 0,
+    rank: int = 0,
+    first_row: int = 0,
+) -> TokenSums:
+    """:class:`TokenSums` from the fields of :func:`token_sums` (``compiled``: traced).
+
+    Labelled with the batch's place in its window.
+    """
+    planes = POSITION_PLANES if compiled else plan.planes
+    labels = {"batch": batch, "rank": rank, "first_row": first_row}
+    mode = {"position_planes": planes, "uncounted": not compiled}
+    return TokenSums(plan, width, *fields, **mode, **labels)
 
 
 def compile_problems(compile: object) -> list[str]:
@@ -157,13 +297,27 @@ def prepare_native(compile: bool | None) -> bool:
     return native_wanted(compile) and native.prepare()
 
 
-def token_id_states(inputs: MismatchInputs, groups: frozenset[str]) -> list[Tensor]:
-    """The token-id comparison of a batch as a packed state of its own (``[]``: none)."""
-    return _token_id_states(inputs) if "token_ids" in groups else []
+def check_states(
+    inputs: MismatchInputs,
+    groups: frozenset[str],
+    token_ids: Tensor | None = None,
+    pad_token_id: int | None = None,
+) -> list[Tensor]:
+    """A batch's checks of token ids as one packed state of its own (``[]``: none).
 
-
-def _token_id_states(inputs: MismatchInputs) -> list[Tensor]:
-    slots = token_id_slots(inputs.mask, inputs.rollout_token_ids, inputs.trainer_token_ids)
+    The comparison of the rollout's and the trainer's ids with the ``token_ids`` group,
+    the count of the pad tokens among ``token_ids`` with ``pad_token_id``.
+    """
+    compared = "token_ids" in groups
+    if not compared and (token_ids is None or pad_token_id is None):
+        return []
+    slots = check_slots(
+        inputs.mask,
+        inputs.rollout_token_ids if compared else None,
+        inputs.trainer_token_ids if compared else None,
+        token_ids,
+        pad_token_id,
+    )
     return [STATE.pack(slots, inputs.mask.device)] if slots else []
 
 
@@ -174,53 +328,6 @@ def _empty_statistics(inputs: MismatchInputs, groups: frozenset[str]) -> list[Te
         # An empty batch with token ids still compared ids: zero differences, not NaN.
         state[STATE.at["id_updates"]] = 1.0
     return [state]
-
-
-def _native_pass(
-    inputs: MismatchInputs,
-    token_ids: Tensor | None,
-    stats: Any | None,
-    extras: Any | None,
-    batch: int,
-    rank: int,
-    compile: bool | None,
-) -> bool:
-    """Add a CPU batch with one pass of the native kernel; whether it did."""
-    if inputs.mask.device.type != "cpu" or not native_wanted(compile):
-        return False
-    device = inputs.mask.device
-    if extras is not None:
-        taken, statistics = extras._kernel_add(inputs, token_ids, batch, rank, stats)
-        if taken and stats is not None:
-            stats._add([statistics, *token_id_states(inputs, stats.groups)], device)
-        return taken
-    if stats is None:
-        return False
-    found = native.states(
-        inputs.rollout_log_probs,
-        inputs.old_log_probs,
-        inputs.mask,
-        _rows_for(stats.groups),
-        stats.is_threshold,
-        _row_fields(),
-        statistics=native.StateRequest(stats.groups, stats.seq_ratio_bounds),
-    )
-    if found is None:
-        return False
-    stats._add([found[0], *token_id_states(inputs, stats.groups)], device)
-    return True
-
-
-def _rows_for(groups: frozenset[str]) -> frozenset[str]:
-    from lightning_rollout_debug.metrics.rows import rows_for
-
-    return rows_for(groups)
-
-
-def _row_fields() -> tuple[str, ...]:
-    from lightning_rollout_debug.metrics.rows import ROW_FIELDS
-
-    return ROW_FIELDS
 
 
 # ------------------------------------------------------------ torch.compile
@@ -245,7 +352,7 @@ _COMPILE_OPTIONS = {
 
 
 def _compiled(plan: PassPlan) -> Callable[..., tuple[Any, ...]]:
-    """:func:`~.token_pass.token_sums` for ``plan``, compiled once (``dynamic=True``)."""
+    """:func:`~.torch_pass.sums.token_sums` for ``plan``, compiled once (``dynamic=True``)."""
     if plan not in _compiling["functions"]:
         import torch._inductor.config as inductor_config  # imported only when compiling
 

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.metrics import native
-from lightning_rollout_debug.metrics.backends import add_batch, compile_problems, native_wanted
+from lightning_rollout_debug.metrics.backends import add_batch, compile_problems
 from lightning_rollout_debug.metrics.bins import (
     HISTOGRAMS,
     LOG_RATIO_BINS,
@@ -45,18 +45,16 @@ from lightning_rollout_debug.metrics.bins import (
 )
 from lightning_rollout_debug.metrics.finish_extras import finish_extras
 from lightning_rollout_debug.metrics.histograms import Histogram, histogram_blocks, read_histograms
-from lightning_rollout_debug.metrics.inputs import MismatchInputs, check_inputs, check_token_ids
+from lightning_rollout_debug.metrics.inputs import check_inputs, check_token_ids
 from lightning_rollout_debug.metrics.layout import Layout
-from lightning_rollout_debug.metrics.packed_window import PENDING, ThreadSafeWindow
+from lightning_rollout_debug.metrics.packed_window import InPlaceBlock, ThreadSafeWindow
 from lightning_rollout_debug.metrics.profile import (
     PROFILE_SIZE,
     Profile,
     profile_blocks,
     read_profile,
 )
-from lightning_rollout_debug.metrics.rows import ROW_FIELDS, rows_for
-from lightning_rollout_debug.metrics.stats import MismatchStats
-from lightning_rollout_debug.metrics.token_pass import TokenSums
+from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
 from lightning_rollout_debug.metrics.worst_tokens import (
     FIELDS,
     MAX_WORST_TOKENS_K,
@@ -173,17 +171,12 @@ class TokenExtras(ThreadSafeWindow):
         self._worst_at = self._profile_at - worst_tokens_k * FIELDS
         self.size = self.layout.size
         self._state: Tensor | None = None
-        self._pending: list[Tensor] = []
+        self._pending: list[Tensor | TokenSums] = []
         self._lock = threading.Lock()
-        # With the profile, the batches of the CPU kernel: their profile is added up in
-        # place (a merge of thousands of slots a batch saved), the rest waits.
-        self._head_layout = extras_layout(self._histograms, worst_tokens_k)
-        self._added: Tensor | None = None
-        """A packed state whose profile block holds those batches' profile (the other
-        slots: the last batch's)."""
-        self._added_head: Tensor | None = None  # its slots before the profile block
-        self._heads: list[Tensor] = []
-        """Their packed states without the profile block (:attr:`_head_layout`), waiting."""
+        # With the profile, the batches of the CPU kernel add their profile up in place (a
+        # merge of thousands of slots a batch saved); the rest of their state waits.
+        head = extras_layout(self._histograms, worst_tokens_k)
+        self._in_place = InPlaceBlock(self.layout, head) if profile else None
 
     # ------------------------------------------------------------------ state
     def settings(self) -> dict[str, Any]:
@@ -267,118 +260,6 @@ class TokenExtras(ThreadSafeWindow):
             profile=self.profile,
             add_profile=add_profile and self.profile,
         )
-
-    def kernel_states(
-        self,
-        inputs: MismatchInputs,
-        token_ids: Tensor | None,
-        batch_index: int,
-        rank: int,
-        stats: MismatchStats | None = None,
-        *,
-        into: Tensor | None = None,
-    ) -> tuple[Tensor | None, Tensor | None] | None:
-        """One native pass over a CPU batch: ``(statistics state, extras state)``.
-
-        The statistics' state is that of ``stats`` (``None``: not computed).  ``None``
-        where the kernel does not apply (off the CPU, an empty batch, ``k`` above
-        :data:`~.native.MAX_WORST_TOKENS`, ``compile=False``, other dtypes). ``into``:
-        with the profile, a packed extras state the batch's is finished into, its profile
-        block added to (the extras' state returned).
-        """
-        batch, width = inputs.mask.shape
-        request = self.kernel_request(add_profile=into is not None)
-        compile = self.compile if stats is None else stats.compile
-        cpu = inputs.mask.device.type == "cpu"
-        if not (cpu and batch * width > 0 and request and native_wanted(compile)):
-            return None
-        statistics = None
-        needed: frozenset[str] = frozenset()
-        if stats is not None:
-            statistics = native.StateRequest(stats.groups, stats.seq_ratio_bounds)
-            needed = rows_for(stats.groups)
-        return native.states(
-            inputs.rollout_log_probs,
-            inputs.old_log_probs,
-            inputs.mask,
-            needed,
-            2.0 if stats is None else stats.is_threshold,
-            ROW_FIELDS,
-            statistics=statistics,
-            extras=request,
-            token_ids=token_ids,
-            batch_index=batch_index,
-            rank=rank,
-            into=into,
-        )
-
-    def _kernel_add(
-        self,
-        inputs: MismatchInputs,
-        token_ids: Tensor | None,
-        batch_index: int,
-        rank: int,
-        stats: MismatchStats | None = None,
-    ) -> tuple[bool, Tensor | None]:
-        """Add a CPU batch with one native pass: whether it did, and the statistics' state.
-
-        The statistics' state is that of ``stats`` (``None``: not computed). With the
-        profile the pass holds the window's lock: the kernel adds the batch's profile
-        block into the window's in place, and the rest of its state waits.
-        """
-        device = inputs.mask.device
-        if device.type != "cpu":
-            return False, None
-        if not self.profile:
-            found = self.kernel_states(inputs, token_ids, batch_index, rank, stats)
-            if found is None:
-                return False, None
-            self._add([found[1]], device)  # type: ignore[list-item]
-            return True, found[0]
-        with self._lock:
-            self._move(device)
-            # The first batch's packed state is the window's to add the next ones into.
-            found = self.kernel_states(
-                inputs, token_ids, batch_index, rank, stats, into=self._added
-            )
-            if found is None or found[1] is None:
-                return False, None
-            if self._added is None:
-                self._added = found[1]
-            if self._added_head is None:  # a view, made once a window
-                self._added_head = self._added[: self._profile_at]
-            self._heads.append(self._added_head.clone())
-            if len(self._heads) >= PENDING:
-                self._heads = [self._head_layout.merge(torch.stack(self._heads))]
-        return True, found[0]
-
-    def _replace(self, state: Tensor | None) -> None:
-        super()._replace(state)
-        self._added, self._added_head, self._heads = None, None, []
-
-    def _device(self) -> torch.device | None:
-        found = super()._device()
-        return found if found is not None or not self._heads else self._heads[0].device
-
-    def _fold(self) -> None:
-        """Merge the waiting states, the kernel's batches as one (the caller holds the lock)."""
-        if self._heads and self._added is not None:
-            # One waiting head may be a merge of a fold's worth: always written back.
-            self._added[: self._profile_at] = (
-                self._heads[0]
-                if len(self._heads) == 1
-                else self._head_layout.merge(torch.stack(self._heads))
-            )
-            self._pending.append(self._added)
-            self._added, self._added_head, self._heads = None, None, []
-        super()._fold()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_heads"] = list(self._heads)
-        if self._added is not None:  # added into in place: a copy holds its own
-            state["_added"], state["_added_head"] = self._added.clone(), None
-        return state
 
     # --------------------------------------------------------------- summary
     def summary(self, state: Tensor | Sequence[float]) -> ExtrasSummary:

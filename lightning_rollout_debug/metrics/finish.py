@@ -1,6 +1,6 @@
 """From the sums of one pass or many to packed states: the finishing of a window's batches.
 
-:func:`~.token_pass.token_sums` leaves each batch as :class:`~.token_pass.TokenSums`:
+:func:`~.torch_pass.sums.token_sums` leaves each batch as :class:`~.torch_pass.sums.TokenSums`:
 sums, extremes and centred squares per row, counted bins and candidates per batch. A
 window keeps them as they come and finishes them together when it folds: every row of
 every waiting batch is a small window of its own (:class:`RowSums`), and
@@ -13,8 +13,9 @@ Everything is float64 arithmetic on a few vectors, on the batches' device.
 
 Example:
     >>> import torch
-    >>> from lightning_rollout_debug.metrics.planes import PassPlan
-    >>> from lightning_rollout_debug.metrics.token_pass import read_sums, token_sums
+    >>> from lightning_rollout_debug.metrics.torch_pass.planes import PassPlan
+    >>> from lightning_rollout_debug.metrics.backends import read_sums
+    >>> from lightning_rollout_debug.metrics.torch_pass.sums import token_sums
     >>> plan = PassPlan(frozenset({"seed"}))
     >>> rollout, old = torch.log(torch.tensor([[0.5, 0.25]])), torch.log(torch.tensor([[0.5, 0.2]]))
     >>> sums = read_sums(plan, 2, token_sums(plan, rollout, old, torch.ones(1, 2)))
@@ -33,8 +34,8 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.metrics.layout import STATE
-from lightning_rollout_debug.metrics.token_pass import TokenSums
 from lightning_rollout_debug.metrics.tokens import LOG_RATIO_CLAMP
+from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
 
 
 def _rows(batches: Sequence[TokenSums], field: str) -> Tensor:

@@ -19,10 +19,10 @@ from torch import Tensor
 from lightning_rollout_debug.metrics.bins import LOG_RATIO_BINS, PROBS_DIFF_BINS
 from lightning_rollout_debug.metrics.finish import RowSums, row_count, stacked_rows
 from lightning_rollout_debug.metrics.layout import Layout, filled, ranked
-from lightning_rollout_debug.metrics.pass_bins import POSITION_PLANES, places
-from lightning_rollout_debug.metrics.pass_constants import JOINT_EDGES, PROBABILITY_EDGES
 from lightning_rollout_debug.metrics.profile import JOINT_BINS, QUANTILE_BINS
-from lightning_rollout_debug.metrics.token_pass import TokenSums
+from lightning_rollout_debug.metrics.torch_pass.bins import POSITION_PLANES, places
+from lightning_rollout_debug.metrics.torch_pass.constants import JOINT_EDGES, PROBABILITY_EDGES
+from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
 from lightning_rollout_debug.metrics.worst_tokens import PLACEHOLDER, WORST_FIELDS, WORST_TIES
 
 

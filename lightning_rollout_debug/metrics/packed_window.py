@@ -4,19 +4,27 @@
 :class:`~.extras.TokenExtras` share: a packed float64 state on the batches' device, the
 added batches waiting beside it (packed states, or the sums of a torch pass) until the
 state is read or :data:`PENDING` of them have gathered, and a lock around every change,
-so that several threads may feed one window.
+so that several threads may feed one window. A window may keep the last block of its
+state added into in place (:class:`InPlaceBlock`: the kernel's profile).
+
+An update adds a batch to both windows with one call: :func:`add_states` (packed states
+or pass sums, each window its own), or :func:`add_pass` (a pass that finishes the batch
+into both windows' packed states, run under the extras' lock when it adds into their
+in-place block).
 """
 
 from __future__ import annotations
 
+import copy
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_rollout_debug.metrics.token_pass import TokenSums
+from lightning_rollout_debug.metrics.layout import Layout
+from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
 
 PENDING = 32
 """Batches a window holds before finishing and merging them: one fold of many costs what
@@ -27,17 +35,19 @@ class ThreadSafeWindow:
     """A packed window that merges batches lazily and whose changes hold a lock.
 
     Added batches wait in a list, as packed states or as the sums of a torch pass
-    (:class:`~.token_pass.TokenSums`), and are finished and merged, exactly, in one go
+    (:class:`~.torch_pass.sums.TokenSums`), and are finished and merged, exactly, in one go
     when :attr:`state` is read or when :data:`PENDING` of them have gathered, so adding a
     batch costs no merge. Several threads may feed one instance. Copies and pickles get a
     lock of their own (a lock itself cannot be pickled). A subclass sets ``size``,
-    ``_state`` (``None``: empty), ``_pending`` and ``_lock``, and defines
-    :meth:`merge_states`, :meth:`identity_state` and :meth:`finish`.
+    ``_state`` (``None``: empty), ``_pending``, ``_lock`` and, to keep a block added into
+    in place, ``_in_place``; it defines :meth:`merge_states`, :meth:`identity_state` and
+    :meth:`finish`.
     """
 
     _lock: threading.Lock
     _state: Tensor | None
-    _pending: list[Tensor]
+    _pending: list[Tensor | TokenSums]
+    _in_place: InPlaceBlock | None = None
     size: int
 
     def merge_states(self, states: Tensor) -> Tensor:
@@ -82,6 +92,8 @@ class ThreadSafeWindow:
     def _replace(self, state: Tensor | None) -> None:
         """Make ``state`` the whole window (``None``: empty); the caller holds the lock."""
         self._state, self._pending = state, []
+        if self._in_place is not None:
+            self._in_place.clear()
 
     def _add(self, parts: Sequence[Tensor | TokenSums], device: torch.device | None = None) -> None:
         """Add packed states or pass sums to the window, under the lock.
@@ -104,12 +116,21 @@ class ThreadSafeWindow:
             self._state = self._state.to(device)  # type: ignore[union-attr]
 
     def _device(self) -> torch.device | None:
+        """Where the window is: its state's, its first waiting batch's, its in-place block's."""
         if self._state is not None:
             return self._state.device
-        return _device_of(self._pending[0]) if self._pending else None
+        if self._pending:
+            return _device_of(self._pending[0])
+        return None if self._in_place is None else self._in_place.device()
 
     def _fold(self) -> None:
-        """Finish and merge the waiting batches into the window (the caller holds the lock)."""
+        """Finish and merge the waiting batches into the window (the caller holds the lock).
+
+        The batches added into the in-place block wait as one packed state.
+        """
+        added = None if self._in_place is None else self._in_place.take()
+        if added is not None:
+            self._pending.append(added)
         if not self._pending:
             return
         target = self._device()
@@ -126,11 +147,126 @@ class ThreadSafeWindow:
         state = self.__dict__.copy()
         state.pop("_lock", None)
         state["_pending"] = list(self._pending)
+        if self._in_place is not None:  # added into in place: a copy holds its own
+            state["_in_place"] = copy.copy(self._in_place)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+
+
+class InPlaceBlock:
+    """The last block of a window's state, which each batch of a pass adds into in place.
+
+    A pass that adds its block (from slot ``at`` on, the kernel's profile: thousands of
+    slots) into the window's instead of leaving a state of its own to merge: the block's
+    :attr:`state`, empty when the window's first such batch comes, holds every batch's
+    block added up; the rest of each batch's state (its head, the slots before ``at``,
+    laid out by ``head``) waits in :attr:`heads`, merged into one when :data:`PENDING`
+    have gathered. Its window holds the lock around every change.
+    """
+
+    def __init__(self, layout: Layout, head: Layout) -> None:
+        self.layout, self.head = layout, head
+        self.at = head.size
+        self.state: Tensor | None = None
+        """A packed state whose last block holds the batches' added up (the other slots:
+        the last batch's); ``None``: no batch yet."""
+        self.heads: list[Tensor] = []
+        """The batches' states before the block (laid out by :attr:`head`), waiting."""
+        self._head: Tensor | None = None  # a view of :attr:`state`'s head, made once
+
+    def into(self, device: torch.device) -> Tensor:
+        """The packed state a batch's pass adds its block into (made empty on ``device``)."""
+        if self.state is None:
+            self.state = self.layout.identity(device)
+        return self.state
+
+    def keep(self) -> None:
+        """Keep the head a pass has just written into :attr:`state`, to merge later."""
+        if self.state is None:
+            return
+        if self._head is None:  # a view, made once a window
+            self._head = self.state[: self.at]
+        self.heads.append(self._head.clone())
+        if len(self.heads) >= PENDING:
+            self.heads = [self.head.merge(torch.stack(self.heads))]
+
+    def take(self) -> Tensor | None:
+        """The batches' packed state, their heads merged (``None``: none); then hold none."""
+        if not self.heads or self.state is None:
+            self.clear()
+            return None
+        # One waiting head may be a merge of a fold's worth: always written back.
+        heads = self.heads
+        self.state[: self.at] = heads[0] if len(heads) == 1 else self.head.merge(torch.stack(heads))
+        state = self.state
+        self.clear()
+        return state
+
+    def clear(self) -> None:
+        """Hold no batch."""
+        self.state, self._head, self.heads = None, None, []
+
+    def device(self) -> torch.device | None:
+        """Where the block is (``None``: it holds nothing)."""
+        return None if self.state is None else self.state.device
+
+    def __getstate__(self) -> dict[str, Any]:
+        copied = self.__dict__.copy()
+        copied["heads"] = list(self.heads)
+        if self.state is not None:  # added into in place: a copy holds its own
+            copied["state"], copied["_head"] = self.state.clone(), None
+        return copied
+
+
+Finish = Callable[..., tuple[Tensor | None, Tensor | None] | None]
+"""A pass finishing a batch into packed states: ``finish(into=...)`` gives ``(statistics,
+extras)`` (``None``: the pass does not apply, and has added nothing into ``into``)."""
+
+
+def add_states(
+    additions: Sequence[tuple[ThreadSafeWindow | None, Sequence[Tensor | TokenSums]]],
+    device: torch.device,
+) -> None:
+    """Add each window its packed states or pass sums, under its lock (``None``: no window)."""
+    for window, parts in additions:
+        if window is not None and parts:
+            window._add(parts, device)
+
+
+def add_pass(
+    finish: Finish,
+    stats: ThreadSafeWindow | None,
+    extras: ThreadSafeWindow | None,
+    device: torch.device,
+    more: Sequence[Tensor] = (),
+) -> bool:
+    """Add a batch that one pass finishes into packed states; whether the pass applied.
+
+    With an in-place block, the extras' lock is held through the pass: ``into`` is the
+    block's state, which the pass adds its block into and writes the rest of (kept as a
+    head). Otherwise ``into`` is ``None`` and the extras' state waits whole. The
+    statistics get their state and the packed states ``more``.
+    """
+    if extras is not None and extras._in_place is not None:
+        with extras._lock:
+            extras._move(device)
+            block = extras._in_place
+            found = finish(into=block.into(device))
+            if found is None:
+                return False
+            block.keep()
+        extras_parts: list[Tensor] = []
+    else:
+        found = finish(into=None)
+        if found is None:
+            return False
+        extras_parts = [] if found[1] is None else [found[1]]
+    statistics = [] if found[0] is None else [found[0], *more]
+    add_states(((stats, statistics), (extras, extras_parts)), device)
+    return True
 
 
 def _device_of(part: Tensor | TokenSums) -> torch.device:

@@ -253,6 +253,24 @@ def token_id_slots(
     return dict(zip(TOKEN_ID_SLOTS, values, strict=True))
 
 
+def check_slots(
+    mask: Tensor,
+    rollout_token_ids: Tensor | None = None,
+    trainer_token_ids: Tensor | None = None,
+    pad_ids: Tensor | None = None,
+    pad_token_id: int | None = None,
+) -> dict[str, Tensor]:
+    """The slots of a block's checks of token ids (:data:`CHECK_SLOTS`) it has the ids for.
+
+    The comparison of the rollout's and the trainer's ids (:func:`token_id_slots`, with
+    both), and the pad count (:func:`pad_slots`, with ``pad_ids`` and ``pad_token_id``).
+    """
+    slots = token_id_slots(mask, rollout_token_ids, trainer_token_ids)
+    if pad_ids is not None and pad_token_id is not None:
+        slots |= pad_slots(mask, pad_ids, pad_token_id)
+    return slots
+
+
 def pad_slots(mask: Tensor, token_ids: Tensor, pad_token_id: int) -> dict[str, Tensor]:
     """The slots of the padding check of a block: pad ids inside the mask.
 

@@ -32,7 +32,7 @@ from lightning_rollout_debug.metrics.settings import (
     validate_is_threshold,
     validate_seq_ratio_bounds,
 )
-from lightning_rollout_debug.metrics.token_pass import TokenSums
+from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
 
 _SETTING_OF_GROUP = {"importance_ratio": "is_threshold", "sequence": "seq_ratio_bounds"}
 """The setting whose value a group's sums are counted with."""

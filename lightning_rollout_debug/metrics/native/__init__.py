@@ -30,6 +30,7 @@ from lightning_rollout_debug.metrics.native.loader import (
     builds,
 )
 from lightning_rollout_debug.metrics.native.passes import (
+    LOG_PROB_DTYPES,
     ExtrasRequest,
     StateRequest,
     row_sums,
@@ -39,6 +40,7 @@ from lightning_rollout_debug.metrics.native.passes import (
 __all__ = [
     "EXTRAS_MOMENTS",
     "HISTOGRAM_MOMENTS",
+    "LOG_PROB_DTYPES",
     "MAX_WORST_TOKENS",
     "SWITCH_ENV",
     "VECTOR_LANES",

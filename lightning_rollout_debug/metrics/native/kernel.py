@@ -4,7 +4,9 @@ The first CPU batch (or :func:`prepare`, which the callback calls at the Trainer
 ``setup``) loads the widest build the CPU runs, checked by :mod:`.loader`, once per
 process under a lock; :func:`load` replaces it with another build. Where it cannot be
 loaded, or a pass later fails (:func:`give_up`), one ``RuntimeWarning`` says why and
-updates take the torch path.
+updates take the torch path. A pass asks for the build with one call, :func:`loaded`:
+one :class:`Kernel`, its row function, its finishing steps and the columns it was
+checked against.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +24,27 @@ from lightning_rollout_debug.metrics.native.loader import (
 )
 from lightning_rollout_debug.metrics.rows import ROW_FIELDS
 
-_kernel: dict[str, Any] = {
-    "function": None,
-    "problem": None,
-    "columns": (),
-    "finish": None,
-    "lanes": None,
-}
+
+@dataclass(frozen=True)
+class Kernel:
+    """A loaded and checked build: what a pass calls, and what the build was checked against.
+
+    ``rows`` is the row function (the pass over a batch), ``finish_state`` and
+    ``finish_extras`` the finishing steps into the statistics' and the extras' packed
+    states, ``columns`` the row quantities it names (``rows.ROW_FIELDS`` by default) and
+    ``lanes`` its vector width.
+    """
+
+    rows: Any
+    finish_state: Any
+    finish_extras: Any
+    columns: tuple[str, ...]
+    lanes: int
+
+
+_kernel: dict[str, Any] = {"kernel": None, "problem": None}
+"""The :class:`Kernel` this process runs (``None``: none yet, or none usable) and why there
+is none (``None``: no problem known)."""
 
 
 _process_lock = threading.Lock()
@@ -43,7 +60,8 @@ def vector_lanes() -> int | None:
         >>> vector_lanes() in (*VECTOR_LANES, None)
         True
     """
-    return _kernel["lanes"] if row_function(None) is not None else None
+    kernel = loaded(None)
+    return None if kernel is None else kernel.lanes
 
 
 def available(fields: Sequence[str] | None = None) -> bool:
@@ -51,7 +69,7 @@ def available(fields: Sequence[str] | None = None) -> bool:
 
     ``fields`` are the column names the caller expects (``rows.ROW_FIELDS`` by default).
     """
-    return row_function(fields) is not None
+    return loaded(fields) is not None
 
 
 def load(lanes: int | None = None, fields: Sequence[str] | None = None) -> Path:
@@ -73,8 +91,7 @@ def load(lanes: int | None = None, fields: Sequence[str] | None = None) -> Path:
     with _process_lock:
         columns = _expected(fields)
         path, entries = load_checked(columns, lanes)
-        _kernel.update(columns=columns, problem=None)
-        _kernel["function"], _kernel["finish"], _kernel["lanes"] = entries
+        _kernel.update(kernel=_kernel_of(entries, columns), problem=None)
     return path
 
 
@@ -90,54 +107,52 @@ def prepare() -> bool:
         True
     """
     _load_once(None)
-    return _kernel["function"] is not None
+    return _kernel["kernel"] is not None
 
 
-def row_function(fields: Sequence[str] | None) -> Any:
-    """The kernel's row function, loaded now if needed; ``None`` where it is not usable.
+def loaded(fields: Sequence[str] | None) -> Kernel | None:
+    """The kernel this process runs, loaded now if needed; ``None`` where it is not usable.
 
-    The first caller after a failed load warns, whichever thread loaded.
+    ``fields`` are the columns the caller expects, should this call load it
+    (``rows.ROW_FIELDS`` by default). The first caller after a failed load warns,
+    whichever thread loaded.
     """
     _load_once(fields)
     unsaid = _kernel.pop("unsaid", None)  # said by the first caller, whichever thread loaded
     if unsaid is not None:
         _warn(unsaid, stacklevel=4)
-    return _kernel["function"]
+    return _kernel["kernel"]
 
 
 def _load_once(fields: Sequence[str] | None) -> None:
     """Load the kernel unless it is loaded or known to be unusable; never raises."""
-    if _kernel["function"] is None and _kernel["problem"] is None:
+    if _kernel["kernel"] is None and _kernel["problem"] is None:
         with _process_lock:  # one load per process; other threads wait for it
-            if _kernel["function"] is None and _kernel["problem"] is None:
+            if _kernel["kernel"] is None and _kernel["problem"] is None:
                 _load(_kernel, fields)
 
 
 def _load(kernel: dict[str, Any], fields: Sequence[str] | None) -> None:
     """Load the kernel into ``kernel`` (the caller holds the lock); never raises."""
     try:
-        kernel["columns"] = _expected(fields)
-        _, entries = load_checked(kernel["columns"])
-        kernel["function"], kernel["finish"], kernel["lanes"] = entries
+        columns = _expected(fields)
+        _, entries = load_checked(columns)
+        kernel["kernel"] = _kernel_of(entries, columns)
     except Off as off:
         kernel["problem"] = str(off)  # the user's choice: no warning
     except Exception as error:  # anything at all: the torch path takes over
-        kernel["function"], kernel["problem"], kernel["unsaid"] = None, str(error), str(error)
+        kernel["kernel"], kernel["problem"], kernel["unsaid"] = None, str(error), str(error)
 
 
-def columns() -> tuple[str, ...]:
-    """The column names the loaded kernel was checked against."""
-    return _kernel["columns"]
-
-
-def finishers() -> tuple[Any, Any]:
-    """The loaded kernel's finishing steps: of the statistics' state, of the extras'."""
-    return _kernel["finish"]
+def _kernel_of(entries: tuple[Any, tuple[Any, Any], int], columns: tuple[str, ...]) -> Kernel:
+    """The :class:`Kernel` of the loader's checked entry points, checked against ``columns``."""
+    function, (finish_state, finish_extras), lanes = entries
+    return Kernel(function, finish_state, finish_extras, columns, lanes)
 
 
 def give_up(problem: str) -> None:
     """Stop using the kernel in this process, with one warning saying why."""
-    _kernel["function"], _kernel["problem"] = None, problem
+    _kernel["kernel"], _kernel["problem"] = None, problem
     _warn(problem, stacklevel=5)
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.metrics.layout import STATE
-from lightning_rollout_debug.metrics.native.kernel import columns, finishers, give_up, row_function
+from lightning_rollout_debug.metrics.native.kernel import Kernel, give_up, loaded
 from lightning_rollout_debug.metrics.native.loader import (
     EXTRAS_MOMENTS,
     GROUP_ORDER,
@@ -28,6 +28,8 @@ from lightning_rollout_debug.metrics.rows import ROWS_OF_GROUP
 from lightning_rollout_debug.metrics.worst_tokens import WORST_FIELDS
 
 _LOG_PROB_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+LOG_PROB_DTYPES = frozenset(_LOG_PROB_KINDS)
+"""The dtypes of the log-probs the kernel reads (both log-probs of one of them)."""
 _MASK_KINDS = {torch.bool: 0, torch.uint8: 0, torch.int32: 1, torch.int64: 2, torch.float32: 3}
 _ID_KINDS = {torch.int32: 1, torch.int64: 2}
 # The columns the kernel computes only at its catalog level (bit 0 of `level`): those of
@@ -194,15 +196,14 @@ def _finish(
     into: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None] | None:
     """The packed states of a pass (see :func:`states`); ``None`` if the kernel refused."""
-    finish_state, finish_extras = finishers()
     rows, width = done.mask.shape
     statistics_state = extras_state = None
     if statistics is not None:
         statistics_state = _identity_state()
         bits, groups = _state_bits(tuple(fields), needed, statistics.groups)
         low, high = statistics.seq_ratio_bounds
-        finish_state(done.table.data_ptr(), rows, bits, groups, low, high,
-                     statistics_state.data_ptr())  # fmt: skip
+        done.kernel.finish_state(done.table.data_ptr(), rows, bits, groups, low, high,
+                                 statistics_state.data_ptr())  # fmt: skip
     if extras is not None:
         extras_state = (
             into
@@ -214,7 +215,7 @@ def _finish(
             ids = token_ids if token_ids.dtype in _ID_KINDS else token_ids.to(torch.int64)
             ids = ids.contiguous()
             id_kind = _ID_KINDS[ids.dtype]
-        status = finish_extras(
+        status = done.kernel.finish_extras(
             done.rollout.data_ptr(),
             done.old.data_ptr(),
             done.kind,
@@ -237,8 +238,9 @@ def _finish(
 
 @dataclass
 class _Pass:
-    """What one kernel pass read and wrote."""
+    """What one kernel pass read and wrote, and the build that ran it."""
 
+    kernel: Kernel
     rollout: Tensor
     old: Tensor
     mask: Tensor
@@ -261,14 +263,15 @@ def _pass(
     kind = _LOG_PROB_KINDS.get(rollout_log_probs.dtype)
     if kind is None or not _plain_cpu(rollout_log_probs, old_log_probs, mask):
         return None
-    function = row_function(fields)
-    if function is None or tuple(fields) != columns():
+    kernel = loaded(fields)
+    if kernel is None or tuple(fields) != kernel.columns:
         return None
     if mask.dtype not in _MASK_KINDS:
         mask = mask != 0
     rollout, old, mask = (t.contiguous() for t in (rollout_log_probs, old_log_probs, mask))
     rows, width = mask.shape
-    done = _Pass(rollout, old, mask, kind, torch.empty(rows, len(fields), dtype=torch.float64))
+    table = torch.empty(rows, len(fields), dtype=torch.float64)
+    done = _Pass(kernel, rollout, old, mask, kind, table)
     level = bool(needed & _CATALOG_COLUMNS) | (2 if "sum_actor_log_prob" in needed else 0)
     pointers: list[int | None] = [None, None, None]
     if extras is not None:
@@ -280,7 +283,7 @@ def _pass(
         done.bins = torch.empty(extras.summed_size(), dtype=torch.float64)
         pointers = [done.settings.data_ptr(), done.extras_rows.data_ptr(), done.bins.data_ptr()]
     try:
-        status = function(
+        status = kernel.rows(
             rollout.data_ptr(),
             old.data_ptr(),
             mask.data_ptr(),

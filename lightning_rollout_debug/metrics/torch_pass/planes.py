@@ -3,7 +3,7 @@
 :class:`PassPlan` says what a pass computes, :class:`Planes` holds its planes, and a CPU
 pass keeps them in a workspace of its thread.
 
-Each per-token value of :mod:`.token_pass` is a named plane. Eagerly the planes of a
+Each per-token value of :mod:`.sums` is a named plane. Eagerly the planes of a
 pass are one buffer, written in place, so an update holds a fixed amount of memory and
 reduces a run of planes in one operation; a CPU pass keeps that buffer and its views for
 the shapes it saw (:func:`planes_for`). Traced by ``torch.compile``, the planes are plain

@@ -21,7 +21,6 @@ from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from lightning_rollout_debug.metrics.bins import LOG_RATIO_BINS, PROBS_DIFF_BINS
 from lightning_rollout_debug.metrics.layout import compiling
-from lightning_rollout_debug.metrics.planes import counted_parts
 from lightning_rollout_debug.metrics.profile import (
     _LOG2_E,
     JOINT_BINS,
@@ -29,6 +28,7 @@ from lightning_rollout_debug.metrics.profile import (
     PROBABILITY_BUCKETS,
     QUANTILE_BINS,
 )
+from lightning_rollout_debug.metrics.torch_pass.planes import counted_parts
 
 INF = math.inf
 

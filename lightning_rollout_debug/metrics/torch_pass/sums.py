@@ -23,16 +23,21 @@ the centred squares), so no digits are lost however far the values are from zero
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_rollout_debug.metrics.layout import compiling
-from lightning_rollout_debug.metrics.pass_bins import (
-    POSITION_PLANES,
+from lightning_rollout_debug.metrics.tokens import (
+    LOG_PROB_FLOOR,
+    LOG_RATIO_CLAMP,
+    PADDING_ACTOR_LOG_PROB,
+    RATIO_MAX,
+    RATIO_MIN,
+    exp_tail,
+)
+from lightning_rollout_debug.metrics.torch_pass.bins import (
     bin_indices,
     by_position,
     by_probability,
@@ -41,15 +46,18 @@ from lightning_rollout_debug.metrics.pass_bins import (
     worst_candidates,
     worst_keys,
 )
-from lightning_rollout_debug.metrics.pass_constants import Constants, by_shape, constants, on_device
-from lightning_rollout_debug.metrics.planes import PassPlan, Planes, keeps, kept, planes_for
-from lightning_rollout_debug.metrics.tokens import (
-    LOG_PROB_FLOOR,
-    LOG_RATIO_CLAMP,
-    PADDING_ACTOR_LOG_PROB,
-    RATIO_MAX,
-    RATIO_MIN,
-    exp_tail,
+from lightning_rollout_debug.metrics.torch_pass.constants import (
+    Constants,
+    by_shape,
+    constants,
+    on_device,
+)
+from lightning_rollout_debug.metrics.torch_pass.planes import (
+    PassPlan,
+    Planes,
+    keeps,
+    kept,
+    planes_for,
 )
 
 INF = math.inf
@@ -116,23 +124,6 @@ def _as_plane(flags: Tensor, out: Tensor | None = None) -> Tensor:
     return flags.float() if out is None else out.copy_(flags)
 
 
-def read_sums(
-    plan: PassPlan,
-    width: int,
-    fields: Sequence[Any],
-    *,
-    compiled: bool = False,
-    batch: int = 0,
-    rank: int = 0,
-    first_row: int = 0,
-) -> TokenSums:
-    """:class:`TokenSums` from the fields :func:`token_sums` returns (``compiled``: traced)."""
-    planes = POSITION_PLANES if compiled else plan.planes
-    labels = {"batch": batch, "rank": rank, "first_row": first_row}
-    mode = {"position_planes": planes, "uncounted": not compiled}
-    return TokenSums(plan, width, *fields, **mode, **labels)
-
-
 def token_sums(
     plan: PassPlan,
     rollout_log_probs: Tensor,
@@ -142,7 +133,7 @@ def token_sums(
 ) -> tuple[Tensor | None, ...]:
     """The sums of one checked ``[B, T]`` batch (``B * T > 0``), as :class:`TokenSums`'s fields.
 
-    Returns the tuple of the fields after ``plan`` and ``width`` (:func:`read_sums` makes
+    Returns the tuple of the fields after ``plan`` and ``width`` (:func:`.backends.read_sums` makes
     the dataclass): a fixed number of torch operations, none of which waits for the
     device. The values of the tokens are the same eagerly and compiled; how they are
     reduced is each one's own (:func:`_reduce_eagerly`, :func:`_reduce_compiled`).

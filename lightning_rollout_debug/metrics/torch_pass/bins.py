@@ -15,19 +15,19 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.metrics.layout import compiling
-from lightning_rollout_debug.metrics.pass_constants import (
+from lightning_rollout_debug.metrics.profile import (
+    JOINT_BINS,
+    POSITION_BUCKETS,
+    PROBABILITY_BUCKETS,
+)
+from lightning_rollout_debug.metrics.torch_pass.constants import (
     HOST,
     Constants,
     by_shape,
     on_device,
     part_starts,
 )
-from lightning_rollout_debug.metrics.planes import PassPlan, Planes
-from lightning_rollout_debug.metrics.profile import (
-    JOINT_BINS,
-    POSITION_BUCKETS,
-    PROBABILITY_BUCKETS,
-)
+from lightning_rollout_debug.metrics.torch_pass.planes import PassPlan, Planes
 
 INF = math.inf
 
