@@ -10,12 +10,12 @@ through both; the other three are plain tensor arithmetic.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_rollout_debug.metrics import caller
 from lightning_rollout_debug.metrics.backends import add_batch
 from lightning_rollout_debug.metrics.batch import extract_inputs, tensor_sources
 from lightning_rollout_debug.metrics.catalog import METRIC_NAMES, SEED_FUNCTION_NAMES
@@ -118,7 +118,7 @@ def calculate_debug_metrics(data: Any, prefix: str = DEFAULT_PREFIX) -> dict[str
     _check_prefix(prefix)
     inputs, fallback = extract_inputs(tensor_sources(data), batch_type=type(data))
     if fallback is not None:
-        warnings.warn(fallback, UserWarning, stacklevel=2)
+        caller.warn(fallback, UserWarning)
     stats = MismatchStats(groups=["seed"])
     stats._update_inputs(inputs)  # extract_inputs checked them
     metrics = stats.compute()

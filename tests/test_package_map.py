@@ -54,9 +54,9 @@ FORBIDDEN: dict[str, frozenset[str]] = {
 }
 """The outside packages each part may not import."""
 
-NATIVE_READS = frozenset({"layout", "profile", "rows", "worst_tokens"})
+NATIVE_READS = frozenset({"caller", "layout", "profile", "rows", "worst_tokens"})
 """What the kernel's modules import of ``metrics`` besides themselves: the declarations
-its loader checks the kernel's names and constants against."""
+its loader checks the kernel's names and constants against, and the warnings' caller."""
 NATIVE_USERS = frozenset({"backends", "extras"})
 """The modules of ``metrics`` that run the kernel."""
 

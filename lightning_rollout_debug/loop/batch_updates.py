@@ -12,13 +12,13 @@ used is skipped with one :class:`RolloutDebugWarning` per kind of problem (raise
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lightning_rollout_debug.loop.config import RolloutDebugConfig
 from lightning_rollout_debug.loop.ranks import global_rank
+from lightning_rollout_debug.metrics import caller
 from lightning_rollout_debug.metrics.backends import add_batch
 from lightning_rollout_debug.metrics.batch import BatchRead, batch_type_error, read_batch
 from lightning_rollout_debug.metrics.extras import TokenExtras
@@ -110,4 +110,4 @@ class BatchUpdates:
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
             self._warned.add(kind)
-            warnings.warn(f"{self._door.name}: {message}", RolloutDebugWarning, stacklevel=3)
+            caller.warn(f"{self._door.name}: {message}", RolloutDebugWarning)

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.utilities import rank_zero_warn
+from pytorch_lightning.utilities import rank_zero_only
 from typing_extensions import override
 
 from lightning_rollout_debug.checks.drift import DEFAULT_DRIFT_BASELINE
@@ -28,6 +28,7 @@ from lightning_rollout_debug.loop.config import InvalidSettings, RolloutDebugCon
 from lightning_rollout_debug.loop.monitor import RolloutDebugMonitor
 from lightning_rollout_debug.loop.packages import Callback
 from lightning_rollout_debug.loop.ranks import Ranks, rank_in
+from lightning_rollout_debug.metrics import caller
 from lightning_rollout_debug.metrics.backends import prepare_native
 from lightning_rollout_debug.metrics.settings import is_int_at_least
 from lightning_rollout_debug.views.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS, prepare_pictures
@@ -212,12 +213,12 @@ class RolloutDebugCallback(Callback):
             prepare_native(self.config.compile)  # loaded before the first step
         if stage == "fit" and self.config.profile_images and trainer.is_global_zero:
             prepare_pictures()  # the pictures' fixed parts drawn before the first step
-        if stage == "fit" and not trainer.loggers:
-            rank_zero_warn(
+        if stage == "fit" and not trainer.loggers and trainer.is_global_zero:
+            caller.warn(
                 "RolloutDebugCallback: the Trainer has no logger, so the rollout metrics only "
                 "reach `trainer.callback_metrics`. Pass `logger=TensorBoardLogger(...)` to see "
                 "them.",
-                category=RolloutDebugWarning,
+                RolloutDebugWarning,
             )
 
     @override
@@ -278,15 +279,15 @@ class RolloutDebugCallback(Callback):
             for key in saved
             if isinstance(key, str) and key.startswith(kind) and key not in present
         ]
-        if others:
-            rank_zero_warn(
+        if others and rank_zero_only.rank == 0:
+            caller.warn(
                 f"{type(self).__name__}(prefix={self.config.prefix!r}): the checkpoint holds no "
                 f"state under this callback's key, {self.state_key}, only under "
                 f"{', '.join(others)}: its window, "
                 "histograms, worst tokens and drift baselines start empty. The key is made of "
                 "`prefix` and `groups`; resume with those the checkpoint was written with to "
                 "carry them on.",
-                category=RolloutDebugWarning,
+                RolloutDebugWarning,
             )
 
     @override

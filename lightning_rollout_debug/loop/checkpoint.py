@@ -13,7 +13,6 @@ group alone carries the merged window on.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -23,6 +22,7 @@ from torch import Tensor
 from lightning_rollout_debug.checks.drift import DriftMonitor
 from lightning_rollout_debug.loop.arguments import checkpoint_problems
 from lightning_rollout_debug.loop.ranks import global_rank, rank_in
+from lightning_rollout_debug.metrics import caller
 from lightning_rollout_debug.metrics.extras import TokenExtras
 from lightning_rollout_debug.metrics.layout import state_problems
 from lightning_rollout_debug.metrics.stats import MismatchStats
@@ -206,7 +206,7 @@ class StateReader:
 
     def _warn_on_rank_zero(self, message: str) -> None:
         if global_rank() == 0:
-            warnings.warn(message, self.category, stacklevel=5)
+            caller.warn(message, self.category)
 
 
 _UNNAMED = object()

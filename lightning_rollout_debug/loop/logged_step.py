@@ -11,7 +11,6 @@ the log-probs' signs checked, the pipeline's mistakes named
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -35,6 +34,7 @@ from lightning_rollout_debug.loop.config import RolloutDebugConfig
 from lightning_rollout_debug.loop.logs import WindowLogs
 from lightning_rollout_debug.loop.ranks import Ranks, global_rank
 from lightning_rollout_debug.loop.window import DeviceWindow
+from lightning_rollout_debug.metrics import caller
 from lightning_rollout_debug.metrics.formulas import Window
 from lightning_rollout_debug.metrics.profile import Profile
 from lightning_rollout_debug.metrics.stats import MismatchStats
@@ -121,10 +121,9 @@ class LoggedStep:
                 if stop
                 else f"warning again only after it is {alert.back}"
             )
-            warnings.warn(
+            caller.warn(
                 f"{self._door.name} at step {step}: {alert.describe(self.config.prefix)}; {then}.",
                 RolloutAlertWarning,
-                stacklevel=3,
             )
         return stop
 
@@ -164,4 +163,4 @@ class LoggedStep:
             raise RolloutDiagnosisError(f"{self._door.name}: {found.message}")
         if rank_zero and found.kind not in self.diagnosed:
             self.diagnosed.add(found.kind)
-            warnings.warn(f"{self._door.name}: {found.message}", RolloutDiagnosisWarning, 3)
+            caller.warn(f"{self._door.name}: {found.message}", RolloutDiagnosisWarning)

@@ -23,14 +23,13 @@ one with one warning, and the batch is counted in full.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_rollout_debug.metrics import native
+from lightning_rollout_debug.metrics import caller, native
 from lightning_rollout_debug.metrics.inputs import MismatchInputs
 from lightning_rollout_debug.metrics.layout import STATE
 from lightning_rollout_debug.metrics.packed_window import Finish, add_pass, add_states
@@ -389,11 +388,10 @@ def _compile_failed(plan: PassPlan, error: Exception) -> None:
     _compiling["failed"][plan] = repr(error)
     if len(_compiling["failed"]) > 1:
         return
-    warnings.warn(
+    caller.warn(
         f"torch.compile of the rollout metrics failed with torch {torch.__version__} "
         f"({error!r}); they are computed eagerly from now on, the same values to float32 "
         "rounding, in a fixed number of operations a batch. Pass compile=False to skip "
         "the attempt.",
         RuntimeWarning,
-        stacklevel=4,
     )

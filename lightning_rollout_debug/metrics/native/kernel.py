@@ -12,12 +12,12 @@ checked against.
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_rollout_debug.metrics import caller
 from lightning_rollout_debug.metrics.native.loader import (
     Off,
     load_checked,
@@ -120,7 +120,7 @@ def loaded(fields: Sequence[str] | None) -> Kernel | None:
     _load_once(fields)
     unsaid = _kernel.pop("unsaid", None)  # said by the first caller, whichever thread loaded
     if unsaid is not None:
-        _warn(unsaid, stacklevel=4)
+        _warn(unsaid)
     return _kernel["kernel"]
 
 
@@ -153,16 +153,15 @@ def _kernel_of(entries: tuple[Any, tuple[Any, Any], int], columns: tuple[str, ..
 def give_up(problem: str) -> None:
     """Stop using the kernel in this process, with one warning saying why."""
     _kernel["kernel"], _kernel["problem"] = None, problem
-    _warn(problem, stacklevel=5)
+    _warn(problem)
 
 
-def _warn(problem: str, *, stacklevel: int) -> None:
-    """The warning that the kernel is not used; ``stacklevel`` counts from the caller."""
-    warnings.warn(
+def _warn(problem: str) -> None:
+    """The warning that the kernel is not used."""
+    caller.warn(
         f"The native CPU kernel is not used: {problem}. CPU updates use torch.compile or "
         "eager arithmetic instead (the same results to float32 rounding, slower).",
         RuntimeWarning,
-        stacklevel=stacklevel + 1,
     )
 
 
