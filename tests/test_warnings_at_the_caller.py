@@ -82,3 +82,29 @@ def test_a_one_shot_function_s_warning_points_at_its_caller() -> None:
     del batch["response_mask"]  # all ones, with a warning
     found = caught(lambda: calculate_debug_metrics(batch))
     assert found and {w.filename for w in found} == {__file__}, [str(w.message) for w in found]
+
+
+def test_a_window_of_nothing_but_skipped_batches_says_so() -> None:
+    """Every batch of a logged window skipped: the logged step warns, naming the number of
+    batches and why the last was skipped, at most once per 100 steps."""
+    monitor = RolloutDebugMonitor(alert_ranges={})
+    broken = {key: value for key, value in make_batch(3, 6).items() if key != "old_log_probs"}
+
+    def window(step: int, batches: list[dict[str, torch.Tensor]]) -> list[str]:
+        def run() -> None:
+            for batch in batches:
+                monitor.update(batch)
+            monitor.log(step=step)
+
+        found = ours(caught(run), RolloutDebugWarning)
+        assert {w.filename for w in found} <= {__file__}
+        return [str(w.message) for w in found if "was skipped" in str(w.message)]
+
+    said = window(5, [broken, broken, broken])
+    assert len(said) == 1
+    assert "every one of the 3 batches of the window logged at step 5" in said[0]
+    assert "old_log_probs" in said[0].split("the last because:")[1]
+    assert window(6, [broken]) == []  # within 100 steps of the last
+    assert window(7, [broken, make_batch(3, 6)]) == []  # a batch was read
+    assert len(window(105, [broken, broken])) == 1
+    assert window(106, []) == []  # no batch: nothing skipped

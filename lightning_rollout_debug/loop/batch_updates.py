@@ -42,6 +42,42 @@ class FrontDoor:
     dropout_off: str
 
 
+class SkippedBatches:
+    """The batches of a window that were skipped, and why the last one was.
+
+    A window whose every batch was skipped learned nothing: its logged step says so, at
+    most once per :data:`QUIET_STEPS` steps (:meth:`learned_nothing`).
+    """
+
+    QUIET_STEPS = 100
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.last_reason = ""
+        self._said_at: int | None = None
+
+    def note(self, reason: str) -> None:
+        """Count a skipped batch of the window."""
+        self.count += 1
+        self.last_reason = reason
+
+    def learned_nothing(self, batches: int, step: int) -> str | None:
+        """What to say at ``step`` of a window of ``batches`` (``None``: nothing)."""
+        if not batches or self.count < batches:
+            return None
+        if self._said_at is not None and step - self._said_at < self.QUIET_STEPS:
+            return None
+        self._said_at = step
+        return (
+            f"every one of the {batches} batches of the window logged at step {step} was "
+            f"skipped, so its metrics are empty; the last because: {self.last_reason}"
+        )
+
+    def empty(self) -> None:
+        """A new window: no batch skipped yet."""
+        self.count, self.last_reason = 0, ""
+
+
 class BatchUpdates:
     """The updates of a monitor's window, and the warnings once per kind of problem."""
 
@@ -51,6 +87,7 @@ class BatchUpdates:
     _stats: MismatchStats
     _extras: TokenExtras | None
     _warned: set[str]
+    skips: SkippedBatches
 
     def _update(self, sources: Sequence[Any], index: int) -> None:
         """Add the batch of ``sources`` (the batch last) as the window's ``index``-th."""
@@ -82,9 +119,9 @@ class BatchUpdates:
         except Exception as error:
             if self.config.strict:
                 raise
-            self._warn_once(
-                type(error).__name__, f"Could not update the statistics ({error!r}); skipped."
-            )
+            reason = f"Could not update the statistics ({error!r}); skipped."
+            self.skips.note(reason)
+            self._warn_once(type(error).__name__, reason)
 
     def _pad_token_id(self, read: BatchRead) -> int | None:
         """The pad id the batch's pad tokens are counted by (``None``: not counted).
@@ -105,6 +142,7 @@ class BatchUpdates:
     def _skip_batch(self, error: BatchError) -> None:
         if self.config.strict:
             raise error
+        self.skips.note(str(error))
         self._warn_once(error.kind, f"{error} The batch is skipped.")
 
     def _warn_once(self, kind: str, message: str) -> None:

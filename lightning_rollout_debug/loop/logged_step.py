@@ -29,7 +29,11 @@ from lightning_rollout_debug.checks.diagnosis import (
     diagnose,
 )
 from lightning_rollout_debug.checks.drift import DriftMonitor
-from lightning_rollout_debug.loop.batch_updates import FrontDoor
+from lightning_rollout_debug.loop.batch_updates import (
+    FrontDoor,
+    RolloutDebugWarning,
+    SkippedBatches,
+)
 from lightning_rollout_debug.loop.config import RolloutDebugConfig
 from lightning_rollout_debug.loop.logs import WindowLogs
 from lightning_rollout_debug.loop.ranks import Ranks, global_rank
@@ -57,6 +61,7 @@ class LoggedStep:
     _drift: DriftMonitor
 
     _warn_once: Callable[[str, str], None]
+    skips: SkippedBatches
 
     def log_window(
         self, step: int, loggers: Sequence[Any], ranks: Ranks
@@ -71,6 +76,10 @@ class LoggedStep:
         # A window restored without its extras has a profile of only part of its tokens:
         # no quantiles and no pictures for it.
         partial = self._window.partial_profile
+        nothing = self.skips.learned_nothing(self._window.batches, step)
+        if nothing is not None and ranks.is_global_zero:
+            caller.warn(f"{self._door.name}: {nothing}", RolloutDebugWarning)
+        self.skips.empty()
         self._window.empty()
         self.profile = None if extras is None or partial else extras.profile
         metrics = stats.compute(self.profile)

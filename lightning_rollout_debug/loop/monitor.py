@@ -28,7 +28,12 @@ from lightning_rollout_debug.loop.arguments import (
     checked_step,
     process_group_problems,
 )
-from lightning_rollout_debug.loop.batch_updates import BatchUpdates, FrontDoor, RolloutDebugWarning
+from lightning_rollout_debug.loop.batch_updates import (
+    BatchUpdates,
+    FrontDoor,
+    RolloutDebugWarning,
+    SkippedBatches,
+)
 from lightning_rollout_debug.loop.checkpoint import StateReader
 from lightning_rollout_debug.loop.config import InvalidSettings, RolloutDebugConfig, settings
 from lightning_rollout_debug.loop.logged_step import LoggedStep
@@ -235,6 +240,8 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
         self.rank: int | None = None
         """The rank shown in the worst-tokens table (``None``: asked of torch.distributed)."""
         self._warned: set[str] = set()
+        self.skips = SkippedBatches()
+        """The batches of the window that were skipped (a window of nothing but skips warns)."""
         self.diagnosed: set[str] = set()
         """The kinds of mistake warned about so far (each once per run)."""
 
@@ -348,6 +355,7 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
         self._warned.clear()
         self._logs.restart()
         if not keep_window:
+            self.skips.empty()
             self._window.empty()
             self._drift.restart()
             self.diagnosed.clear()
