@@ -327,7 +327,9 @@ class Run:
         ]
 
     def skips(self) -> list[str]:
-        return [str(w.message) for w in self.caught if w.category is RolloutDebugWarning]
+        """The warnings of skipped batches (not that of a window they all were)."""
+        said = [str(w.message) for w in self.caught if w.category is RolloutDebugWarning]
+        return [message for message in said if "of the window logged at step" not in message]
 
     def logged(self, name: str) -> list[float]:
         """The values of ``name`` at every logged step, in order."""

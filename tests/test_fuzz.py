@@ -458,9 +458,16 @@ def test_trainer_run_over_fuzzed_batches(drawn: list[FuzzBatch]) -> None:
     assert trainer.global_step == RUN_LENGTH  # default mode: the fit always completes
     kinds = {v.kind for v in verdicts if v.kind} | {"mask-fallback" for v in verdicts if v.fallback}
     kinds |= positive_kinds(verdicts)
-    skipped = [str(w.message) for w in record if issubclass(w.category, RolloutDebugWarning)]
+    said = [str(w.message) for w in record if issubclass(w.category, RolloutDebugWarning)]
+    empty = [message for message in said if "of the window logged at step" in message]
+    skipped = [message for message in said if message not in empty]
     assert callback.monitor._warned == kinds and len(skipped) == len(kinds), (kinds, skipped)
     windows = range(0, RUN_LENGTH, EVERY)
+    # A window of nothing but skipped batches says so, once in the run's 50 steps.
+    wasted = [s for s in windows if all(v.kind for v in verdicts[s : s + EVERY])]
+    assert len(empty) == min(1, len(wasted)), (wasted, empty)
+    if wasted:
+        assert f"logged at step {wasted[0] + EVERY - 1} was skipped" in empty[0]
     logged_steps = logger.catalog()
     assert sorted(logged_steps) == [start + EVERY - 1 for start in windows]
     for start in windows:
