@@ -275,11 +275,10 @@ class Planes:
 
 
 class _Kept(threading.local):
-    """This thread's workspaces: flat buffers by role and dtype, and what is made over them."""
+    """This thread's workspaces by role and dtype: a flat buffer and what is made over it."""
 
     def __init__(self) -> None:
-        self.flat: dict[tuple[str, torch.dtype], Tensor] = {}
-        self.made: dict[tuple[Any, ...], Any] = {}
+        self.held: dict[tuple[str, torch.dtype], tuple[Tensor, dict[Any, Any]]] = {}
 
 
 _KEPT = _Kept()
@@ -296,18 +295,16 @@ def kept(role: str, size: int, dtype: torch.dtype, key: Any, make: Callable[[Ten
     costs more in page faults than the whole pass computes, and what is made over it (the
     views of its planes) costs torch operations at every pass.
     """
-    kept = _KEPT
-    flat = kept.flat.get((role, dtype))
-    if flat is None or flat.numel() < size:
-        kept.flat.pop((role, dtype), None)  # freed before the larger one is made
-        kept.made = {k: v for k, v in kept.made.items() if k[:2] != (role, dtype)}
-        flat = kept.flat[role, dtype] = torch.empty(size, dtype=dtype)
-    made = [k for k in kept.made if k[:2] == (role, dtype)]
-    if (role, dtype, key) not in kept.made and len(made) >= _KEPT_SHAPES:
-        del kept.made[made[0]]
-    if (role, dtype, key) not in kept.made:
-        kept.made[role, dtype, key] = make(flat[:size])
-    return kept.made[role, dtype, key]
+    held = _KEPT.held.get((role, dtype))
+    if held is None or held[0].numel() < size:
+        _KEPT.held.pop((role, dtype), None)  # freed, with its views, before the larger one
+        held = _KEPT.held[role, dtype] = (torch.empty(size, dtype=dtype), {})
+    flat, made = held
+    if key not in made:
+        if len(made) >= _KEPT_SHAPES:
+            del made[next(iter(made))]  # the oldest shape
+        made[key] = make(flat[:size])
+    return made[key]
 
 
 def keeps(like: Tensor) -> bool:
