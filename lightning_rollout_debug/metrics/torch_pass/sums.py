@@ -164,8 +164,7 @@ def _token_values(
         p.map(("ninf_a", "ninf_b"), torch.eq, ("a", "b"), -INF)
     p.update("a", "b", lambda x: x.clamp_(min=LOG_PROB_FLOOR))
     if "r" in p.at:
-        r = p.write("r", torch.sub, p["a"], p["b"])
-        p.write("l", torch.abs, r)
+        p.write("l", torch.abs, p.write("r", torch.sub, p["a"], p["b"]))
     else:  # the lean planes keep |r| alone
         p.write("l", torch.sub, p["a"], p["b"])
         p.update("l", "l", torch.abs_)
@@ -187,14 +186,14 @@ def _token_values(
     p.write("d", torch.where, p["l"] < NEAR, p["d"], p["papb"])
     p.update("d", "d", torch.abs_)
     if "r" in p.at:
-        _ratio_values(plan, p, r)
+        _ratio_values(plan, p)
     if "health" in on:
         _health_values(p)
 
 
-def _ratio_values(plan: PassPlan, p: Planes, r: Tensor) -> None:
+def _ratio_values(plan: PassPlan, p: Planes) -> None:
     """The values of the KL and importance-ratio groups."""
-    on = plan.groups
+    on, r = plan.groups, p["r"]
     if {"kl", "importance_ratio"} & on:  # rho - 1 = e^clamp(r) - 1 from here on
         p.update("e", "e", lambda e: e.clamp_(RATIO_MIN - 1.0, RATIO_MAX - 1.0))
     if "k3" in p.at:
