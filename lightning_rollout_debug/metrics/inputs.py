@@ -85,19 +85,9 @@ def check_inputs(
     for name, value in ((rollout_name, rollout_log_probs), (old_name, old_log_probs)):
         _check_tensor(name, value, LOG_PROB_DTYPES, "a floating-point log-probability tensor")
     _check_tensor(mask_name, mask, MASK_DTYPES, "a bool, integer or floating-point mask")
-    shape = tuple(rollout_log_probs.shape)
-    if len(shape) != 2:
-        raise BatchError(
-            f"rank:{rollout_name}",
-            f"`{rollout_name}` has shape {shape}; expected a 2-D [batch, response_length] tensor.",
-        )
-    for name, value in ((old_name, old_log_probs), (mask_name, mask)):
-        if tuple(value.shape) != shape:
-            raise BatchError(
-                f"shape:{name}",
-                f"`{name}` has shape {tuple(value.shape)} but `{rollout_name}` has shape {shape}; "
-                f"expected the same [batch, response_length] shape for both.",
-            )
+    shape = _same_shapes(
+        (rollout_name, rollout_log_probs), (old_name, old_log_probs), (mask_name, mask)
+    )
     tensors = {rollout_name: rollout_log_probs, old_name: old_log_probs, mask_name: mask}
     ids = (rollout_token_ids, trainer_token_ids)
     if any(value is not None for value in ids):
@@ -113,6 +103,25 @@ def check_inputs(
     _check_one_device(tensors)
     _check_readable(tensors)
     return MismatchInputs(rollout_log_probs, old_log_probs, mask, *ids)
+
+
+def _same_shapes(first: tuple[str, Tensor], *others: tuple[str, Tensor]) -> tuple[int, ...]:
+    """The 2-D ``[batch, response_length]`` shape of ``first``, which ``others`` share."""
+    first_name, value = first
+    shape = tuple(value.shape)
+    if len(shape) != 2:
+        raise BatchError(
+            f"rank:{first_name}",
+            f"`{first_name}` has shape {shape}; expected a 2-D [batch, response_length] tensor.",
+        )
+    for name, other in others:
+        if tuple(other.shape) != shape:
+            raise BatchError(
+                f"shape:{name}",
+                f"`{name}` has shape {tuple(other.shape)} but `{first_name}` has shape {shape}; "
+                f"expected the same [batch, response_length] shape for both.",
+            )
+    return shape
 
 
 def check_token_ids(
@@ -131,19 +140,7 @@ def check_token_ids(
     _check_tensor(first, rollout_token_ids, TOKEN_ID_DTYPES, "an integer token-id tensor")
     _check_tensor(second, trainer_token_ids, TOKEN_ID_DTYPES, "an integer token-id tensor")
     _check_tensor(mask_name, mask, MASK_DTYPES, "a bool, integer or floating-point mask")
-    shape = tuple(rollout_token_ids.shape)
-    if len(shape) != 2:
-        raise BatchError(
-            f"rank:{first}",
-            f"`{first}` has shape {shape}; expected a 2-D [batch, response_length] tensor.",
-        )
-    for name, value in ((second, trainer_token_ids), (mask_name, mask)):
-        if tuple(value.shape) != shape:
-            raise BatchError(
-                f"shape:{name}",
-                f"`{name}` has shape {tuple(value.shape)} but `{first}` has shape {shape}; "
-                f"expected the same [batch, response_length] shape for both.",
-            )
+    _same_shapes((first, rollout_token_ids), (second, trainer_token_ids), (mask_name, mask))
     tensors = {first: rollout_token_ids, second: trainer_token_ids, mask_name: mask}
     _check_one_device(tensors)
     _check_readable(tensors)
