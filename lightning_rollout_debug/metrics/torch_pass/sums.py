@@ -171,6 +171,7 @@ def _token_values(
     p.write("masked", torch.ne, mask, 0)
     p.write("one", torch.lt, p["l"], INF)
     p.update("one", "one", lambda x: x.mul_(p["masked"]))
+    _zero_where_uncounted(p)
     p.map(("pa", "pb"), torch.exp, ("a", "b"))
     # |pa - pb| near r = 0 without cancellation: pb |e^r - 1|, or min(pa, pb) (e^|r| - 1);
     # farther out (where r has rounded) the difference itself, as the CPU kernel takes it.
@@ -191,6 +192,20 @@ def _token_values(
         _health_values(p)
 
 
+def _zero_where_uncounted(p: Planes) -> None:
+    """The log-probs and their differences set to 0 where a token does not count.
+
+    Every value computed from them is then finite there (the NaN or infinite log-probs
+    of tokens that do not count never reach them), so that an eager pass clears those
+    tokens with arithmetic: on the CPU ``torch.where`` costs ten times a product.
+    """
+    one = p["one"]
+    if p.traced:  # a, b, r (where there is one) and l
+        p.update("a", "l", lambda x: torch.where(one > 0, x, 0.0))
+    else:
+        p.update("a", "l", lambda x: x.nan_to_num_(0.0, 0.0, 0.0).mul_(one))
+
+
 def _ratio_values(plan: PassPlan, p: Planes) -> None:
     """The values of the KL and importance-ratio groups."""
     on, r = plan.groups, p["r"]
@@ -208,8 +223,8 @@ def _health_values(p: Planes) -> None:
     """The health group's values: rollout zeros as padding, the masked actor, the code."""
     one = p["one"]
     zb = p.write("zb", torch.eq, p["b"], 0.0)
-    p.write("zero", torch.lt, p["a"], PADDING_ACTOR_LOG_PROB)
-    p.update("zero", "zero", lambda z: z.mul_(zb).mul_(one))
+    p.write("zero", torch.lt, p["a"], PADDING_ACTOR_LOG_PROB)  # 0 where a token does not count
+    p.update("zero", "zero", lambda z: z.mul_(zb))
     # The masked actor (a = -inf where b is neither -inf nor 0) counts ninf_a less the
     # products ninf_a ninf_b and ninf_a zb (the two exclude each other).
     p.update("ninf_b", "zb", lambda x: x.mul_(p["ninf_a"]))
@@ -229,25 +244,24 @@ def _reduce_eagerly(
 ) -> tuple[Tensor | None, ...]:
     """The sums of the planes, eagerly: few operations, each in place on the planes.
 
-    The values of tokens that do not count are cleared in place, with -inf put there just
-    long enough to take each row's largest value (the smallest of ``r`` and ``d`` are
-    taken apart); rows are summed in the planes' dtype,
-    second moments about each row's mean; the extras' bins are counted in one
-    scatter-add, sums by bucket each in one of their own.
+    The values of tokens that do not count (finite, :func:`_zero_where_uncounted`) are
+    cleared by arithmetic in place: -inf added there just long enough to take each row's
+    largest value, then 0 (the smallest of ``r`` and ``d`` are taken apart); rows are
+    summed in the planes' dtype, second moments about each row's mean; the extras' bins
+    are counted in one scatter-add, sums by bucket each in one of their own.
     """
     one = p["one"]
     width = one.shape[-1]
-    counted = torch.gt(one, 0.0)
-    fills = [on_device(fill, one) for fill in ("-inf", "zero", "inf")]
+    missing = _missing(one)
     extremes: dict[str, Tensor] = {}
-    bottom = [torch.where(counted, p[n], fills[2]).amin(-1) for n in plan.bottoms] or None
+    bottom = [torch.sub(p[n], missing).amin(-1) for n in plan.bottoms] or None
 
-    def clear(planes: Tensor) -> Tensor:
-        torch.where(counted, planes, fills[0], out=planes)
+    def clear(planes: Tensor) -> Tensor:  # their values are finite where a token does not count
+        planes.add_(missing)
         if plan.worst_tokens_k:
             extremes["key"] = worst_keys(p["l"])
         extremes["top"] = planes.amax(-1)
-        return torch.where(counted, planes, fills[1], out=planes)
+        return planes.nan_to_num_(nan=math.nan, posinf=INF, neginf=0.0)
 
     p.update(p.names[0], p.names[-2], clear)  # masked, last, counts masked tokens
     every = p.run(p.names[0], p.names[-1])
@@ -277,6 +291,15 @@ def _reduce_eagerly(
     top = extremes["top"]
     fields = (first, top, bottom, shift, second, lag, counts, position, probability, worst)
     return (*fields, log_ratio)
+
+
+def _missing(one: Tensor) -> Tensor:
+    """``1 - 1 / one``: 0 where a token counts, -inf where it does not (eagerly)."""
+    unit = on_device("one", one)
+    out = None
+    if keeps(one):
+        out = kept("missing", one.numel(), one.dtype, one.shape, lambda f: f.view(one.shape))
+    return torch.addcdiv(unit, unit, one, value=-1.0, out=out)
 
 
 def _reduce_compiled(
