@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import NEEDS_CXX
+from conftest import NEEDS_CXX, kernel_skip_reason
 from reference import assert_metrics_close, reference_metrics
 from torch.profiler import ProfilerActivity, profile
 
@@ -40,7 +40,7 @@ SCALARS_ONLY: dict[str, Any] = {
 }
 """The statistics alone, as scalars (``benchmarks/configurations.py``)."""
 
-OPERATIONS_AT_MOST = {"defaults": 85, "scalars only": 53, "seed only": 28}
+OPERATIONS_AT_MOST = {"defaults": 86, "scalars only": 54, "seed only": 30}
 """Top-level torch operations of one eager update, by configuration."""
 
 
@@ -74,8 +74,8 @@ CONFIGURATIONS: dict[str, dict[str, Any]] = {
 def test_an_eager_update_issues_the_same_few_operations_at_every_size(
     configuration: str,
 ) -> None:
-    """Defaults (statistics, histograms, worst tokens, profile) 85 operations, the
-    statistics alone 53, the seed's group 28 (the seed's own algorithm: 39), the same
+    """Defaults (statistics, histograms, worst tokens, profile) 86 operations, the
+    statistics alone 54, the seed's group 30 (the seed's own algorithm: 39), the same
     number from 1,024 tokens to 4M: nothing loops over chunks or values."""
     counts = []
     for shape in SHAPES:
@@ -158,6 +158,44 @@ def test_the_compiled_default_update_is_exact(torch_path: None) -> None:
 
 
 _KEYS = ("rollout_log_probs", "old_log_probs", "response_mask")
+
+
+KERNEL_SKIP = kernel_skip_reason()
+
+
+@pytest.mark.parametrize(
+    "road",
+    [
+        pytest.param(
+            "kernel", marks=pytest.mark.skipif(KERNEL_SKIP is not None, reason=str(KERNEL_SKIP))
+        ),
+        "eager",
+        "compiled",
+    ],
+)
+def test_the_ratio_metrics_are_finite_for_log_probs_beyond_the_float32_exponential(
+    road: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Log-probs above 88 nats overflow ``e^a`` in float32: the KL and ratio metrics are
+    taken in log space on every road, finite and exact against the float64 reference."""
+    if road != "kernel":
+        monkeypatch.setattr(native.passes, "_pass", lambda *args, **kwargs: None)
+        monkeypatch.setattr(backends, "_compiling", {"functions": {}, "failed": {}})
+        torch._dynamo.reset()
+    generator = torch.Generator().manual_seed(3)
+    rollout = torch.empty(4, 64).uniform_(80.0, 120.0, generator=generator)
+    steps = torch.tensor([0.0, 0.01, -0.3, 0.5, -0.7, 2.0, -5.0, 30.0])
+    old = rollout + steps.repeat(8)  # near and far log-ratios, clamped beyond 20
+    batch = {"rollout_log_probs": rollout, "old_log_probs": old, "response_mask": torch.ones(4, 64)}
+    compile = {"kernel": {}, "eager": {"compile": False}, "compiled": {"compile": True}}[road]
+    monitor = RolloutDebugMonitor(alert_ranges={}, **compile)
+    monitor.update(batch)
+    got = monitor._stats.compute()
+    torch._dynamo.reset()
+    want = reference_metrics(rollout, old, batch["response_mask"])
+    names = [*METRIC_NAMES["kl"], *METRIC_NAMES["importance_ratio"]]
+    assert all(math.isfinite(want[name]) for name in names)
+    assert_metrics_close({name: got[name] for name in names}, want.select(names))
 
 
 TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])

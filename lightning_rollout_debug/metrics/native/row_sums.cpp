@@ -283,6 +283,13 @@ inline f32 exp(f32 x) {
   return p * reinterpret_cast<f32>(exponent);
 }
 
+// rho = e^r clamped to [e^-20, e^20], from grown = e^|r|.
+inline f32 far_ratio(f32 r, f32 grown) {
+  f32 ratio = select(r < 0.0f, 1.0f / grown, grown);
+  ratio = ratio < kRatioMin ? splat<f32>(kRatioMin) : ratio;
+  return ratio > kRatioMax ? splat<f32>(kRatioMax) : ratio;
+}
+
 // x clamped to [low, high] in each lane (GCC turns the compares of its vector types into
 // compares and blends: two instructions where a max or a min is one).
 inline i32 clamp(i32 x, int low, int high) {
@@ -462,16 +469,15 @@ struct RowSums {
       abs_r.add(abs_r_);
       r2.add_product(abs_r_, abs_r_);
       // Near r = 0: rho from the series, and e^|r| - 1 from the series at |r| (the
-      // values of `row_sums` to float32 rounding). Farther out rho = pa / pb, clamped
-      // like r, and e^|r| - 1 = |pa - pb| / min(pa, pb): divisions only for vectors with
-      // such a token.
+      // values of `row_sums` to float32 rounding). Farther out both from e^|r|, in log
+      // space: finite wherever r is, however large the log-probs (pa and pb overflow
+      // above 88 nats). Only for vectors with such a token.
       f32 far = splat<f32>(1.0f);
       f32 mult_ = abs_r_ + abs_r_ * abs_r_ * exp_tail(abs_r_);
       if (some_far) {
-        far = pa_ / pb_;
-        far = far < kRatioMin ? splat<f32>(kRatioMin) : far;
-        far = far > kRatioMax ? splat<f32>(kRatioMax) : far;
-        mult_ = select(near, mult_, diff_ / (pa_ < pb_ ? pa_ : pb_));
+        const f32 grown = exp(abs_r_);
+        far = far_ratio(r_, grown);
+        mult_ = select(near, mult_, grown - 1.0f);
       }
       const f32 ratio_ = select(near, 1.0f + (r_ + curvature), far);
       const f32 ratio_m1 = select(near, r_ + curvature, far - 1.0f);
@@ -485,13 +491,9 @@ struct RowSums {
       ratio2.add(select(counting, ratio_ * ratio_, zero));
       high.add(counting & (ratio_m1 > options.ratio_high_m1));
       low.add(counting & (ratio_m1 < options.ratio_low_m1));
-    } else if constexpr (kProfile) {  // k3 as above: rho = pa / pb clamped like r
+    } else if constexpr (kProfile) {  // k3 as above
       f32 far = splat<f32>(1.0f);
-      if (some_far) {
-        far = pa_ / pb_;
-        far = far < kRatioMin ? splat<f32>(kRatioMin) : far;
-        far = far > kRatioMax ? splat<f32>(kRatioMax) : far;
-      }
+      if (some_far) far = far_ratio(r_, exp(abs(r_)));
       const f32 ratio_m1 = select(near, r_ + curvature, far - 1.0f);
       last.k3 = select(near, curvature, ratio_m1 - r_);
     }
