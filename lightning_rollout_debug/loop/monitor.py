@@ -114,9 +114,9 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
         compile: fuse the statistics and the extras of a batch into one pass, as the
             callback's ``compile`` does (the kernel on CPUs, ``torch.compile`` on
             accelerators, every batch); see ``docs/performance.md``.
-        pad_token_id: the pad token's id: pad tokens inside the mask are counted and
-            named in the ``padding`` diagnosis. The ids come from ``token_ids_keys[0]`` or
-            ``responses``.
+        pad_token_id: the pad token's id: the run of pad ids that ends a row's masked
+            tokens (but for its first, an EOS) is counted and named in the ``padding``
+            diagnosis. The ids come from ``token_ids_keys[0]`` or ``responses``.
 
     Every logged window is also checked for the usual pipeline mistakes
     (:mod:`~lightning_rollout_debug.checks.diagnosis`: misaligned log-probs, padding in the mask,
