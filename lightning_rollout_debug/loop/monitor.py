@@ -337,7 +337,8 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
         carries it on, the others start empty. A damaged state starts an empty window with
         a warning (an error with ``strict=True``); another configuration warns, and a
         window whose groups the statistics now count otherwise (other groups, another
-        ``is_threshold`` or ``seq_ratio_bounds``) starts empty.
+        ``is_threshold`` or ``seq_ratio_bounds``, or a state that records no configuration)
+        starts empty.
         """
         self.restore(state_dict)
 
