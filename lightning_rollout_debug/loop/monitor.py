@@ -222,7 +222,7 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
             if config.histograms or config.worst_tokens_k or profile
             else None
         )
-        self._window = DeviceWindow(self._stats, self._extras)
+        self._window = DeviceWindow(self._stats, self._extras, self._door.name)
         self.profile: Profile | None = None
         """The :class:`~lightning_rollout_debug.metrics.profile.Profile` of the last logged window
         (quantiles, by position, by probability, joint counts), if it is kept."""
@@ -281,7 +281,9 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
 
         Every process must call it at the same steps: the window of every rank is merged
         with one collective, through ``fabric.all_gather`` when given a Fabric, over
-        ``process_group`` when ``torch.distributed`` is initialised, else not at all. Rank
+        ``process_group`` when ``torch.distributed`` is initialised, else not at all (before
+        the first, the settings that lay it out are compared: where the ranks' differ, each
+        raises :class:`~.config.InvalidSettings`, as a constructor does). Rank
         0 sends the scalars to the loggers and writes the histograms, worst tokens,
         profile pictures and dashboard layout to the TensorBoard ones; every rank checks
         the alerts.
