@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_rollout_debug import RolloutDebugCallback, RolloutDebugMonitor, RolloutDebugWarning
 from lightning_rollout_debug.checks.alerts import enabled_metric_names
+from lightning_rollout_debug.loop.agreement import WIDTH
 from lightning_rollout_debug.loop.ranks import Ranks
 from lightning_rollout_debug.metrics.bins import (
     HISTOGRAMS,
@@ -49,6 +50,7 @@ from lightning_rollout_debug.metrics.bins import (
 )
 from lightning_rollout_debug.metrics.catalog import DASHBOARD
 from lightning_rollout_debug.metrics.extras import TokenExtras
+from lightning_rollout_debug.metrics.layout import STATE_SIZE
 from lightning_rollout_debug.metrics.tokens import LOG_PROB_FLOOR
 from lightning_rollout_debug.metrics.worst_tokens import WORST_FIELDS, earliest_top
 from lightning_rollout_debug.views.tensorboard import dashboard_layout
@@ -636,7 +638,8 @@ def test_empty_windows_and_tiny_batches() -> None:
 
 
 def test_all_ranks_sends_stats_and_extras_in_one_collective() -> None:
-    """Two simulated ranks: one ``all_gather`` of one vector, split and merged per part."""
+    """Two simulated ranks: one ``all_gather`` of one vector, split and merged per part
+    (after the one that compares their settings, before the first merge only)."""
     batches = [batch(40), batch(41, rows=5)]
     monitors = [RolloutDebugMonitor(worst_tokens_k=4) for _ in batches]
     for rank, (monitor, data) in enumerate(zip(monitors, batches, strict=True)):
@@ -646,12 +649,17 @@ def test_all_ranks_sends_stats_and_extras_in_one_collective() -> None:
 
     def all_gather(tensor: torch.Tensor) -> torch.Tensor:
         sent.append(tensor)
+        if len(sent) == 1:  # the settings: the same on both ranks
+            return torch.stack([tensor, tensor])
         other = torch.cat([monitors[1]._stats.state, monitors[1]._extras.state])
         return torch.stack([tensor, other])
 
     ranks = Ranks(world_size=2, is_global_zero=True, gather=all_gather)
     stats, extras = monitors[0]._window.on_host(ranks)
-    assert len(sent) == 1 and sent[0].dtype == torch.float64
+    assert [len(vector) for vector in sent] == [WIDTH, STATE_SIZE + monitors[0]._extras.size]
+    assert sent[1].dtype == torch.float64
+    monitors[0]._window.on_host(ranks)  # the next merge compares nothing
+    assert len(sent) == 3 and len(sent[2]) == len(sent[1])
     tokens = sum(len(counting(data)["r"]) for data in batches)
     assert stats.compute()["rollout_tokens"] == tokens
     assert extras.histograms["rollout_log_ratio_hist"].num == tokens

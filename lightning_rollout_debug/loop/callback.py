@@ -115,9 +115,9 @@ class RolloutDebugCallback(Callback):
             back to eager arithmetic where fusing does not work, ``False`` never fuses,
             ``True`` fuses every batch. The results are the same; see
             ``docs/performance.md``.
-        pad_token_id: the pad token's id: pad tokens inside the mask are counted and
-            named in the ``padding`` diagnosis; the ids come from ``token_ids_keys[0]`` or
-            ``responses``.
+        pad_token_id: the pad token's id: the run of pad ids that ends a row's masked
+            tokens (but for its first, an EOS) is counted and named in the ``padding``
+            diagnosis; the ids come from ``token_ids_keys[0]`` or ``responses``.
         warn_dropout: at the start of training, warn once if the module has dropout
             active (recomputed log-probs would carry its noise); ``False`` when the
             recompute already runs in eval mode.

@@ -114,9 +114,9 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
         compile: fuse the statistics and the extras of a batch into one pass, as the
             callback's ``compile`` does (the kernel on CPUs, ``torch.compile`` on
             accelerators, every batch); see ``docs/performance.md``.
-        pad_token_id: the pad token's id: pad tokens inside the mask are counted and
-            named in the ``padding`` diagnosis. The ids come from ``token_ids_keys[0]`` or
-            ``responses``.
+        pad_token_id: the pad token's id: the run of pad ids that ends a row's masked
+            tokens (but for its first, an EOS) is counted and named in the ``padding``
+            diagnosis. The ids come from ``token_ids_keys[0]`` or ``responses``.
 
     Every logged window is also checked for the usual pipeline mistakes
     (:mod:`~lightning_rollout_debug.checks.diagnosis`: misaligned log-probs, padding in the mask,
@@ -222,7 +222,7 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
             if config.histograms or config.worst_tokens_k or profile
             else None
         )
-        self._window = DeviceWindow(self._stats, self._extras)
+        self._window = DeviceWindow(self._stats, self._extras, self._door.name)
         self.profile: Profile | None = None
         """The :class:`~lightning_rollout_debug.metrics.profile.Profile` of the last logged window
         (quantiles, by position, by probability, joint counts), if it is kept."""
@@ -281,7 +281,9 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
 
         Every process must call it at the same steps: the window of every rank is merged
         with one collective, through ``fabric.all_gather`` when given a Fabric, over
-        ``process_group`` when ``torch.distributed`` is initialised, else not at all. Rank
+        ``process_group`` when ``torch.distributed`` is initialised, else not at all (before
+        the first, the settings that lay it out are compared: where the ranks' differ, each
+        raises :class:`~.config.InvalidSettings`, as a constructor does). Rank
         0 sends the scalars to the loggers and writes the histograms, worst tokens,
         profile pictures and dashboard layout to the TensorBoard ones; every rank checks
         the alerts.
@@ -337,7 +339,8 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
         carries it on, the others start empty. A damaged state starts an empty window with
         a warning (an error with ``strict=True``); another configuration warns, and a
         window whose groups the statistics now count otherwise (other groups, another
-        ``is_threshold`` or ``seq_ratio_bounds``) starts empty.
+        ``is_threshold`` or ``seq_ratio_bounds``, or a state that records no configuration)
+        starts empty.
         """
         self.restore(state_dict)
 

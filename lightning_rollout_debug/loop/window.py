@@ -3,7 +3,8 @@
 :class:`DeviceWindow` holds them on the batches' device with the number of updates they
 count, and answers the three questions a logged step or a checkpoint asks of them: the
 window merged over the ranks (one collective of one float64 vector, the same length on
-every rank), that merged window on the host (one copy), and its checkpoint state.
+every rank, once the ranks have been found to lay it out alike: :mod:`.agreement`), that
+merged window on the host (one copy), and its checkpoint state.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.checks.drift import DriftMonitor
+from lightning_rollout_debug.loop.agreement import check_agreement, shaping_settings
 from lightning_rollout_debug.loop.checkpoint import saved_state
 from lightning_rollout_debug.loop.ranks import Ranks
 from lightning_rollout_debug.metrics.extras import ExtrasSummary, TokenExtras
@@ -29,6 +31,7 @@ class DeviceWindow:
     Args:
         stats: the window's statistics.
         extras: its histograms, worst tokens and profile (``None``: none kept).
+        owner: the front door its errors name.
 
     Example:
         >>> import torch
@@ -42,9 +45,14 @@ class DeviceWindow:
         (0.0, None)
     """
 
-    def __init__(self, stats: MismatchStats, extras: TokenExtras | None) -> None:
+    def __init__(
+        self, stats: MismatchStats, extras: TokenExtras | None, owner: str = "RolloutDebugMonitor"
+    ) -> None:
         self.stats = stats
         self.extras = extras
+        self.owner = owner
+        self.agreed = False
+        """Whether the ranks were found to lay the window out alike (checked once)."""
         self.batches = 0
         """The updates since the window began, skipped batches too."""
         self.partial_profile = False
@@ -69,13 +77,20 @@ class DeviceWindow:
 
         The packed statistics and the packed extras (histogram bins, worst-token
         candidates) travel together, the same length on every rank, empty window or not.
-        Returns the merged statistics and the merged extras state (``None`` without
-        extras), both on the device.
+        Before the first merge the ranks compare the settings that lay it out, in a
+        collective of its own: where they differ, every rank raises
+        :class:`~.config.InvalidSettings` (:func:`~.agreement.check_agreement`). Returns
+        the merged statistics and the merged extras state (``None`` without extras), both
+        on the device.
         """
         extras = None if self.extras is None else self.extras.state
         if ranks.gather is None:
             return self.stats, extras
         device = ranks.device or self.stats.device or torch.device("cpu")
+        if not self.agreed:
+            settings = shaping_settings(self.stats, self.extras)
+            check_agreement(ranks.gather, settings, self.owner, device)
+            self.agreed = True
         parts = [self.stats.state.to(device)]
         if extras is not None:
             parts.append(extras.to(device))

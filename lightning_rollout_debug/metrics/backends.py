@@ -59,7 +59,7 @@ def add_batch(
     """Add a checked batch to ``stats`` and ``extras`` (either may be ``None``), in one read.
 
     ``token_ids`` label the worst tokens; ``batch`` and ``rank`` too. The statistics'
-    token-id comparison, and with ``pad_token_id`` the count of the pad tokens among
+    token-id comparison, and with ``pad_token_id`` the count of the padding among
     ``token_ids``, are added as a packed state of their own (:func:`check_states`).
     """
     device = inputs.mask.device
@@ -305,7 +305,7 @@ def check_states(
     """A batch's checks of token ids as one packed state of its own (``[]``: none).
 
     The comparison of the rollout's and the trainer's ids with the ``token_ids`` group,
-    the count of the pad tokens among ``token_ids`` with ``pad_token_id``.
+    the count of the padding among ``token_ids`` with ``pad_token_id`` (``pad_slots``).
     """
     compared = "token_ids" in groups
     if not compared and (token_ids is None or pad_token_id is None):

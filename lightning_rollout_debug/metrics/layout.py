@@ -259,9 +259,10 @@ class Layout:
     def problems(self, state: Any, what: str = "the state") -> list[str]:
         """Why ``state`` cannot be a state of this layout built from real tokens (or ``[]``).
 
-        The type, dtype and shape first; then counts are whole numbers ``>= 0``, extremes
-        and candidate keys are no NaN, squared spreads (``"x*x"``) are not negative, and a
-        window without tokens holds empty means and co-moments.
+        The type, dtype and shape first; then counts are whole numbers ``>= 0``, sums,
+        means and co-moments are finite, extremes and candidate keys are no NaN (an
+        extreme of an empty window is infinite), squared spreads (``"x*x"``) are not
+        negative, and a window without tokens holds empty means and co-moments.
         """
         found = tensor_problems(state, (self.size,), what)
         if found:
@@ -273,6 +274,11 @@ class Layout:
                 if (block.whole or block.rule == "count") and not _whole(value):
                     label = "the token count" if block.rule == "count" else f"the count `{name}`"
                     found.append(f"{label} of {what} is {value!r}; expected a whole number >= 0")
+                elif block.rule in ("mean", "comoment", "sum") and not math.isfinite(value):
+                    kind = "co-moment" if block.rule == "comoment" else block.rule
+                    found.append(
+                        f"the {kind} `{name}` of {what} is {value!r}; expected a finite number"
+                    )
                 elif block.rule in ("max", "min") and math.isnan(value):
                     kind = "maximum" if block.rule == "max" else "minimum"
                     found.append(f"the {kind} `{name}` of {what} is NaN")

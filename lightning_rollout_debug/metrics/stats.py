@@ -210,7 +210,7 @@ class MismatchStats(ThreadSafeWindow):
 
     @torch.no_grad()
     def count_pads(self, mask: Tensor, token_ids: Tensor, pad_token_id: int) -> None:
-        """Count the pad tokens (``token_ids == pad_token_id``) inside ``mask`` ([B, T])."""
+        """Count the padding among ``token_ids`` inside ``mask`` ([B, T]; :func:`.pad_slots`)."""
         if token_ids.shape != mask.shape:
             raise ValueError(
                 f"`token_ids` has shape {tuple(token_ids.shape)}; expected the mask's "
