@@ -44,6 +44,7 @@ from lightning_rollout_debug.metrics.extras import TokenExtras
 from lightning_rollout_debug.metrics.profile import Profile
 from lightning_rollout_debug.metrics.stats import MismatchStats
 from lightning_rollout_debug.views.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS
+from lightning_rollout_debug.views.token_text import TokenText
 
 MONITOR_DOOR = FrontDoor(
     "RolloutDebugMonitor",
@@ -117,6 +118,10 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
         pad_token_id: the pad token's id: the run of pad ids that ends a row's masked
             tokens (but for its first, an EOS) is counted and named in the ``padding``
             diagnosis. The ids come from ``token_ids_keys[0]`` or ``responses``.
+        tokenizer: with a TensorBoard logger and token ids, the worst-tokens table shows
+            each token's text and the text of the tokens before it in its row: a
+            ``transformers`` tokenizer, a ``tokenizers.Tokenizer``, or anything with
+            ``decode(ids)``, ``convert_ids_to_tokens(ids)`` or ``id_to_token(id)``.
 
     Every logged window is also checked for the usual pipeline mistakes
     (:mod:`~lightning_rollout_debug.checks.diagnosis`: misaligned log-probs, padding in the mask,
@@ -170,6 +175,7 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
         drift_baseline: int = DEFAULT_DRIFT_BASELINE,
         compile: bool | None = None,
         pad_token_id: int | None = None,
+        tokenizer: Any | None = None,
     ) -> None:
         given = dict(locals())  # the arguments as passed, before anything else is named
         problems = process_group_problems(process_group)
@@ -234,6 +240,7 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
             profile_images_every_n_steps=config.profile_images_every_n_steps,
             strict=config.strict,
             warn_once=self._warn_once,
+            token_text=None if config.tokenizer is None else TokenText(config.tokenizer),
         )
         self._alerts = AlertMonitor(self.config.alert_ranges)
         self._drift = DriftMonitor(self.config.drift_factors, self.config.drift_baseline)

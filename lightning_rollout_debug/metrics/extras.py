@@ -5,8 +5,8 @@ batch's device, laid out by a :class:`~lightning_rollout_debug.metrics.layout.La
 
 * two histograms with FIXED bins (:mod:`.histograms`), of the log ratio ``r = a - b``
   and of ``abs(exp(a) - exp(b))`` over the counting tokens;
-* the ``k`` counting tokens with the largest ``abs(r)``, with where they came from
-  (:mod:`.worst_tokens`);
+* the ``k`` counting tokens with the largest ``abs(r)``, with where they came from and,
+  where the batch has token ids, their ids and those before them (:mod:`.worst_tokens`);
 * the window's :mod:`.profile`: quantile bins, position and probability buckets, the
   joint histogram.
 
@@ -228,7 +228,8 @@ class TokenExtras(ThreadSafeWindow):
             old_log_probs: ``[B, T]`` log-probs the trainer recomputed (``a``).
             mask: ``[B, T]``; a position counts where it is non-zero.
             token_ids: optional ``[B, T]`` integer ids of the sampled tokens, shown in the
-                worst-tokens table.
+                worst-tokens table: each worst token's id and the ids of the
+                :data:`~.worst_tokens.CONTEXT_TOKENS` tokens before it in its row.
             batch_index: the batch's index within the window, shown in the table.
             rank: the process's rank, shown in the table.
 

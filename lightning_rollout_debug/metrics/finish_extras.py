@@ -23,7 +23,13 @@ from lightning_rollout_debug.metrics.profile import JOINT_BINS, QUANTILE_BINS
 from lightning_rollout_debug.metrics.torch_pass.bins import POSITION_PLANES, places
 from lightning_rollout_debug.metrics.torch_pass.constants import JOINT_EDGES, PROBABILITY_EDGES
 from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
-from lightning_rollout_debug.metrics.worst_tokens import PLACEHOLDER, WORST_FIELDS, WORST_TIES
+from lightning_rollout_debug.metrics.worst_tokens import (
+    CONTEXT_TOKENS,
+    PLACEHOLDER,
+    WORST_FIELDS,
+    WORST_TIES,
+    known_context,
+)
 
 
 def finish_extras(batches: Sequence[TokenSums], layout: Layout) -> Tensor:
@@ -155,7 +161,6 @@ def _worst_block(batches: Sequence[TokenSums], k: int, device: torch.device) -> 
     keys = torch.cat([w[0] for w in found])
     place = places(keys).to(torch.float64)
     a, b = torch.cat([w[1] for w in found], dim=1).unbind()
-    ids = [w[2] for w in found]
     sizes = [len(w[0]) for w in found]
 
     def label(value: Callable[[TokenSums], int]) -> Tensor:  # each candidate's, by fills
@@ -170,18 +175,9 @@ def _worst_block(batches: Sequence[TokenSums], k: int, device: torch.device) -> 
     width, first = label(lambda s: s.width), label(lambda s: s.first_row * s.width)
     place = place + first
     r = (a - b).to(torch.float64)  # float32 r, as it was ranked (and as the kernel reports it)
-    if all(i is None for i in ids):
-        token_id = torch.full_like(r, -1.0)
-    else:
-        token_id = torch.cat(
-            [
-                torch.full((n,), -1.0, dtype=torch.float64, device=device)
-                if i is None
-                else i.to(torch.float64)
-                for i, n in zip(ids, sizes, strict=True)
-            ]
-        )
     row = torch.div(place, width, rounding_mode="floor")
+    position = place - row * width
+    ids = _ids([w[2] for w in found], sizes, device)
     columns = [
         r.abs(),
         r,
@@ -189,11 +185,11 @@ def _worst_block(batches: Sequence[TokenSums], k: int, device: torch.device) -> 
         b.to(torch.float64).exp(),
         batch,
         row,
-        place - row * width,
-        token_id,
+        position,
+        ids[0],
         rank,
     ]
-    candidates = torch.stack(columns, dim=1)
+    candidates = torch.cat([torch.stack(columns, dim=1), known_context(ids[1:].t(), position)], 1)
     placeholder = filled(PLACEHOLDER, dtype=torch.float64, device=device)
     counted = keys > -(1 << 32)  # a token that does not count has -inf's bits above
     candidates = torch.where(counted.unsqueeze(1), candidates, placeholder)
@@ -201,3 +197,19 @@ def _worst_block(batches: Sequence[TokenSums], k: int, device: torch.device) -> 
         candidates = torch.cat([candidates, placeholder.repeat(k - len(candidates), 1)])
     best = ranked(candidates, [WORST_FIELDS.index(name) for name in WORST_TIES])
     return candidates.index_select(0, best[:k]).flatten()
+
+
+def _ids(ids: Sequence[Tensor | None], sizes: Sequence[int], device: torch.device) -> Tensor:
+    """``[1 + CONTEXT_TOKENS, n]`` float64: the candidates' ids and those before them.
+
+    -1 for the candidates of a batch without ids.
+    """
+    return torch.cat(
+        [
+            torch.full((1 + CONTEXT_TOKENS, n), -1.0, dtype=torch.float64, device=device)
+            if i is None
+            else i.to(torch.float64)
+            for i, n in zip(ids, sizes, strict=True)
+        ],
+        dim=1,
+    )

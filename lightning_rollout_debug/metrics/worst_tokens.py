@@ -4,7 +4,9 @@ Each batch contributes ``k`` candidates to the packed extras state (a ``"top"`` 
 :class:`~lightning_rollout_debug.metrics.layout.Layout`, fields :data:`WORST_FIELDS`), found on
 the batch's device without a host synchronisation; a merge of windows or ranks keeps the
 best ``k`` of all candidates. Of tokens of equal ``abs(r)`` the earlier one in the
-window wins (:data:`WORST_TIES`), on every path and in every merge.
+window wins (:data:`WORST_TIES`), on every path and in every merge. Where the batch has
+token ids, a candidate carries its id and the :data:`CONTEXT_TOKENS` ids before it in its
+row, so that a merge keeps each token's context with it and the state stays ``k`` rows.
 :func:`read_worst_tokens` reads a merged block on the host.
 
 Example:
@@ -12,9 +14,13 @@ Example:
     >>> r = torch.tensor([[0.1, -0.5, 0.5]])
     >>> zero = torch.zeros_like(r)
     >>> origin = (0, torch.tensor(0.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
-    >>> block = candidates(zero, -r, r, torch.ones_like(r, dtype=torch.bool), None, origin, k=2)
+    >>> counting = torch.ones_like(r, dtype=torch.bool)
+    >>> block = candidates(zero, -r, r, counting, None, origin, k=2)
     >>> [(token.log_ratio, token.position) for token in read_worst_tokens(block.tolist())]
     [(-0.5, 1), (0.5, 2)]
+    >>> block = candidates(zero, -r, r, counting, torch.tensor([[7, 8, 9]]), origin, k=2)
+    >>> [(token.token_id, token.context) for token in read_worst_tokens(block.tolist())]
+    [(8, (7,)), (9, (7, 8))]
 """
 
 from __future__ import annotations
@@ -30,14 +36,24 @@ from torch import Tensor
 from lightning_rollout_debug.metrics.layout import Block, filled
 
 __all__ = [
+    "CONTEXT_FIELDS",
+    "CONTEXT_TOKENS",
     "MAX_WORST_TOKENS_K",
     "WORST_FIELDS",
     "WORST_TIES",
     "WorstToken",
     "candidates",
+    "ids_before",
+    "known_context",
     "read_worst_tokens",
     "worst_tokens_block",
 ]
+
+CONTEXT_TOKENS = 6
+"""How many ids before a worst token its candidate keeps (its row's earlier tokens)."""
+
+CONTEXT_FIELDS: tuple[str, ...] = tuple(f"context_{j}" for j in range(1, CONTEXT_TOKENS + 1))
+"""The context's columns: ``context_j`` is the id ``j`` positions before the token."""
 
 WORST_FIELDS: tuple[str, ...] = (
     "abs_log_ratio",
@@ -49,13 +65,15 @@ WORST_FIELDS: tuple[str, ...] = (
     "position",
     "token_id",
     "rank",
+    *CONTEXT_FIELDS,
 )
-"""Columns of a worst-token candidate in the packed extras (``token_id`` is -1 if unknown)."""
+"""Columns of a worst-token candidate in the packed extras (an id is -1 if unknown: no ids
+in the batch, or before the start of the token's row)."""
 
 FIELDS = len(WORST_FIELDS)
 """The values of one candidate in the packed state."""
-PLACEHOLDER = (-math.inf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0)
-"""A candidate that loses against any token (no token id)."""
+PLACEHOLDER = (-math.inf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0, *(-1.0,) * CONTEXT_TOKENS)
+"""A candidate that loses against any token (no token id, no context)."""
 
 WORST_TIES = ("batch", "rank", "row", "position")
 """Of tokens of equal ``abs(r)`` the earlier one in the window ranks first: the earlier
@@ -73,6 +91,8 @@ class WorstToken:
     ``batch`` is the index of the training batch within the window (0 for the first
     batch after the previous logged step), ``row`` and ``position`` locate the token in
     that batch's ``[B, T]`` tensors, ``token_id`` is ``None`` when the batch had no ids.
+    ``context`` holds the ids of up to :data:`CONTEXT_TOKENS` tokens before it in its row,
+    earliest first (fewer near the row's start, none without ids).
     """
 
     log_ratio: float
@@ -83,6 +103,7 @@ class WorstToken:
     position: int
     token_id: int | None
     rank: int
+    context: tuple[int, ...] = ()
 
 
 def worst_tokens_block(k: int) -> Block:
@@ -122,6 +143,39 @@ def earliest_top(key: Tensor, k: int) -> Tensor:
     return torch.topk(score, k).indices
 
 
+def ids_before(token_ids: Tensor, places: Tensor, steps: Tensor) -> Tensor:
+    """``[1 + CONTEXT_TOKENS, n]``: the id at each of ``places``, then the ids before it.
+
+    ``places`` are ``row * T + t`` in the ``[B, T]`` ``token_ids``; ``steps`` is the column
+    ``0, 1, ..., CONTEXT_TOKENS`` (``[1 + CONTEXT_TOKENS, 1]``), row ``j`` of the result the
+    id ``j`` places before. Near the start of a row those are the previous row's (or the
+    first id): :func:`known_context` drops them. Three operations, no host synchronisation.
+
+    Example:
+        >>> ids = torch.arange(10, 20).view(2, 5)
+        >>> steps = torch.arange(CONTEXT_TOKENS + 1).view(-1, 1)
+        >>> ids_before(ids, torch.tensor([7, 1]), steps)[:4].tolist()
+        [[17, 11], [16, 10], [15, 10], [14, 10]]
+    """
+    return torch.take(token_ids, torch.sub(places, steps).clamp_(min=0))
+
+
+def known_context(context: Tensor, position: Tensor) -> Tensor:
+    """``[n, CONTEXT_TOKENS]`` float64: the ids before each token, -1 before its row's start.
+
+    ``context[:, j - 1]`` is the id ``j`` places before the token at ``position`` in its
+    row (:func:`ids_before`); it is kept where ``j <= position``.
+
+    Example:
+        >>> context = torch.arange(CONTEXT_TOKENS).repeat(2, 1) + 10
+        >>> known_context(context, torch.tensor([2.0, 9.0], dtype=torch.float64))[:, :3].tolist()
+        [[10.0, 11.0, -1.0], [10.0, 11.0, 12.0]]
+    """
+    f64 = torch.float64
+    steps = torch.arange(1, CONTEXT_TOKENS + 1, dtype=f64, device=position.device)
+    return torch.where(position.unsqueeze(1) >= steps, context.to(f64), -1.0)
+
+
 def candidates(
     a: Tensor,
     b: Tensor,
@@ -153,11 +207,12 @@ def candidates(
         picked = values.flatten().index_select(0, index).to(f64)
         return torch.where(torch.isfinite(keys), picked, 0.0)
 
+    steps = torch.arange(CONTEXT_TOKENS + 1, device=index.device).view(-1, 1)
     return _candidate_rows(
         keys,
         (pick(r), pick(a), pick(b)),
         (batch_index.expand(found), index // width + first_row, index % width, rank.expand(found)),
-        None if token_ids is None else pick(token_ids),
+        None if token_ids is None else ids_before(token_ids, index, steps).t(),
         k=k,
     )
 
@@ -173,16 +228,20 @@ def _candidate_rows(
     """``[k * F]`` candidates of :data:`WORST_FIELDS`, placeholders after the found ones.
 
     ``keys`` are the found tokens' ``abs(r)``, ``values`` their ``(r, a, b)`` (zero for
-    no token), ``places`` their ``(batch, row, position, rank)``.
+    no token), ``places`` their ``(batch, row, position, rank)``, ``token_ids`` their ids
+    and those before them (``[n, 1 + CONTEXT_TOKENS]``, :func:`ids_before`).
     """
     f64 = torch.float64
     r, a, b = values
     options: dict[str, Any] = {"dtype": f64, "device": keys.device}
     count = len(keys)
-    ids = torch.full((count,), -1.0, **options) if token_ids is None else token_ids
     batch, row, position, rank = (place.to(f64) for place in places)
-    columns = [keys.to(f64), r, torch.exp(a), torch.exp(b), batch, row, position, ids, rank]
-    found = torch.stack(columns, dim=1)
+    if token_ids is None:
+        ids = torch.full((count, 1 + CONTEXT_TOKENS), -1.0, **options)
+    else:
+        ids = torch.cat([token_ids[:, :1].to(f64), known_context(token_ids[:, 1:], position)], 1)
+    columns = [keys.to(f64), r, torch.exp(a), torch.exp(b), batch, row, position, ids[:, 0], rank]
+    found = torch.cat([torch.stack(columns, dim=1), ids[:, 1:]], dim=1)
     if count < k:
         found = torch.cat([found, filled(PLACEHOLDER, **options).repeat(k - count, 1)])
     return found.flatten()
@@ -205,7 +264,18 @@ def read_worst_tokens(values: Sequence[float]) -> list[WorstToken]:
                 position=int(row["position"]),
                 token_id=None if row["token_id"] < 0 else int(row["token_id"]),
                 rank=int(row["rank"]),
+                context=_context(row),
             )
         )
     worst.sort(key=lambda t: (-abs(t.log_ratio), *(getattr(t, name) for name in WORST_TIES)))
     return worst
+
+
+def _context(row: dict[str, float]) -> tuple[int, ...]:
+    """The known ids before a candidate's token, earliest first (up to the first unknown)."""
+    before = []
+    for name in CONTEXT_FIELDS:
+        if row[name] < 0:
+            break
+        before.append(int(row[name]))
+    return tuple(reversed(before))
