@@ -60,7 +60,7 @@ def add_batch(
 
     ``token_ids`` label the worst tokens; ``batch`` and ``rank`` too. The statistics'
     token-id comparison, and with ``pad_token_id`` the count of the padding among
-    ``token_ids``, are added as a packed state of their own (:func:`check_states`).
+    ``token_ids``, are added as a state of their own (:func:`check_states`).
     """
     device = inputs.mask.device
     if inputs.mask.numel() == 0:
@@ -301,11 +301,12 @@ def check_states(
     groups: frozenset[str],
     token_ids: Tensor | None = None,
     pad_token_id: int | None = None,
-) -> list[Tensor]:
-    """A batch's checks of token ids as one packed state of its own (``[]``: none).
+) -> list[dict[str, Tensor]]:
+    """A batch's checks of token ids as one state of its own (``[]``: none).
 
     The comparison of the rollout's and the trainer's ids with the ``token_ids`` group,
-    the count of the padding among ``token_ids`` with ``pad_token_id`` (``pad_slots``).
+    the count of the padding among ``token_ids`` with ``pad_token_id`` (``pad_slots``): slots
+    of :data:`~.layout.STATE` by name, packed when the window folds.
     """
     compared = "token_ids" in groups
     if not compared and (token_ids is None or pad_token_id is None):
@@ -317,7 +318,7 @@ def check_states(
         token_ids,
         pad_token_id,
     )
-    return [STATE.pack(slots, inputs.mask.device)] if slots else []
+    return [slots] if slots else []
 
 
 def _empty_statistics(inputs: MismatchInputs, groups: frozenset[str]) -> list[Tensor]:

@@ -43,7 +43,6 @@ from lightning_rollout_debug.metrics.bins import (
     PROBS_DIFF_BINS,
     QuarterOctaveBins,
 )
-from lightning_rollout_debug.metrics.finish_extras import finish_extras
 from lightning_rollout_debug.metrics.histograms import Histogram, histogram_blocks, read_histograms
 from lightning_rollout_debug.metrics.inputs import check_inputs, check_token_ids
 from lightning_rollout_debug.metrics.layout import Layout
@@ -240,10 +239,6 @@ class TokenExtras(ThreadSafeWindow):
         if token_ids is not None:
             check_token_ids(token_ids, token_ids, mask, names=("token_ids", "token_ids", "mask"))
         add_batch(inputs, token_ids, stats=None, extras=self, batch=batch_index, rank=rank)
-
-    def finish(self, sums: Sequence[TokenSums]) -> Tensor:
-        """The packed extras of the tokens of the passes ``sums``."""
-        return finish_extras(sums, self.layout)
 
     # ------------------------------------------------------------ native kernel
     def kernel_request(self, *, add_profile: bool = False) -> native.ExtrasRequest | None:

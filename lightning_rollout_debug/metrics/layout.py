@@ -184,10 +184,8 @@ class Layout:
         """
         device = states.device
         if type(states) is not Tensor or device not in self._pair_columns:
-            x, y = (
-                filled(side, dtype=torch.int64, device=device)
-                for side in zip(*self._pairs, strict=True)
-            )
+            sides = zip(*self._pairs, strict=True)
+            x, y = (filled(side, dtype=torch.int64, device=device) for side in sides)
             if type(states) is not Tensor:
                 return x, y
             self._pair_columns[device] = (x, y)
@@ -220,9 +218,11 @@ class Layout:
         return torch.stack(slots)
 
     # ----------------------------------------------------------------- merge
-    def merge(self, states: Tensor) -> Tensor:
-        """Merge states stacked as ``[n, size]`` into one, exactly, on their device."""
-        merged = torch.empty(0, dtype=torch.float64, device=states.device)
+    def merge(self, states: Tensor, candidates: Tensor | None = None) -> Tensor:
+        """Merge states stacked as ``[n, size]`` into one, exactly, on their device.
+
+        ``candidates``: more rows of the top block's fields, ranked with the states' own.
+        """
         # One sum down the whole states serves every run of sums (its other columns are
         # not read): a reduction of contiguous rows, not one per strided run.
         total = states.sum(0) if self._has_sums else states.new_empty(0)
@@ -248,11 +248,12 @@ class Layout:
                 )
                 parts.append((where.start, states[:, where].sum(0) + spread.sum(0)))
             elif block.rule == "top":
-                candidates = states[:, where].reshape(-1, len(block.names))
-                best = ranked(candidates, [block.names.index(name) for name in block.ties])
-                parts.append((where.start, candidates.index_select(0, best[: block.k]).flatten()))
+                rows = states[:, where].reshape(-1, len(block.names))
+                rows = rows if candidates is None else torch.cat([rows, candidates])
+                best = ranked(rows, [block.names.index(name) for name in block.ties])
+                parts.append((where.start, rows.index_select(0, best[: block.k]).flatten()))
         if not parts:
-            return merged
+            return torch.empty(0, dtype=torch.float64, device=states.device)
         return torch.cat([part for _, part in sorted(parts, key=lambda item: item[0])])
 
     # ----------------------------------------------------------------- check
@@ -311,6 +312,18 @@ def _whole(value: float) -> bool:
 def _is_square(name: str) -> bool:
     left, _, right = name.partition("*")
     return left == right
+
+
+def merge_all(
+    merges: Sequence[tuple[Layout, Sequence[Tensor | Mapping[str, Tensor]], Tensor | None]],
+) -> list[Tensor]:
+    """Each layout's states (packed, or named values to pack) and top candidates, merged."""
+    merged = []
+    for layout, states, candidates in merges:
+        packed = [s if isinstance(s, Tensor) else layout.pack(s) for s in states]
+        alone = len(packed) == 1 and candidates is None
+        merged.append(packed[0] if alone else layout.merge(torch.stack(packed), candidates))
+    return merged
 
 
 def tensor_problems(value: Any, shape: tuple[int, ...], what: str) -> list[str]:
