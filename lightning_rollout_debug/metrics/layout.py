@@ -43,6 +43,8 @@ RULES = ("count", "mean", "comoment", "sum", "max", "min", "top")
 _EMPTY = {"max": -math.inf, "min": math.inf}  # every other rule starts at 0
 _FOLDS = ("sum", "max", "min")  # the rules a merge folds down the states
 _EXTREME = {"max": torch.amax, "min": torch.amin}
+_FINITE = ("mean", "comoment", "sum")  # never infinite in a state of real tokens
+_KINDS = {"mean": "mean", "comoment": "co-moment", "sum": "sum", "max": "maximum", "min": "minimum"}
 
 compiling = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
 """Whether torch.compile is tracing the caller (``torch.compiler`` has it from torch 2.3)."""
@@ -160,7 +162,6 @@ class Layout:
                 runs.append((block.rule, where))
         return runs
 
-    # ----------------------------------------------------------------- build
     def identity(self, device: torch.device | str | None = None) -> Tensor:
         """The state of an empty window: merging with it changes nothing.
 
@@ -217,7 +218,6 @@ class Layout:
             slots[self.at[name]] = value
         return torch.stack(slots)
 
-    # ----------------------------------------------------------------- merge
     def merge(self, states: Tensor, candidates: Tensor | None = None) -> Tensor:
         """Merge states stacked as ``[n, size]`` into one, exactly, on their device.
 
@@ -256,7 +256,6 @@ class Layout:
             return torch.empty(0, dtype=torch.float64, device=states.device)
         return torch.cat([part for _, part in sorted(parts, key=lambda item: item[0])])
 
-    # ----------------------------------------------------------------- check
     def problems(self, state: Any, what: str = "the state") -> list[str]:
         """Why ``state`` cannot be a state of this layout built from real tokens (or ``[]``).
 
@@ -275,15 +274,14 @@ class Layout:
                 if (block.whole or block.rule == "count") and not _whole(value):
                     label = "the token count" if block.rule == "count" else f"the count `{name}`"
                     found.append(f"{label} of {what} is {value!r}; expected a whole number >= 0")
-                elif block.rule in ("mean", "comoment", "sum") and not math.isfinite(value):
-                    kind = "co-moment" if block.rule == "comoment" else block.rule
+                elif block.rule in _FINITE and not math.isfinite(value):
+                    kind = _KINDS[block.rule]
                     found.append(
                         f"the {kind} `{name}` of {what} is {value!r}; expected a finite number"
                     )
                 elif block.rule in ("max", "min") and math.isnan(value):
-                    kind = "maximum" if block.rule == "max" else "minimum"
-                    found.append(f"the {kind} `{name}` of {what} is NaN")
-                elif block.rule == "comoment" and _is_square(name) and value < 0:
+                    found.append(f"the {_KINDS[block.rule]} `{name}` of {what} is NaN")
+                elif block.rule == "comoment" and len(set(name.split("*"))) == 1 and value < 0:
                     found.append(f"the squared spread `{name}` of {what} is negative")
             if block.rule == "top":
                 keys = values[where][:: len(block.names)]
@@ -307,11 +305,6 @@ class Layout:
 
 def _whole(value: float) -> bool:
     return math.isfinite(value) and value >= 0 and value == int(value)
-
-
-def _is_square(name: str) -> bool:
-    left, _, right = name.partition("*")
-    return left == right
 
 
 def merge_all(
