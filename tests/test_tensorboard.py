@@ -57,7 +57,7 @@ from lightning_rollout_debug.metrics.catalog import DASHBOARD
 from lightning_rollout_debug.metrics.extras import TokenExtras
 from lightning_rollout_debug.metrics.layout import STATE_SIZE
 from lightning_rollout_debug.metrics.tokens import LOG_PROB_FLOOR
-from lightning_rollout_debug.metrics.worst_tokens import WORST_FIELDS, earliest_top
+from lightning_rollout_debug.metrics.worst_tokens import WORST_FIELDS
 from lightning_rollout_debug.views.tensorboard import dashboard_layout, worst_tokens_markdown
 from lightning_rollout_debug.views.token_text import TokenText, markdown_cell
 
@@ -332,23 +332,6 @@ def test_of_tied_worst_tokens_the_earliest_in_the_window_win(
     rows = parse_table(event.tensor_proto.string_val[0].decode())
     kept = [(int(row["batch"]), int(row["row"]), int(row["position"])) for row in rows]
     assert kept == [(0, 0, 5), (0, 1, 6), (0, 2, 0), (0, 2, 7), (1, 0, 0), (1, 0, 1)]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize(
-    "compiled", [False, pytest.param(True, marks=NEEDS_CXX)], ids=["eager", "compiled"]
-)
-def test_the_top_keys_are_ranked_by_key_then_position(dtype: torch.dtype, compiled: bool) -> None:
-    """The first k of a sort by (-key, position): ties, -0.0 and +0.0, infinities, negatives."""
-    generator = torch.Generator().manual_seed(7)
-    top = torch.compile(earliest_top, dynamic=True) if compiled else earliest_top
-    for count in (1, 9, 200):
-        key = torch.randint(-3, 4, (count,), generator=generator).to(dtype) * 0.25
-        for value, share in ((-math.inf, 0.2), (-0.0, 0.05), (math.inf, 0.05)):
-            key[torch.rand(count, generator=generator) < share] = value
-        for k in sorted(k for k in {1, 3, count // 2, count} if 1 <= k <= count):
-            want = sorted(range(count), key=lambda i: (-key[i].item(), i))[:k]
-            assert sorted(top(key, k).tolist()) == sorted(want)
 
 
 def test_worst_tokens_without_ids_have_no_token_column(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from lightning_rollout_debug.metrics.profile import JOINT_BINS, QUANTILE_BINS
 from lightning_rollout_debug.metrics.torch_pass.bins import POSITION_PLANES
 from lightning_rollout_debug.metrics.torch_pass.constants import JOINT_EDGES, PROBABILITY_EDGES
 from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
-from lightning_rollout_debug.metrics.worst_tokens import CONTEXT_TOKENS, PLACEHOLDER, known_context
+from lightning_rollout_debug.metrics.worst_tokens import CONTEXT_TOKENS, PLACEHOLDER
 
 
 def finish_extras(batches: Sequence[TokenSums], rows: RowSums) -> tuple[Tensor, Tensor | None]:
@@ -198,3 +198,19 @@ def _ids(ids: Sequence[Tensor | None], sizes: Sequence[int], device: torch.devic
         ],
         dim=1,
     )
+
+
+def known_context(context: Tensor, position: Tensor) -> Tensor:
+    """``[n, CONTEXT_TOKENS]`` float64: the ids before each token, -1 before its row's start.
+
+    ``context[:, j - 1]`` is the id ``j`` places before the token at ``position`` in its
+    row (:func:`~.worst_tokens.ids_before`); it is kept where ``j <= position``.
+
+    Example:
+        >>> context = torch.arange(CONTEXT_TOKENS).repeat(2, 1) + 10
+        >>> known_context(context, torch.tensor([2.0, 9.0], dtype=torch.float64))[:, :3].tolist()
+        [[10.0, 11.0, -1.0], [10.0, 11.0, 12.0]]
+    """
+    f64 = torch.float64
+    steps = torch.arange(1, CONTEXT_TOKENS + 1, dtype=f64, device=position.device)
+    return torch.where(position.unsqueeze(1) >= steps, context.to(f64), -1.0)
