@@ -812,7 +812,9 @@ def test_log_probs_with_the_prompt_columns_are_skipped_with_the_slice(
 def test_renormalised_top_k_log_probs_are_named_truncated() -> None:
     run = fit([sampled_batch(seed, top_k=8) for seed in range(2)])
     message = one_with(run.diagnoses(), "truncat")
-    assert "top-k / top-p" in message and "Trust k1" in message
+    assert "top-k / top-p" in message and "Sample without truncation" in message
+    assert "correct with the importance ratio" in message and "k1 KL penalty" in message
+    assert "Log-probs of the full distribution would hide the truncation" in message
     (k1,), (k3,) = run.logged(K1), run.logged(K3)
     assert k1 > 0.05 and k1 > 5 * k3
     assert run.callback.monitor.diagnosed == {"truncated"}

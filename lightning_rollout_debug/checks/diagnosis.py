@@ -1,10 +1,12 @@
 """Naming the usual pipeline mistakes from a merged window.
 
 Most of the mismatch a new pipeline shows comes from how its log-probs were sliced,
-masked or sampled, not from numerics. Each rule here reads a merged window (its
+masked or sampled, not from numerics. Each rule reads a merged window (its
 :class:`~lightning_rollout_debug.metrics.formulas.Window` and metrics) and returns a
-:class:`Diagnosis` whose message names the mistake and its fix; none of them holds on a
-correct run. The callback warns once per kind and run (raises under ``strict=True``).
+:class:`~.findings.Diagnosis` whose message names the mistake and its fix; none of them
+holds on a correct run. :func:`diagnose` names the causes of a window before the symptoms
+they explain (:mod:`.findings`); the rules of the sampling are in :mod:`.sampling`. The
+callback warns once per kind and run (raises under ``strict=True``).
 
 Example:
     >>> import torch
@@ -20,13 +22,30 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
 
 import torch
 from torch.nn.modules.dropout import _DropoutNd
 
+from lightning_rollout_debug.checks.findings import (
+    KINDS,
+    Diagnosis,
+    RolloutDiagnosisError,
+    RolloutDiagnosisWarning,
+    in_order,
+)
+from lightning_rollout_debug.checks.sampling import kept_one_token, one_sided, truncated
 from lightning_rollout_debug.metrics.formulas import Window, lag_correlations
+
+__all__ = [
+    "KINDS",
+    "Diagnosis",
+    "RolloutDiagnosisError",
+    "RolloutDiagnosisWarning",
+    "active_dropout",
+    "diagnose",
+    "lag_spreads",
+]
 
 MIN_PAIRS = 64
 """Neighbouring token pairs a window needs before its alignment is judged."""
@@ -38,31 +57,6 @@ ALIGNED_SPREAD = 0.25
 """Or the shifted pairs' mean squared difference at most this share of the unshifted
 one: a window mixing confident and uncertain responses correlates well at every lag
 (its spread between sequences), but only the right lag pairs values that agree."""
-TRUNCATION_K1 = 0.01
-"""k1 above this, and above :data:`TRUNCATION_FACTOR` times k3 by three standard errors
-of k1, looks like engine-side truncation (top-k / top-p) with renormalised log-probs."""
-TRUNCATION_FACTOR = 8.0
-TRUNCATION_SHARE = 0.2
-"""Strong truncation: the ratios' deficit ``1 - mean(rho) = k1 - k3`` at least this share
-of k1 and :data:`TRUNCATION_ERRORS` standard errors of ``mean(rho)`` above 0. An engine
-that keeps the mass ``Z`` of each step gives a share of ``(1 - Z) / -log(Z)``: 0.87 at
-``Z = 0.75``, 0.39 at ``Z = 0.1``, where :data:`TRUNCATION_FACTOR` asks for 0.875."""
-TRUNCATION_ERRORS = 4.0
-TRUNCATION_STRONG_K1 = 0.1
-"""k1 above this for the strong-truncation form: the mass an engine cuts away then
-dwarfs what tokens it did not sample (padding scored by both sides) do to ``mean(rho)``."""
-MIN_TOKENS = 256
-"""Tokens a window needs before its k1 and k3 are compared."""
-TRUNCATION_SLOPE = 1.1
-"""Where :func:`_truncated` holds and the window has rollout log-probs of exactly 0 with a
-trainer's below -1: the least-squares slope ``sum(a b) / sum(b^2)`` of the trainer's
-log-probs on the rollout's at least this means the zeros are steps where the engine kept
-one token, not padding (see :func:`kept_one_token`)."""
-ONE_TOKEN_NATS = 8.0
-"""The most ``b - a`` (``-log`` of the trainer's mass in what the engine kept) a truncating
-engine's zeros are read with: it keeps at least its most likely token, and a top token
-below ``e^-8`` needs thousands of near-equal candidates; padding's trainer log-probs sit
-far lower (-7 to -28 in ``benchmarks/mistakes.py``, at the -20 floor mostly)."""
 
 PADDING_RUN_SHARE = 0.25
 """The share of the zeros (rollout log-probs of 0 beside a trainer's below -1) that must sit
@@ -72,47 +66,34 @@ all but the first of each run there; a confident token the trainer doubts (a zer
 inside a row, at a rate ``q``) about ``q + 1 / T`` of them in rows of ``T`` tokens."""
 PADDING_RUN_TOKENS = 2
 
-ONE_SIDED_K1 = -0.01
-"""k1 below this, and below 0 by :data:`ONE_SIDED_ERRORS` standard errors, means the
-rollout log-probs are not those of the distribution that sampled the tokens."""
-ONE_SIDED_ERRORS = 4.0
 
-KINDS = ("misaligned", "padding", "truncated", "one_sided", "masked_logits", "prompt", "dropout")
-"""The kinds of diagnosis, each warned about once per run."""
+def diagnose(
+    window: Window, metrics: Mapping[str, float], known: Collection[str] = ()
+) -> list[Diagnosis]:
+    """The mistakes a merged window shows, causes first (``metrics``: its un-prefixed metrics).
 
-
-class RolloutDiagnosisWarning(UserWarning):
-    """A pipeline mistake the window shows (its message names the fix)."""
-
-
-class RolloutDiagnosisError(RuntimeError):
-    """A pipeline mistake, raised instead of warned about with ``strict=True``."""
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    """One named mistake: its kind (one of :data:`KINDS`) and a message with the fix."""
-
-    kind: str
-    message: str
-
-
-def diagnose(window: Window, metrics: Mapping[str, float]) -> list[Diagnosis]:
-    """The mistakes a merged window shows (``metrics``: its un-prefixed metrics)."""
-    misaligned = _misaligned(window)
+    ``known``: causes found outside the window (``"dropout"``, at the start of training).
+    A cause, of the window or known, explains the window's symptoms (truncated or
+    one-sided sampling), which are then not named as causes of their own
+    (:func:`~.findings.in_order`). Dropout's noise is in every value the rules read: with
+    dropout known, neither a shift by one position nor rollout log-probs of 0 are read
+    from them (pad ids and masked logits still are).
+    """
+    noisy = "dropout" in known
+    misaligned = None if noisy else _misaligned(window)
     # Log-probs of other tokens (misaligned): their KL estimates mean nothing.
-    truncated = _truncated(window, metrics) if misaligned is None else None
+    sampled = truncated(window, metrics) if misaligned is None else None
     # A greedy or strongly truncated engine records 0.0 (probability 1) for the steps where
     # it kept one token, which the padding rule would count: those zeros are not padding.
-    one_token = truncated is not None and kept_one_token(window)
+    one_token = sampled is not None and kept_one_token(window)
     # Misaligned, the trainer's log-prob beside a rollout 0.0 is another token's: no sign
     # of padding. Pad ids inside the mask still are.
-    zeros_say_padding = misaligned is None and not one_token
-    found = [misaligned, _padding(window, count_zeros=zeros_say_padding), truncated]
+    zeros_say_padding = misaligned is None and not one_token and not noisy
+    found = [misaligned, _padding(window, count_zeros=zeros_say_padding), sampled]
     if misaligned is None:
-        found.append(_one_sided(window, metrics))
+        found.append(one_sided(window, metrics))
     found.append(_masked_logits(window))
-    return [diagnosis for diagnosis in found if diagnosis is not None]
+    return in_order([diagnosis for diagnosis in found if diagnosis is not None], known)
 
 
 def _masked_logits(window: Window) -> Diagnosis | None:
@@ -165,18 +146,6 @@ def _dropout_p(module: torch.nn.Module) -> float:
     )
 
 
-def _k1_error(window: Window, k3: float) -> float:
-    """The standard error of k1, ``sqrt(mean(r^2) / n)``.
-
-    ``sum(r^2)`` comes from the health group's sums of ``a^2``, ``b^2`` and ``a b``; without
-    them ``mean(r^2)`` is taken as ``2 k3``, its value for small ``r``.
-    """
-    n = window.n
-    squares = window["sum_actor_log_prob_sq"] + window["sum_rollout_log_prob_sq"]
-    mean_square = (squares - 2.0 * window["sum_actor_x_rollout"]) / n if squares > 0 else 2 * k3
-    return math.sqrt(max(mean_square, 0.0) / n)
-
-
 def lag_spreads(window: Window) -> dict[int, float]:
     """Mean squared difference of ``a_t`` and ``b_(t+L)`` over the pairs of each lag.
 
@@ -196,6 +165,13 @@ def lag_spreads(window: Window) -> dict[int, float]:
 
 
 def _misaligned(window: Window) -> Diagnosis | None:
+    """A shift by one position: the lag -1 or +1 fits the log-probs better than lag 0.
+
+    Its correlation reaches :data:`ALIGNED_CORRELATION` and its pairs agree: their mean
+    squared difference is at most :data:`ALIGNED_SPREAD` of the unshifted one, or below it
+    with a correlation :data:`ALIGNMENT_MARGIN` above the unshifted. Noise on the trainer's
+    side (dropout) lowers the unshifted correlation, but leaves the shifted pairs no closer.
+    """
     if window["neighbour_pairs"] < MIN_PAIRS:
         return None
     correlations = lag_correlations(window)
@@ -205,7 +181,8 @@ def _misaligned(window: Window) -> Diagnosis | None:
         return None
     spreads = lag_spreads(window)
     closer = spreads[lag] <= ALIGNED_SPREAD * spreads[0]
-    if not math.isnan(unshifted) and best - unshifted < ALIGNMENT_MARGIN and not closer:
+    margin = math.isnan(unshifted) or best - unshifted >= ALIGNMENT_MARGIN
+    if not (closer or (margin and spreads[lag] < spreads[0])):
         return None
     side = "early" if lag > 0 else "late"
     return Diagnosis(
@@ -265,145 +242,4 @@ def _padding(window: Window, *, count_zeros: bool = True) -> Diagnosis | None:
         "every position after the first EOS (and the pad tokens) in response_mask. If the "
         "tokens sit before the response instead, the mask (an attention_mask?) covers the "
         "prompt's columns: take the response's columns only.",
-    )
-
-
-def _ratio_error(window: Window, k3: float) -> float:
-    """The standard error of ``mean(rho)``, ``sqrt(var(rho) / n)``.
-
-    From the importance-ratio group's sums; without them as that of k1 (the same for
-    small ``r``).
-    """
-    n = window.n
-    squares = window["ratio_sq_m1"] - 2.0 * window["ratio_m1"]  # sum (rho - 1)^2
-    if squares <= 0:
-        return _k1_error(window, k3)
-    variance = squares / n - (window["ratio_m1"] / n) ** 2
-    return math.sqrt(max(variance, 0.0) / n)
-
-
-def rollout_all_zero(window: Window) -> bool:
-    """Every counting rollout log-prob is exactly 0 while the trainer's are not all 0.
-
-    From the health group's sums of squares (float64 sums of float32 squares: any
-    ``b != 0`` leaves ``sum(b^2) > 0``); without that group both sums are 0 and this is
-    false.
-    """
-    return window["sum_actor_log_prob_sq"] > 0 and window["sum_rollout_log_prob_sq"] == 0
-
-
-def kept_one_token(window: Window) -> bool:
-    """Whether the window's zeros are steps where a truncating engine kept one token.
-
-    The rollout log-probs of exactly 0 where the trainer's is below -1 (greedy, top-k 1,
-    a small top-p), rather than padding.
-
-    Read only where :func:`_truncated` holds. Padding and the steps an engine keeps one
-    token alone both put ``b = 0`` on a token whose trainer's log-prob ``a`` is below -1,
-    and the window does not hold those tokens' ``a`` apart. The other tokens tell them
-    apart, and the sums over them are in the window: a token with ``b = 0`` adds nothing to
-    ``sum(b^2)`` or ``sum(a b)``. Where the zeros are padding, the other tokens were
-    sampled and scored alike (``a ~ b``): the slope ``sum(a b) / sum(b^2)`` is about 1
-    (0.99-1.07 in ``benchmarks/mistakes.py``, with a top-k 5 engine too). Where the engine
-    truncates hard enough to keep one token at many steps, it renormalises at the others
-    too, ``a = b + log Z`` with a small kept mass ``Z`` where ``b`` is low: the slope is
-    1.3 to 2.3 (top-k 2, top-k 1 with tied bf16 logits, top-p 0.3 to 0.5). An engine that
-    records 0.0 everywhere (greedy) leaves no other token: :func:`rollout_all_zero`.
-
-    And no token's ``b - a`` may exceed :data:`ONE_TOKEN_NATS` (``min_log_ratio``, kept by
-    the ``log_space`` and ``importance_ratio`` groups): a truncating engine keeps at least
-    its top token, while a pad scored by the trainer sits far lower. Zero-filled padding
-    whose trainer's log-probs lie between -8 and -1, behind an engine that keeps one token
-    often enough for the slope to pass, reads as truncation; the pad ids
-    (``pad_token_id``) still name that padding.
-    """
-    if window["zero_rollout_log_prob"] <= 0 or -window["min_log_ratio"] > ONE_TOKEN_NATS:
-        return False
-    if rollout_all_zero(window):
-        return True
-    squares = window["sum_rollout_log_prob_sq"]
-    return squares > 0 and window["sum_actor_x_rollout"] >= TRUNCATION_SLOPE * squares
-
-
-def _truncated(window: Window, metrics: Mapping[str, float]) -> Diagnosis | None:
-    k1 = metrics.get("rollout_actor_kl_k1", math.nan)
-    k3 = metrics.get("rollout_actor_kl_k3", math.nan)
-    if rollout_all_zero(window) and (window["zero_rollout_log_prob"] > 0 or k1 > TRUNCATION_K1):
-        return _greedy(window, k1)
-    if window.n < MIN_TOKENS or not k1 > TRUNCATION_K1:
-        return None
-    deficit = k1 - k3  # 1 - mean(rho), in every window
-    light = k1 > TRUNCATION_FACTOR * k3 + 3.0 * _k1_error(window, k3)
-    error = _ratio_error(window, k3)
-    strong = k1 > TRUNCATION_STRONG_K1 and deficit > max(
-        TRUNCATION_SHARE * k1, TRUNCATION_ERRORS * error
-    )
-    if not (light or strong):
-        return None
-    zeros = window["zero_rollout_log_prob"]
-    single = (
-        f" The {zeros:.0f} masked-in tokens whose rollout log-prob is exactly 0.0 while the "
-        "trainer's is below -1 are steps where the engine kept one token (the trainer's "
-        f"log-probs are {window['sum_actor_x_rollout'] / window['sum_rollout_log_prob_sq']:.3g} "
-        "times the rollout's elsewhere, where padding leaves them equal), not padding."
-        if kept_one_token(window)
-        else ""
-    )
-    return Diagnosis(
-        "truncated",
-        f"The importance ratios average {1.0 - deficit:.4g}, clearly below 1 (KL k1 = "
-        f"{k1:.4g}, k3 = {k3:.4g}): the rollout log-probs look renormalised after top-k / "
-        "top-p truncated sampling in the engine (greedy decoding is top-k 1), which keeps "
-        f"about that share of the trainer's probability mass and biases k3 low.{single} Trust "
-        "k1 here, or have the engine return log-probs of the full distribution.",
-    )
-
-
-def _greedy(window: Window, k1: float) -> Diagnosis:
-    """Every rollout log-prob 0.0: the renormalised distribution of a greedy engine."""
-    zeros = window["zero_rollout_log_prob"]
-    if zeros <= 0:
-        padding = ""
-    elif kept_one_token(window):
-        padding = (
-            f"; {zeros:.0f} of them where the trainer's is below -1: the greedy tokens of "
-            "uncertain steps, not padding"
-        )
-    else:
-        padding = (
-            "; the trainer scores some of them below -8 nats, which no greedy step gives: "
-            "padding too, named apart"
-        )
-    return Diagnosis(
-        "truncated",
-        f"Every rollout log-prob is exactly 0.0 (probability 1) while the trainer's are not "
-        f"(KL k1 = {k1:.4g}, the trainer's mean negative log-prob{padding}): truncated "
-        "sampling to one token. The engine decodes greedily (top-k 1, or temperature 0) and "
-        "records the log-prob of the renormalised one-token distribution, or it returns no "
-        "log-probs and zeros stand in for them. The importance ratios are then the trainer's "
-        "probabilities of the greedy tokens. Have the engine return log-probs of the full "
-        "distribution (and sample from it for on-policy RL).",
-    )
-
-
-def _one_sided(window: Window, metrics: Mapping[str, float]) -> Diagnosis | None:
-    """k1 clearly below 0, which no mismatch gives.
-
-    ``E_rollout[-r]`` is a KL, never negative, when the rollout log-probs are those of the
-    distribution the tokens were sampled from.
-    """
-    k1 = metrics.get("rollout_actor_kl_k1", math.nan)
-    k3 = metrics.get("rollout_actor_kl_k3", math.nan)
-    if window.n < MIN_TOKENS or not k1 < ONE_SIDED_K1:
-        return None
-    if not k1 < -ONE_SIDED_ERRORS * _k1_error(window, k3):
-        return None
-    return Diagnosis(
-        "one_sided",
-        f"KL k1 = {k1:.4g} is clearly below 0 (k3 = {k3:.4g}): the rollout log-probs are not "
-        "those of the distribution that sampled the tokens. The engine samples with a "
-        "temperature or top-p/top-k but records its log-probs before them (raw log-probs), "
-        "or the trainer applies a temperature the engine's log-probs lack, or the top-p/top-k "
-        "the engine sampled with but did not record. Record the processed log-probs in the "
-        "engine, or apply the same temperature (and no truncation) to the trainer's logits.",
     )

@@ -54,6 +54,7 @@ class LoggedStep:
     should_stop: bool
     profile: Profile | None
     diagnosed: set[str]
+    causes: set[str]
     _door: FrontDoor
     _window: DeviceWindow
     _logs: WindowLogs
@@ -140,30 +141,36 @@ class LoggedStep:
         """Warn once (raise with ``strict=True``) if ``model`` has dropout active.
 
         Log-probs recomputed by a model in training mode with dropout ``p > 0`` carry
-        dropout noise that reads as mismatch; compute them in eval mode.
+        dropout noise that reads as mismatch; compute them in eval mode. Found, it is known
+        to the windows' diagnoses (:func:`~lightning_rollout_debug.checks.diagnosis.diagnose`):
+        what its noise can look like is not named after it.
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
                 f"`check_dropout` takes a torch.nn.Module, got a {type(model).__name__}."
             )
         active = active_dropout(model)
-        if active:
-            shown = ", ".join(active[:3]) + (", ..." if len(active) > 3 else "")
-            self._report(
-                Diagnosis(
-                    "dropout",
-                    f"{len(active)} dropout module(s) of the model are active in training mode "
-                    f"({shown}). Log-probs recomputed with dropout carry its noise, which reads "
-                    "as mismatch: recompute old_log_probs in eval mode (model.eval()), or set "
-                    f"the dropout to 0. {self._door.dropout_off}",
-                ),
-                rank_zero=global_rank() == 0,
-            )
+        if not active:
+            self.causes.discard("dropout")
+            return
+        self.causes.add("dropout")  # on every rank: it explains the windows' symptoms
+        shown = ", ".join(active[:3]) + (", ..." if len(active) > 3 else "")
+        self._report(
+            Diagnosis(
+                "dropout",
+                f"{len(active)} dropout module(s) of the model are active in training mode "
+                f"({shown}). Log-probs recomputed with dropout carry its noise, which reads "
+                "as mismatch, and can read as misaligned log-probs, padding or truncated "
+                "sampling, which are not named while it is active: recompute old_log_probs in "
+                f"eval mode (model.eval()), or set the dropout to 0. {self._door.dropout_off}",
+            ),
+            rank_zero=global_rank() == 0,
+        )
 
     def _diagnose(
         self, stats: MismatchStats, metrics: Mapping[str, float], rank_zero: bool
     ) -> None:
-        for found in diagnose(Window(stats.state.tolist()), metrics):
+        for found in diagnose(Window(stats.state.tolist()), metrics, self.causes):
             self._report(found, rank_zero=rank_zero)
 
     def _report(self, found: Diagnosis, *, rank_zero: bool) -> None:

@@ -251,6 +251,8 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
         """The batches of the window that were skipped (a window of nothing but skips warns)."""
         self.diagnosed: set[str] = set()
         """The kinds of mistake warned about so far (each once per run)."""
+        self.causes: set[str] = set()
+        """The causes found outside the windows (``"dropout"``), which explain their symptoms."""
 
     @property
     def batches_in_window(self) -> int:
