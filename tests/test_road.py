@@ -157,17 +157,18 @@ def assert_entered_once(road: list[tuple[str, str]]) -> None:
     assert not twice, f"entered more than once: {twice}; the road: {shown}"
 
 
-@pytest.mark.parametrize(
-    ("settings", "road"),
-    [
-        pytest.param({}, "native", marks=NEEDS_KERNEL, id="native"),
-        pytest.param(SCALARS_ONLY, "native", marks=NEEDS_KERNEL, id="native-scalars-only"),
-        pytest.param(CHECKED_IDS, "native", marks=NEEDS_KERNEL, id="native-ids-and-pads"),
-        pytest.param({"compile": False}, "eager", id="eager"),
-        pytest.param({**SCALARS_ONLY, "compile": False}, "eager", id="eager-scalars-only"),
-        pytest.param({**CHECKED_IDS, "compile": False}, "eager", id="eager-ids-and-pads"),
-    ],
-)
+ROADS = [
+    pytest.param({}, "native", marks=NEEDS_KERNEL, id="native"),
+    pytest.param(SCALARS_ONLY, "native", marks=NEEDS_KERNEL, id="native-scalars-only"),
+    pytest.param(CHECKED_IDS, "native", marks=NEEDS_KERNEL, id="native-ids-and-pads"),
+    pytest.param({"compile": False}, "eager", id="eager"),
+    pytest.param({**SCALARS_ONLY, "compile": False}, "eager", id="eager-scalars-only"),
+    pytest.param({**CHECKED_IDS, "compile": False}, "eager", id="eager-ids-and-pads"),
+]
+"""The settings of each road, the kernel's and the eager torch pass's."""
+
+
+@pytest.mark.parametrize(("settings", "road"), ROADS)
 def test_an_update_enters_each_module_once(settings: dict[str, Any], road: str) -> None:
     found = road_of(settings)
     modules = [module for module, _ in found]
@@ -178,17 +179,7 @@ def test_an_update_enters_each_module_once(settings: dict[str, Any], road: str) 
     assert_entered_once(found)
 
 
-@pytest.mark.parametrize(
-    ("settings", "road"),
-    [
-        pytest.param({}, "native", marks=NEEDS_KERNEL, id="native"),
-        pytest.param(SCALARS_ONLY, "native", marks=NEEDS_KERNEL, id="native-scalars-only"),
-        pytest.param(CHECKED_IDS, "native", marks=NEEDS_KERNEL, id="native-ids-and-pads"),
-        pytest.param({"compile": False}, "eager", id="eager"),
-        pytest.param({**SCALARS_ONLY, "compile": False}, "eager", id="eager-scalars-only"),
-        pytest.param({**CHECKED_IDS, "compile": False}, "eager", id="eager-ids-and-pads"),
-    ],
-)
+@pytest.mark.parametrize(("settings", "road"), ROADS)
 def test_the_update_that_folds_enters_each_module_once(settings: dict[str, Any], road: str) -> None:
     """The update that folds finishes and merges both windows in one go."""
     update, found = folding_road(settings)
