@@ -60,14 +60,16 @@ fired during the run:
   logits ~30, like a trained LM's); shows whether healthy bf16 rounding of log p ~ 0 to
   exactly 0.0 reads as padding.
 
-Run (about 35 s on two CPU cores with the defaults; ``--threads 1`` is the default, as in
-``calibrate_alerts.py``: these ops are too small to split)::
+Run (about 150 s on two CPU cores with the defaults; ``--threads 1`` is the default, as
+in ``calibrate_alerts.py``: these ops are too small to split)::
 
     python benchmarks/mistakes.py
     python benchmarks/mistakes.py --windows 16 --seed 1 --top-k 50,20,5
+    python benchmarks/mistakes.py --messages
 
 It prints a markdown table (columns: the un-prefixed metric names without ``rollout_`` /
-``rollout_actor_``), ready for ``docs/troubleshooting.md``.
+``rollout_actor_``; ``stale_period``: its largest over the run), ready for
+``docs/troubleshooting.md``; with ``--messages``, every warning each scenario gave.
 """
 
 from __future__ import annotations
@@ -120,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--dropout", type=float, default=0.1, help="p of the dropout scenario")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument(
+        "--messages", action="store_true", help="print every diagnosis and skip warning"
+    )
     return parser.parse_args(argv)
 
 
@@ -365,6 +370,8 @@ def run(args: argparse.Namespace, scenario: Scenario, policy: Policy) -> dict[st
     for column in COLUMNS:
         row[column] = summary(column, values[column])
     row["diagnoses"] = ", ".join(fired) or "none"
+    said = [w for w in caught if w.category in (RolloutDebugWarning, RolloutDiagnosisWarning)]
+    row["messages"] = "\n".join(dict.fromkeys(f"  - {w.message}" for w in said))
     return row
 
 
@@ -372,7 +379,7 @@ class Drift:
     """A trainer whose weights move along a fixed random direction at every step, and a
     bf16 engine synced with it every ``sync_every`` steps: stale weights in between."""
 
-    def __init__(self, policy: Policy, sync_every: int, seed: int, size: float = 2e-3) -> None:
+    def __init__(self, policy: Policy, sync_every: int, seed: int, size: float = 5e-4) -> None:
         self.trainer = copy.deepcopy(policy.trainer)
         generator = torch.Generator().manual_seed(seed + 7)
         self.direction = [
@@ -428,6 +435,9 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         print("| " + " | ".join(row[column] for column in header) + " |")
     print(f"\n({time.perf_counter() - start:.0f} s)")
+    if args.messages:
+        for row in rows:
+            print(f"\n{row['scenario']}:\n{row['messages'] or '  (none)'}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import NEEDS_CXX
 from lightning_helpers import TRAINER_DEFAULTS, MemoryLogger
 from reference import stale_period
 from torch import Tensor, nn
@@ -29,6 +30,7 @@ from torch.utils.data import DataLoader
 
 from lightning_rollout_debug import MismatchStats, RolloutDebugCallback, RolloutDebugMonitor
 from lightning_rollout_debug.checks.diagnosis import RolloutDiagnosisWarning
+from lightning_rollout_debug.metrics import native
 from lightning_rollout_debug.metrics.backends import add_batch
 from lightning_rollout_debug.metrics.inputs import check_inputs
 from lightning_rollout_debug.metrics.sawtooth import Series, sawtooth
@@ -196,8 +198,18 @@ def reference_sums(batch: Mapping[str, Tensor]) -> tuple[float, float, float]:
     return float(np.abs(r).sum()), float(counting.sum()), float((r * r).sum())
 
 
-@pytest.mark.parametrize("compile", [None, False], ids=["kernel", "torch"])
-def test_each_batch_is_kept_as_its_sums(compile: bool | None) -> None:
+@pytest.mark.parametrize(
+    "compile",
+    [None, False, pytest.param(True, marks=NEEDS_CXX)],
+    ids=["kernel", "torch", "torch-compiled"],
+)
+def test_each_batch_is_kept_as_its_sums(
+    compile: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each road's batch as the series reads it: the kernel's packed state, a torch pass's
+    row sums (eager: squares about each row's mean; compiled: plain squares, rows in lists)."""
+    if compile:  # on a CPU, torch.compile where the kernel does not take the batch
+        monkeypatch.setattr(native.passes, "_pass", lambda *args, **kwargs: None)
     batches = [offset_batch(0.01 * (i + 1), i, rows=3 + i, width=17) for i in range(5)]
     batches[2]["old_log_probs"][0, :4] = -50.0  # floored at -20
     batches[3]["rollout_log_probs"][1, 2] = math.nan  # does not count
@@ -311,3 +323,15 @@ def test_the_period_is_the_references() -> None:
             got = stale_period(means[:length], errors[:length])
             assert periods[-1] == got, (means[:length], found)
     assert 0 < sum(p > 0 for p in periods) < len(periods)
+
+
+def test_a_monitor_with_its_series_and_sample_pickles() -> None:
+    """A spawned process gets the callback pickled: the series and the sample with it."""
+    import pickle
+
+    monitor = RolloutDebugMonitor(alert_ranges={}, drift_factors={})
+    for i, offset in enumerate(SAW):
+        monitor.update(offset_batch(offset, i))
+    copied = pickle.loads(pickle.dumps(monitor))
+    assert copied.log(0) == monitor.log(0)
+    assert copied._series.history == monitor._series.history

@@ -31,15 +31,16 @@ def stale(window: Window) -> Diagnosis | None:
     return Diagnosis(
         "stale",
         f"The mismatch rises for {found.period} batches and drops back, {found.drops} times in "
-        f"the last {found.batches} batches: the mean |a - b| of a batch goes from "
-        f"{found.trough:.3g} right after each drop to {found.peak:.3g} before the next (the "
-        f"rise and drop explains {found.fit:.0%} of its variance; rollout_stale_period = "
+        f"the last {found.batches} batches: the mean |a - b| of a batch is {found.trough:.3g} "
+        f"right after a drop and {found.peak:.3g} right before one, on average (the rise "
+        f"and drop explains {found.fit:.0%} of its variance; rollout_stale_period = "
         f"{found.period}). An engine whose weights are synced every {found.period} optimizer "
-        "steps (with gradient accumulation, every that many batches over the accumulation) "
-        "does this: at each step since the sync it samples with weights one step further "
-        "behind the trainer's. Check the weight sync and its timing: that it runs before "
-        "each rollout (or as often as intended), that it completes before the engine "
-        "samples, and that it copies every parameter (compare checksums of the weights on "
-        "both sides right after a sync). In an asynchronous or off-policy loop this is the "
-        "policy lag by design: correct it with the importance ratio.",
+        f"steps does this (every {found.period} / g steps with gradient accumulation over g "
+        "batches: the period counts batches): at each step since the sync it samples with "
+        "weights one step further behind the trainer's. Check the weight sync and its "
+        "timing: that it runs before each rollout (or as often as intended), that it "
+        "completes before the engine samples, and that it copies every parameter (compare "
+        "checksums of the weights on both sides right after a sync). In an asynchronous or "
+        "off-policy loop this is the policy lag by design: correct it with the importance "
+        "ratio.",
     )

@@ -55,8 +55,8 @@ class Sawtooth:
 
     Attributes:
         period: batches from one drop to the next.
-        trough: the fitted mean ``|r|`` of a batch right after a drop.
-        peak: the fitted mean ``|r|`` of the last batch before a drop, at the series' end.
+        trough: the mean ``|r|`` of the batches right after a drop, on average.
+        peak: the mean ``|r|`` of the batches right before a drop, on average.
         fit: the share of the series' variance the rise and drop explain (``R^2``).
         drops: the drops the series holds.
         batches: the batches of the series.
@@ -128,7 +128,9 @@ def _fitted(series: Series, period: int, phase: int) -> Sawtooth | None:
             return None
         if not step >= max(SAWTOOTH_STEP * size, noise):
             return None
-    return Sawtooth(period, trough, trough + rise(n - 1), fit, seen_drops, n)
+    after = [x for x, k in zip(means, since, strict=True) if k == 0 and not math.isnan(x)]
+    before = [x for x, k in zip(means, since, strict=True) if k == period - 1 and not math.isnan(x)]
+    return Sawtooth(period, sum(after) / len(after), sum(before) / len(before), fit, seen_drops, n)
 
 
 def _least_squares(points: Sequence[tuple[tuple[float, ...], float]]) -> list[float] | None:

@@ -67,6 +67,15 @@ class MismatchSeries:
         self.history: list[tuple[float, float, float]] = []
         """The run's last batches, oldest first: ``(sum |r|, tokens, sum r^2)``, merged."""
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_lock", None)  # a lock cannot be pickled: a copy gets its own
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def add(self, parts: Sequence[Tensor | TokenSums]) -> None:
         """Keep a batch: its packed statistics state, or the sums of its torch passes."""
         with self._lock:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -58,6 +59,15 @@ class ShiftSample:
 
     def __init__(self) -> None:
         self._sample: Tensor | None = None
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_lock", None)  # a lock cannot be pickled: a copy gets its own
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
         self._lock = threading.Lock()
 
     def add(self, inputs: MismatchInputs) -> None:
