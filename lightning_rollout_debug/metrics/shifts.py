@@ -71,12 +71,16 @@ class ShiftSample:
         self._lock = threading.Lock()
 
     def add(self, inputs: MismatchInputs) -> None:
-        """Keep the first rows of ``inputs`` when the window has no sample yet (one copy)."""
-        if self._sample is not None:
+        """Keep the first rows of ``inputs`` when the window has no sample yet (one copy).
+
+        A batch without tokens' places (an empty mask) leaves none.
+        """
+        if self._sample is not None or inputs.mask.numel() == 0:
             return
         rows = (slice(0, SAMPLE_ROWS), slice(0, SAMPLE_COLUMNS))
         parts = (inputs.old_log_probs, inputs.rollout_log_probs, inputs.mask)
-        sample = torch.stack([part[rows].to(torch.float64) for part in parts])
+        # A copy without the inputs' autograd graph: they are not kept past the update.
+        sample = torch.stack([part[rows].detach().to(torch.float64) for part in parts])
         with self._lock:
             if self._sample is None:
                 self._sample = sample
