@@ -2,10 +2,13 @@
 
 1. Trains ``examples/grpo_mismatch.py`` twice for ``--max-steps`` steps (the default
    bfloat16 rollout engine, and the same with stale weights, ``--weight-sync-every 4``),
-   so every chart compares a small mismatch with a large one.
-2. Starts ``tensorboard --logdir ... --host 127.0.0.1`` and waits until it serves the runs.
-3. Takes PNG screenshots of the custom-scalars, histograms, text and images pages with
-   headless Chromium (``apt-get install chromium``).
+   so every chart compares a small mismatch with a large one; the example imports the
+   package of this checkout.
+2. Starts ``tensorboard --logdir ... --host 127.0.0.1 --port ...`` and waits until it
+   serves both runs' custom-scalars layout and profile pictures.
+3. Takes PNG screenshots of the custom-scalars, histograms, text and images pages, and of
+   the profile pictures on the Time Series page (``?tagFilter=rollout_profile``), with
+   headless Chromium (``apt-get install chromium``) at TensorBoard's default card sizes.
 4. Stops TensorBoard.
 
     python scripts/screenshot_dashboard.py [--out docs/images] [--max-steps 30]
@@ -24,6 +27,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_rollout_debug.views.canvas import TEXT_COLOUR
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "grpo_mismatch.py"
 RUNS = {
@@ -31,13 +41,20 @@ RUNS = {
     "bf16-stale": ["--rollout-dtype", "bfloat16", "--weight-sync-every", "4"],
 }
 PAGES = {
-    "tensorboard_custom_scalars.png": "custom_scalars",
-    "tensorboard_histograms.png": "histograms",
-    "tensorboard_worst_tokens.png": "text",
-    "tensorboard_profiles.png": "images",
+    "tensorboard_custom_scalars.png": "#custom_scalars",
+    "tensorboard_histograms.png": "#histograms",
+    "tensorboard_worst_tokens.png": "#text",
+    "tensorboard_profiles.png": "#images",
+    "tensorboard_profiles_time_series.png": "?tagFilter=rollout_profile#timeseries",
 }
-TALL_PAGES = {"tensorboard_profiles.png": 1420}
+"""Each screenshot and the page of TensorBoard it shows (the part of the URL after the host)."""
+TALL_PAGES = {"tensorboard_profiles.png": 1360, "tensorboard_profiles_time_series.png": 1200}
 """Window heights of the pages whose cards do not fit the default window."""
+SLOW_PAGES = {"tensorboard_profiles_time_series.png": 3.0}
+"""How many times ``--wait-ms`` the pages that load their cards one by one take."""
+PICTURE_PAGES = {"tensorboard_profiles.png", "tensorboard_profiles_time_series.png"}
+"""The pages of the profile pictures: taken until two takes show the same pictures."""
+PROFILE_TAG = "training/rollout_profile/"
 CHROMIUM_FLAGS = [
     "--headless",
     "--no-sandbox",
@@ -53,15 +70,22 @@ CHROMIUM_FLAGS = [
 
 def train(logdir: Path, max_steps: int) -> None:
     """Run the example once per setting, each into its own run directory."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     for name, flags in RUNS.items():
         command = [sys.executable, str(EXAMPLE), *flags, "--max-steps", str(max_steps)]
         command += ["--logdir", str(logdir / name)]
         print("+", " ".join(command), flush=True)
-        subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            command,
+            check=True,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": path},
+        )
 
 
 def wait_for_tensorboard(url: str, runs: int, timeout: float = 120.0) -> None:
-    """Poll TensorBoard until it lists ``runs`` runs with custom-scalar layouts."""
+    """Poll TensorBoard until it lists ``runs`` runs with custom-scalar layouts and pictures."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -69,7 +93,10 @@ def wait_for_tensorboard(url: str, runs: int, timeout: float = 120.0) -> None:
                 layout = json.load(reply)
             with urllib.request.urlopen(f"{url}/data/runs") as reply:
                 found = json.load(reply)
-            if layout.get("category") and len(found) >= runs:
+            with urllib.request.urlopen(f"{url}/data/plugin/images/tags") as reply:
+                images = json.load(reply)
+            pictures = [run for run, tags in images.items() if any(PROFILE_TAG in t for t in tags)]
+            if layout.get("category") and len(found) >= runs and len(pictures) >= runs:
                 return
         except OSError:
             pass
@@ -91,6 +118,35 @@ def screenshot(chromium: str, url: str, out: Path, size: str, wait_ms: int) -> N
         ]
         subprocess.run(command, check=True, timeout=180, capture_output=True)
     print(f"wrote {out} ({out.stat().st_size} bytes)", flush=True)
+
+
+def picture_ink(path: Path) -> int:
+    """The pixels of the pictures' text colour in a screenshot.
+
+    TensorBoard scales the pictures pixel by pixel, so their colours show unmixed; its own
+    text is another grey.
+    """
+    pixels = np.asarray(Image.open(path).convert("RGB"))
+    return int(np.all(pixels == np.asarray(TEXT_COLOUR, dtype=np.uint8), axis=-1).sum())
+
+
+def screenshot_pictures(
+    chromium: str, url: str, out: Path, size: str, wait_ms: int, tries: int = 6
+) -> None:
+    """Screenshots of a page of pictures until two in a row show the same pictures.
+
+    A Time Series card loads its picture when it comes into view, and a headless take
+    sometimes ends before every card has: a take whose pictures' ink differs from the
+    previous take's is taken again.
+    """
+    seen = -1
+    for _ in range(tries):
+        screenshot(chromium, url, out, size, wait_ms)
+        ink = picture_ink(out)
+        if ink > 0 and ink == seen:
+            return
+        seen = ink
+    raise RuntimeError(f"{out.name}: no two takes in {tries} showed the same pictures")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,7 +182,9 @@ def main(argv: list[str] | None = None) -> None:
             size = args.window_size
             if name in TALL_PAGES:
                 size = f"{size.split(',')[0]},{TALL_PAGES[name]}"
-            screenshot(chromium, f"{url}/#{page}", args.out / name, size, args.wait_ms)
+            wait_ms = round(args.wait_ms * SLOW_PAGES.get(name, 1.0))
+            take = screenshot_pictures if name in PICTURE_PAGES else screenshot
+            take(chromium, f"{url}/{page}", args.out / name, size, wait_ms)
     finally:
         server.terminate()
         try:

@@ -47,7 +47,7 @@ from lightning_rollout_debug.checks.diagnosis import (
     lag_spreads,
 )
 from lightning_rollout_debug.metrics.formulas import Window, lag_correlations
-from lightning_rollout_debug.metrics.layout import merge_states
+from lightning_rollout_debug.metrics.layout import STATE, merge_states
 from lightning_rollout_debug.metrics.shifts import LAGS, ShiftSample, lag_sums
 
 pytestmark = [
@@ -605,6 +605,18 @@ def padded(gpt2: TinyGPT2, rollout: Rollout, seed: int) -> tuple[Tensor, Tensor]
     return sequences, after
 
 
+def padding_of(ids: Tensor, mask: Tensor, pad: int) -> int:
+    """The padding of ``docs/troubleshooting.md``, counted one row at a time: the masked pad
+    ids after the row's last masked id of another token, each right after a pad id (the
+    first of the run is an EOS)."""
+    count = 0
+    for row, kept in zip(ids.tolist(), mask.tolist(), strict=True):
+        masked = [t for t, keep in enumerate(kept) if keep]
+        last_other = max((t for t in masked if row[t] != pad), default=-1)
+        count += sum(1 for t in masked if t > last_other and t > 0 and row[t - 1] == pad)
+    return count
+
+
 def test_zero_filled_padding_in_the_mask_is_named(gpt2: TinyGPT2, rollouts: list[Rollout]) -> None:
     """The engine wrote 0.0 for the pad positions, the trainer real log-probs; all masked in."""
     batches, padding = [], 0
@@ -635,11 +647,8 @@ def test_pad_ids_in_the_mask_are_named_with_pad_token_id(
     for i, r in enumerate(rollouts[:2]):
         sequences, after = padded(gpt2, r, seed=i)
         rollout, old = gpt2.forward_log_probs(sequences)
-        # Every pad id right after a pad id: the first of a run is taken for an EOS (the
-        # mask holds them all).
-        is_pad = sequences[:, PROMPT:] == gpt2.pad
-        pads += int((is_pad[:, 1:] & is_pad[:, :-1]).sum())
         mask = torch.ones_like(after)
+        pads += padding_of(sequences[:, PROMPT:], mask, gpt2.pad)
         batches.append(batch_of(rollout, old, mask, seed=i, responses=sequences[:, PROMPT:]))
     run = fit(batches, pad_token_id=None if pad_token_id is None else gpt2.pad)
     assert run.logged(ZEROS) == [0.0]
@@ -711,6 +720,58 @@ def test_packed_rows_that_end_each_sequence_with_the_pad_id_are_not_padding(
     else:
         (message,) = named
         assert f"{6 * padding} pad tokens inside the response mask" in message
+
+
+@pytest.mark.parametrize("extra", [0, 2], ids=["correct-mask", "two-more"])
+@pytest.mark.parametrize(
+    ("compile", "dtype"),
+    [(None, torch.float32), (False, torch.float32), (True, torch.float64)],
+    ids=["kernel", "eager", "compiled"],
+)
+def test_pad_ids_the_model_sampled_mid_response_are_not_padding(
+    extra: int, compile: bool | None, dtype: torch.dtype
+) -> None:
+    """``pad_token_id`` set, as the docs advise, and a model that sampled the pad id as an
+    ordinary token before its response ended (once, and three times in a row): no padding.
+    Only the run of pad ids that ends a row's masked tokens is, counted exactly on every
+    road (the kernel's float32, torch eager, torch compiled on float64)."""
+    eos = 7
+    generator = torch.Generator().manual_seed(5)
+    lengths = torch.arange(6) * 5 + 30  # each response ends with its EOS at lengths - 1
+    ids = torch.randint(8, 50, (6, 64), generator=generator)
+    ids[:, 4] = eos  # sampled alone
+    ids[:, 10:13] = eos  # sampled three times in a row: pad ids right after a pad id
+    columns = torch.arange(64)[None, :]
+    ids[columns >= lengths[:, None] - 1] = eos
+    mask = columns < lengths[:, None] + extra
+    uniform = torch.rand(6, 64, generator=generator, dtype=torch.float64)
+    rollout = torch.log(uniform * 0.9 + 0.05)
+    old = rollout + 1e-3 * torch.randn(6, 64, generator=generator, dtype=torch.float64)
+    assert padding_of(ids, mask, eos) == 6 * extra  # the old rule counted 12 more
+    monitor = RolloutDebugMonitor(
+        pad_token_id=eos,
+        groups=["seed", "health"],
+        histograms=False,
+        worst_tokens_k=0,
+        profile_images=False,
+        compile=compile,
+        alert_ranges={},
+        drift_factors={},
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor.update(
+            {"rollout_log_probs": rollout.to(dtype), "old_log_probs": old.to(dtype)},
+            {"response_mask": mask, "responses": ids},
+        )
+        assert monitor.state_dict()["window"][STATE.at["pad_in_mask"]].item() == 6 * extra
+        monitor.log(0, MemoryLogger())
+    named = [str(w.message) for w in caught if issubclass(w.category, RolloutDiagnosisWarning)]
+    if extra == 0:
+        assert named == [] and monitor.diagnosed == set()
+    else:
+        (message,) = named
+        assert f"{6 * extra} pad tokens inside the response mask" in message
 
 
 # ---------------------------------------------------------------------- prompt columns

@@ -18,6 +18,7 @@ import json
 import math
 import random
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_rollout_debug
 from lightning_rollout_debug import METRIC_NAMES, MismatchStats, RolloutDebugCallback
+from lightning_rollout_debug.loop.agreement import WIDTH, encoded, shaping_settings
+from lightning_rollout_debug.loop.config import InvalidSettings
+from lightning_rollout_debug.loop.ranks import Ranks
 from lightning_rollout_debug.metrics.layout import STATE_SIZE, identity_state, merge_states
 
 pytestmark = pytest.mark.skipif(
@@ -439,7 +443,8 @@ def test_callback_metrics_are_the_same_on_every_rank(main_run: dict[str, Any]) -
 
 
 def test_one_collective_per_logged_step_and_none_otherwise(main_run: dict[str, Any]) -> None:
-    logged = {"0:1", "0:3", "0:5", "0:7", "0:9", "end"}
+    """One per logged step, and one more before the first merge: the ranks' settings."""
+    logged = ["0:1", "0:1", "0:3", "0:5", "0:7", "0:9", "end"]
     for record in main_run["records"]:
         for calls in (record["collectives"], record["strategy_calls"]):
             labels = [label for label, _ in calls]
@@ -625,9 +630,10 @@ def test_process_group_reduces_over_its_members_only(group_runs: dict[str, Any])
     for prefix in ("all/", "tp/"):
         assert complete(records[0]["final"], prefix) == complete(records[1]["final"], prefix)
     # A collective for each callback whose group holds the rank, at the checkpoint (end of
-    # the epoch) and at on_train_end; rank 1 exchanges nothing for "first/".
-    assert sorted(name for _, name in records[0]["collectives"]) == ["all_gather"] * 6
-    assert sorted(name for _, name in records[1]["collectives"]) == ["all_gather"] * 4
+    # the epoch) and at on_train_end, and one before the first (the settings); rank 1
+    # exchanges nothing for "first/".
+    assert sorted(name for _, name in records[0]["collectives"]) == ["all_gather"] * 9
+    assert sorted(name for _, name in records[1]["collectives"]) == ["all_gather"] * 6
 
 
 def test_checkpoint_keeps_the_merged_window_across_a_resume(group_runs: dict[str, Any]) -> None:
@@ -652,6 +658,147 @@ def test_checkpoint_keeps_the_merged_window_across_a_resume(group_runs: dict[str
     # Rank 1, outside the group of "first/", carries no saved window on.
     first_on_rank1 = complete(records[1]["snapshots"]["1:0"], "first/")
     assert_metrics_close(first_on_rank1, reference(after[1][:1]), prefix="first/")
+
+
+# ---------------------------------------------------------------------- ranks that disagree
+class PerRankCallback(RolloutDebugCallback):
+    """A callback of the settings ``per_rank[rank]`` on each rank (``ddp_spawn`` pickles one
+    callback to every process), as a launcher script that builds it from the rank would.
+
+    With ``out_dir``, what a rank raises at a batch's end is written to
+    ``out_dir / f"rank{rank}.txt"`` first, and the rank waits (at most a minute) for the
+    other ranks' files before it raises: the first rank to exit ends the others.
+    """
+
+    def __init__(self, per_rank: Sequence[Mapping[str, Any]], out_dir: str | None = None) -> None:
+        super().__init__(**per_rank[0])
+        self.per_rank = [dict(settings) for settings in per_rank]
+        self.out_dir = out_dir
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        RolloutDebugCallback.__init__(self, **self.per_rank[trainer.global_rank])
+        super().setup(trainer, pl_module, stage)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        try:
+            super().on_train_batch_end(trainer, *args)
+        except Exception as error:
+            if self.out_dir is None:
+                raise
+            out = Path(self.out_dir)
+            (out / f"rank{trainer.global_rank}.txt").write_text(f"{type(error).__name__}: {error}")
+            deadline = time.monotonic() + 60.0
+            while len(list(out.glob("rank*.txt"))) < WORLD and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raise
+
+
+DISAGREEMENTS = {
+    "histograms": (
+        [{"histograms": True}, {"histograms": False}],
+        "`histograms` differs between the ranks: True on rank 0, False on rank 1",
+    ),
+    "groups": (
+        [{"groups": ["seed", "kl"]}, {"groups": ["seed"]}],
+        "`groups` differs between the ranks: ('seed', 'kl') on rank 0, ('seed',) on rank 1",
+    ),
+    "worst_tokens_k": (
+        [{"worst_tokens_k": 10}, {"worst_tokens_k": 3}],
+        "`worst_tokens_k` differs between the ranks: 10 on rank 0, 3 on rank 1",
+    ),
+}
+
+
+@pytest.mark.parametrize("setting", list(DISAGREEMENTS))
+def test_ranks_built_with_other_settings_raise_on_every_rank(tmp_path: Path, setting: str) -> None:
+    """Settings that lay the merged window out differ between the ranks: before the first
+    merge (which gloo would answer with an abort on one rank and "Connection reset by
+    peer" on the other), every rank raises the same ``InvalidSettings``, naming the
+    setting and each rank's value, whatever ``strict`` says: a configuration error."""
+    per_rank, line = DISAGREEMENTS[setting]
+    batches = [[rank_batch(3, 5, 10 * rank + i) for i in range(2)] for rank in range(WORLD)]
+    callback = PerRankCallback(
+        [{**settings, "log_every_n_steps": 1} for settings in per_rank], str(tmp_path)
+    )
+    trainer = pl.Trainer(
+        callbacks=[callback],
+        accelerator="cpu",
+        devices=WORLD,
+        strategy="ddp_spawn",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        max_epochs=1,
+    )
+    with pytest.raises(Exception, match="InvalidSettings"):
+        trainer.fit(RankModule(interleave(batches)))
+    for rank in range(WORLD):
+        message = (tmp_path / f"rank{rank}.txt").read_text()
+        assert message.startswith("InvalidSettings: Invalid RolloutDebugCallback arguments:")
+        assert f"{line}; expected the same on every rank" in message, message
+        assert "packed window" not in message  # its length follows from the setting
+
+
+def test_ranks_built_alike_with_other_than_the_defaults_merge(tmp_path: Path) -> None:
+    """The check passes ranks of the same settings, defaults or not: the merge is exact."""
+    per_rank = [[rank_batch(3, 5, 10 * rank + i) for i in range(2)] for rank in range(WORLD)]
+    settings = {"groups": ["seed", "kl"], "histograms": False, "worst_tokens_k": 3}
+    callback = PerRankCallback([{**settings, "log_every_n_steps": 2}] * WORLD)
+    scalars, records = fit(tmp_path, RankModule(interleave(per_rank)), [callback], max_epochs=1)
+    names = [name for group in ("seed", "kl") for name in METRIC_NAMES[group]]
+    want = reference([batch for batches in per_rank for batch in batches], names)
+    got = {PREFIX + name: scalars[PREFIX + name][1] for name in names}
+    assert_metrics_close(got, want, prefix=PREFIX)
+    for record in records:
+        assert [label for label, _ in record["collectives"]] == ["0:1", "0:1"]
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_the_settings_are_compared_once_before_the_first_merge(strict: bool) -> None:
+    """Simulated ranks: the check sends the same few values whatever the settings, names
+    every setting that differs with the ranks of each value (the length of the window only
+    where no setting explains it), in either mode, and runs before the first merge only."""
+    window = RolloutDebugCallback(strict=strict).monitor._window
+    sent: list[torch.Tensor] = []
+    others: list[torch.Tensor] = []
+
+    def gather(vector: torch.Tensor) -> torch.Tensor:
+        sent.append(vector)
+        return torch.stack([vector, *(others if len(sent) == 1 else [vector] * 2)])
+
+    mine = shaping_settings(window.stats, window.extras, window.series, window.shifts)
+    theirs = {**mine, "histograms": False, "profile": False, "is_threshold": 3.0}
+    others[:] = [encoded(theirs), encoded(mine)]
+    ranks = Ranks(3, True, gather)
+    with pytest.raises(InvalidSettings) as error:
+        window.merged(ranks)
+    assert str(error.value).splitlines() == [
+        "Invalid RolloutDebugCallback arguments:",
+        *(
+            f"- {setting} differs between the ranks: {values}; expected the same on every "
+            "rank (it shapes the window the ranks merge)."
+            for setting, values in [
+                ("`is_threshold`", "2.0 on ranks 0 and 2, 3.0 on rank 1"),
+                ("`histograms`", "True on ranks 0 and 2, False on rank 1"),
+                (
+                    "the profile (`profile_images`, or the `quantiles` group)",
+                    "True on ranks 0 and 2, False on rank 1",
+                ),
+            ]
+        ),
+    ]
+    assert [len(vector) for vector in sent] == [WIDTH] and not window.agreed
+    sizes = {**mine, "state_size": mine["state_size"] + 1}  # another version of the package
+    others[:] = [encoded(sizes)] * 2
+    sent.clear()
+    with pytest.raises(InvalidSettings, match=r"the length of the packed window \(another"):
+        window.merged(ranks)
+    others[:] = [encoded(mine)] * 2
+    sent.clear()
+    window.merged(ranks)
+    window.merged(ranks)
+    assert [len(vector) for vector in sent] == [WIDTH, mine["state_size"], mine["state_size"]]
 
 
 # ---------------------------------------------------------------------- many simulated ranks

@@ -108,6 +108,34 @@ def test_checks_name_the_slot_and_the_problem() -> None:
     ]
 
 
+def test_sums_means_and_comoments_hold_no_infinity_or_nan() -> None:
+    """A sum, a mean or a co-moment of real tokens is finite; only an extreme may be
+    infinite (that of an empty window, or of overflowed probabilities)."""
+    layout = Layout([*moments_layout().blocks[:3], Block("sum", ("total",)), Block("max", ("m",))])
+    state = layout.identity()
+    state[layout.at["count"]], state[layout.at["m"]] = 2.0, 0.5
+    assert layout.problems(state) == []
+    for name, value, kind in [
+        ("x", math.nan, "mean"),
+        ("y", -math.inf, "mean"),
+        ("x*y", math.nan, "co-moment"),
+        ("x*x", math.inf, "co-moment"),
+        ("total", math.inf, "sum"),
+        ("total", math.nan, "sum"),
+    ]:
+        damaged = state.clone()
+        damaged[layout.at[name]] = value
+        assert layout.problems(damaged, "the window") == [
+            f"the {kind} `{name}` of the window is {value!r}; expected a finite number"
+        ]
+    for value in (math.inf, -math.inf):
+        extreme = state.clone()
+        extreme[layout.at["m"]] = value
+        assert layout.problems(extreme) == []
+    empty = STATE.identity()  # every extreme of the statistics infinite
+    assert not empty.isfinite().all() and STATE.problems(empty) == []
+
+
 def test_bad_declarations_are_refused() -> None:
     with pytest.raises(ValueError, match="Unknown merge rule 'median'"):
         Layout([Block("median", ("x",))])

@@ -11,6 +11,7 @@ import inspect
 import json
 import math
 import os
+import re
 import socket
 import sys
 import warnings
@@ -444,6 +445,100 @@ def test_a_damaged_state_starts_an_empty_window(strict: bool) -> None:
         restored.load_state_dict(state)
     assert restored.batches_in_window == 0
     assert restored.log(0)[f"{PREFIX}rollout_probs_diff_valid"] == 0
+
+
+def _without_threshold(config: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in config.items() if key != "is_threshold"}
+
+
+SETTINGS = "`is_threshold`, `seq_ratio_bounds`, `groups`"
+
+
+@pytest.mark.parametrize(
+    ("damage", "differences", "unrecorded"),
+    [
+        (lambda state: state.pop("config"), "(it records none: no `config`)", SETTINGS),
+        (lambda state: state.update(config={}), "(it records none: no `config`)", SETTINGS),
+        (
+            lambda state: state.update(config=_without_threshold(state["config"])),
+            "(`is_threshold` None, now 2.0)",
+            "`is_threshold`",
+        ),
+    ],
+    ids=["no-config", "empty-config", "no-threshold"],
+)
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_a_state_that_records_no_configuration_starts_a_fresh_window(
+    damage: Any, differences: str, unrecorded: str, strict: bool
+) -> None:
+    """A state that does not record the settings its sums were counted with is read as one
+    of other settings: the warning of another configuration (not damage: ``strict`` warns
+    too), and a fresh window. Merged in, the window of ``is_threshold=1.01`` gave a
+    ``frac_high`` the new window does not have."""
+    batches = make_batches(2, seed=49)
+    config = {"groups": STATISTICS, "alert_ranges": {}}
+    saver = RolloutDebugMonitor(**config, is_threshold=1.01)
+    saver.update(batches[0])
+    assert saver.log(0)[f"{PREFIX}rollout_is_ratio_frac_high"] > 0.2
+    saver.update(batches[0])
+    state = saver.state_dict()
+    damage(state)
+    restored = RolloutDebugMonitor(**config, strict=strict)
+    with pytest.warns(RolloutDebugWarning, match="written with another configuration") as caught:
+        restored.load_state_dict(state)
+    (message,) = [str(w.message) for w in caught]
+    assert differences in message, message
+    consequence = f"It does not record the {unrecorded} its sums were counted with: its window"
+    assert f"{consequence} starts empty." in message, message
+    assert restored.batches_in_window == 0
+    restored.update(batches[1])
+    logged = unprefixed(restored.log(1))
+    want = expected(window_reference(batches[1:]), STATISTICS)
+    assert want["rollout_is_ratio_frac_high"] == 0.0 == logged["rollout_is_ratio_frac_high"]
+    assert_metrics_close(logged, want)
+
+
+@pytest.mark.parametrize(
+    ("part", "slot", "value", "kind"),
+    [
+        ("window", "kl_k3", math.inf, "sum"),
+        ("window", "log_ratio", math.nan, "sum"),
+        ("window", "prob_actor", math.nan, "mean"),
+        ("window", "prob_actor*prob_rollout", -math.inf, "co-moment"),
+        ("extras_window", "rollout_log_ratio_hist.sum", math.inf, "sum"),
+    ],
+    ids=["inf-sum", "nan-sum", "nan-mean", "inf-comoment", "inf-histogram-sum"],
+)
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_an_infinite_or_nan_sum_or_mean_is_damage(
+    part: str, slot: str, value: float, kind: str, strict: bool
+) -> None:
+    """Sums, means and co-moments of real tokens are finite (only an empty window's extremes
+    are infinite): a NaN or an infinity there is refused like any damage, and the window
+    starts empty. Read in, a NaN mean left the correlation out of the log and an infinite
+    ``kl_k3`` sum logged ``kl_k3 = inf``."""
+    batches = make_batches(2, seed=50)
+    config = {"groups": STATISTICS, "alert_ranges": {}}
+    saver = RolloutDebugMonitor(**config)
+    saver.update(batches[0])
+    state = saver.state_dict()
+    restored = RolloutDebugMonitor(**config, strict=strict)
+    layout = STATE if part == "window" else restored._extras.layout  # type: ignore[union-attr]
+    state[part][layout.at[slot]] = value
+    what = "the window" if part == "window" else "the extras window"
+    problem = f"the {kind} `{slot}` of {what} is {value!r}; expected a finite number"
+    if strict:
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            restored.load_state_dict(state)
+        return
+    with pytest.warns(RolloutDebugWarning, match="state cannot be restored") as caught:
+        restored.load_state_dict(state)
+    (message,) = [str(w.message) for w in caught]
+    assert problem in message, message
+    restored.update(batches[1])
+    logged = unprefixed(restored.log(1))
+    fresh = batches[1:] if part == "window" else batches  # damaged extras: the statistics carry on
+    assert_metrics_close(logged, expected(window_reference(fresh), STATISTICS))
 
 
 @pytest.mark.parametrize(

@@ -298,6 +298,7 @@ def _assert_same_extras(native_extras: TokenExtras, eager: TokenExtras, rel: flo
     for native_token, eager_token in zip(*above, strict=True):
         assert native_token.log_ratio == eager_token.log_ratio
         assert native_token.token_id == eager_token.token_id
+        assert native_token.context == eager_token.context
         # e^a and e^b in float64 by two libraries: equal to the last bit or two.
         for field in ("actor_prob", "rollout_prob"):
             assert getattr(native_token, field) == pytest.approx(

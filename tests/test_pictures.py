@@ -28,7 +28,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from lightning_rollout_debug.metrics.extras import TokenExtras
 from lightning_rollout_debug.metrics.profile import PROBABILITY_BUCKETS, Profile
-from lightning_rollout_debug.views import canvas, heatmap, pictures
+from lightning_rollout_debug.views import canvas, heatmap, line_plot, pictures
 from lightning_rollout_debug.views.pictures import (
     BACKGROUND,
     DIAGONAL_COLOUR,
@@ -46,6 +46,7 @@ from lightning_rollout_debug.views.pictures import (
     joint_cell_box,
     joint_picture,
     joint_shown_bins,
+    probability_range,
     profile_pictures,
     profile_pngs,
 )
@@ -179,7 +180,7 @@ def test_a_picture_does_not_carry_over_into_the_next_on_the_same_axes() -> None:
     """What a picture holds whatever its values is drawn once per axes and copied: drawing
     one profile leaves nothing behind in the next profile's pictures."""
     first, second = realistic(0), realistic(0, counted_rows=12)
-    frames = (pictures._series_frame, heatmap._joint_frame)
+    frames = (line_plot._series_frame, heatmap._joint_frame)
     for frame in frames:
         frame.cache_clear()
     alone = profile_pictures(second)
@@ -249,14 +250,14 @@ def test_identical_log_probs_colour_only_the_diagonal_cells() -> None:
     assert picture is not None
     joint = profile.joint_histogram
     counts = np.asarray(joint.counts)
-    shown = joint_shown_bins(joint.edges)
+    shown = joint_shown_bins(counts, joint.edges)
     assert counts.sum() == 8 * 64 and np.trace(counts) == counts.sum()
 
     expected = np.zeros((HEIGHT, WIDTH), dtype=bool)
     colours = {tuple(colour) for colour in VIRIDIS.tolist()}
     for trainer in shown:
         for rollout in shown:
-            left, top, right, bottom = joint_cell_box(joint.edges, trainer, rollout)
+            left, top, right, bottom = joint_cell_box(shown, trainer, rollout)
             cell = picture[top:bottom, left:right]
             if counts[trainer, rollout] > 0:
                 expected[top:bottom, left:right] = True
@@ -267,8 +268,8 @@ def test_identical_log_probs_colour_only_the_diagonal_cells() -> None:
                 tinted = ~(is_colour(cell, BACKGROUND) | is_colour(cell, DIAGONAL_COLOUR))
                 assert not tinted.any(), (trainer, rollout)
     # p = 1 for both is the top right cell of the heatmap.
-    top_right = joint_cell_box(joint.edges, shown[-1], shown[-1])
-    corner = joint_cell_box(joint.edges, shown[0], shown[0])
+    top_right = joint_cell_box(shown, shown[-1], shown[-1])
+    corner = joint_cell_box(shown, shown[0], shown[0])
     assert top_right[0] > corner[0] and top_right[1] < corner[1]
     assert counts[shown[-1], shown[-1]] >= 4 and expected[top_right[1], top_right[0]]
 
@@ -283,10 +284,11 @@ def test_joint_cells_are_coloured_by_log_one_plus_count() -> None:
     assert picture is not None
     joint = profile.joint_histogram
     counts = np.asarray(joint.counts)
+    shown = joint_shown_bins(counts, joint.edges)
     filled = sorted(zip(*np.nonzero(counts), strict=True), key=lambda ij: counts[ij])
     assert [counts[ij] for ij in filled] == [1, 9, 90]
     for (trainer, rollout_bin), count in zip(filled, (1, 9, 90), strict=True):
-        left, top, _, _ = joint_cell_box(joint.edges, trainer, rollout_bin)
+        left, top, _, _ = joint_cell_box(shown, trainer, rollout_bin)
         shade = round(math.log1p(count) / math.log1p(90) * (len(VIRIDIS) - 1))
         assert picture[top + 1, left + 1].tolist() == VIRIDIS[shade].tolist()
     # Trainer more confident than the rollout: above the diagonal, i.e. left of the cell
@@ -294,8 +296,7 @@ def test_joint_cells_are_coloured_by_log_one_plus_count() -> None:
     trainer, rollout_bin = filled[0]
     assert rollout_bin < trainer
     assert (
-        joint_cell_box(joint.edges, trainer, rollout_bin)[0]
-        < joint_cell_box(joint.edges, trainer, trainer)[0]
+        joint_cell_box(shown, trainer, rollout_bin)[0] < joint_cell_box(shown, trainer, trainer)[0]
     )
 
 
@@ -336,20 +337,24 @@ def test_by_probability_shows_the_mismatch_concentrated_at_low_probability() -> 
     profile = profile_of(old + shift, old, torch.ones_like(old))
     picture = by_probability_picture(profile)
     assert picture is not None
-    slots = PROBABILITY_BUCKETS
     filled = [i for i, b in enumerate(profile.by_probability) if b.tokens > 0]
-    assert filled == list(range(slots - 12, slots))
+    assert filled == list(range(PROBABILITY_BUCKETS - 12, PROBABILITY_BUCKETS))
+    # The axis: one empty bucket below the lowest filled one, none above (1 is the top).
+    shown = probability_range(profile)
+    assert shown == range(PROBABILITY_BUCKETS - 13, PROBABILITY_BUCKETS)
+    slots = len(shown)
+    slot = {i: i - shown.start for i in filled}
 
     log_colour = SERIES_COLOURS[1]  # mean |a - b|
-    low = [dot_height(picture, slots, i, log_colour) for i in filled if i < slots - 6]
-    high = [dot_height(picture, slots, i, log_colour) for i in filled if i >= slots - 6]
+    low = [dot_height(picture, slots, slot[i], log_colour) for i in filled[:6]]
+    high = [dot_height(picture, slots, slot[i], log_colour) for i in filled[6:]]
+    assert not any(math.isnan(height) for height in low + high)
     assert max(low) < min(high)  # large mismatch drawn higher
     assert max(low) - min(low) <= 2 and max(high) - min(high) <= 2  # level within each
-    # No token below 2**-12: no dot, no line, no bar there.
-    for i in range(slots - 12):
-        assert series_pixels_in_slot(picture, slots, i) == 0
-        assert bar_height(picture, slots, i) == 0
-    bars = {bar_height(picture, slots, i) for i in filled}
+    # No token in the margin's bucket: no dot, no line, no bar there.
+    assert series_pixels_in_slot(picture, slots, 0) == 0
+    assert bar_height(picture, slots, 0) == 0
+    bars = {bar_height(picture, slots, slot[i]) for i in filled}
     assert len(bars) == 1 and bars.pop() > 0  # 16 tokens in each
 
 
@@ -364,7 +369,8 @@ def test_means_of_zero_sit_on_the_bottom_edge() -> None:
         rows = np.flatnonzero(
             np.any(is_colour(inside, SERIES_COLOURS[0]) | is_colour(inside, SERIES_COLOURS[1]), 1)
         )
-        assert rows.size and rows.min() + top + 1 >= bottom - 8
+        # The triangles: 9 px high, their tips on the frame's bottom edge.
+        assert rows.size and rows.min() + top + 1 >= bottom - 10
 
 
 # ---------------------------------------------------------------------- TensorBoard

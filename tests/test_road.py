@@ -8,7 +8,11 @@ the batch is read and checked once (``metrics.batch``, ``metrics.inputs``), adde
 window, its token ids compared and its pad tokens counted, by one call
 (``metrics.backends.add_batch``) that chooses the road once, and the windows are added
 to by one call (``metrics.packed_window``); the kernel's pass asks the loaded build for
-what it needs once (``metrics.native.kernel``).
+what it needs once (``metrics.native.kernel``). The update that folds the windows'
+waiting batches (one in :data:`PENDING`) enters no module twice either: both windows
+fold together, the rows of their pass sums read once (``metrics.finish``), the extras
+finished from those rows (``metrics.finish_extras``), and every packed state merged by
+one call (``metrics.layout``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from conftest import kernel_skip_reason
 
 import lightning_rollout_debug
 from lightning_rollout_debug import GROUPS, RolloutDebugMonitor, RolloutDebugWarning
+from lightning_rollout_debug.metrics.packed_window import PENDING
 
 PACKAGE = Path(lightning_rollout_debug.__file__).resolve().parent
 
@@ -120,6 +125,30 @@ def road_of(settings: dict[str, Any]) -> list[tuple[str, str]]:
         return entries(lambda: monitor.update(given))
 
 
+def folding_road(settings: dict[str, Any]) -> tuple[int, list[tuple[str, str]]]:
+    """The first update of a monitor that folds its windows: its number and entries.
+
+    Every update adds to the statistics' waiting batches, so the update that leaves none
+    waiting is the one that folded them; each update is probed until then.
+    """
+    monitor = RolloutDebugMonitor(alert_ranges={}, **settings)
+    given = batch()
+    with warnings.catch_warnings():  # a skipped batch, or a kernel not used, fails
+        warnings.simplefilter("error", RolloutDebugWarning)
+        warnings.simplefilter("error", RuntimeWarning)
+        for update in range(1, 2 * PENDING + 1):
+            found = entries(lambda: monitor.update(given))
+            if not monitor._stats._pending:
+                assert monitor._stats._state is not None
+                extras = monitor._extras
+                if extras is not None:  # folded with the statistics: nothing waits
+                    assert not extras._pending, f"the extras did not fold: {found}"
+                    block = extras._in_place
+                    assert block is None or len(block.heads) <= 1, "an in-place block's heads wait"
+                return update, found
+    raise AssertionError(f"none of {2 * PENDING} updates folded the window")
+
+
 def assert_entered_once(road: list[tuple[str, str]]) -> None:
     """Fail where a module is entered twice."""
     counts = Counter(module for module, _ in road)
@@ -146,6 +175,33 @@ def test_an_update_enters_each_module_once(settings: dict[str, Any], road: str) 
     assert "metrics.inputs" in modules and "metrics.backends" in modules, found
     taken = "metrics.native" if road == "native" else "metrics.torch_pass"
     assert taken in modules, f"the {road} road was not taken: {found}"
+    assert_entered_once(found)
+
+
+@pytest.mark.parametrize(
+    ("settings", "road"),
+    [
+        pytest.param({}, "native", marks=NEEDS_KERNEL, id="native"),
+        pytest.param(SCALARS_ONLY, "native", marks=NEEDS_KERNEL, id="native-scalars-only"),
+        pytest.param(CHECKED_IDS, "native", marks=NEEDS_KERNEL, id="native-ids-and-pads"),
+        pytest.param({"compile": False}, "eager", id="eager"),
+        pytest.param({**SCALARS_ONLY, "compile": False}, "eager", id="eager-scalars-only"),
+        pytest.param({**CHECKED_IDS, "compile": False}, "eager", id="eager-ids-and-pads"),
+    ],
+)
+def test_the_update_that_folds_enters_each_module_once(settings: dict[str, Any], road: str) -> None:
+    """The update that folds finishes and merges both windows in one go."""
+    update, found = folding_road(settings)
+    modules = [module for module, _ in found]
+    assert update <= PENDING, f"the window folded at update {update}, past {PENDING}"
+    assert modules[:3] == ["loop.monitor", "loop.batch_updates", "metrics.batch"], found
+    taken = "metrics.native" if road == "native" else "metrics.torch_pass"
+    assert taken in modules, f"the {road} road was not taken: {found}"
+    assert "metrics.layout" in modules, f"no merge: {found}"
+    if road == "eager":  # the pass sums are finished, the extras' where there are extras
+        assert "metrics.finish" in modules, found
+        extras = settings.get("histograms", True)  # off in SCALARS_ONLY alone
+        assert ("metrics.finish_extras" in modules) == extras, found
     assert_entered_once(found)
 
 

@@ -1,4 +1,4 @@
-"""TensorBoard extras: histograms, worst-token table, dashboard layout.
+"""TensorBoard extras: histograms, worst-token table (with the tokens' text), dashboard layout.
 
 Real CPU Trainer runs write event files, which are read back with ``EventAccumulator``
 and compared with NumPy references computed from the batches of each window.
@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import re
 import sys
 from collections.abc import Mapping, Sequence
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +32,19 @@ from lightning_helpers import (
     read_csv_metrics,
 )
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+from tensorboard import plugin_util
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.compat.tensorflow_stub import errors, pywrap_tensorflow
 from tensorboard.plugins.custom_scalar import layout_pb2
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_rollout_debug import RolloutDebugCallback, RolloutDebugMonitor, RolloutDebugWarning
 from lightning_rollout_debug.checks.alerts import enabled_metric_names
+from lightning_rollout_debug.loop.agreement import WIDTH
 from lightning_rollout_debug.loop.ranks import Ranks
+from lightning_rollout_debug.metrics import backends, native
 from lightning_rollout_debug.metrics.bins import (
     HISTOGRAMS,
     LOG_RATIO_BINS,
@@ -49,9 +55,11 @@ from lightning_rollout_debug.metrics.bins import (
 )
 from lightning_rollout_debug.metrics.catalog import DASHBOARD
 from lightning_rollout_debug.metrics.extras import TokenExtras
+from lightning_rollout_debug.metrics.layout import STATE_SIZE
 from lightning_rollout_debug.metrics.tokens import LOG_PROB_FLOOR
-from lightning_rollout_debug.metrics.worst_tokens import WORST_FIELDS, earliest_top
-from lightning_rollout_debug.views.tensorboard import dashboard_layout
+from lightning_rollout_debug.metrics.worst_tokens import WORST_FIELDS
+from lightning_rollout_debug.views.tensorboard import dashboard_layout, worst_tokens_markdown
+from lightning_rollout_debug.views.token_text import TokenText, markdown_cell
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),
@@ -101,8 +109,7 @@ def counting(data: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
         "pb": np.exp(b.astype(np.float64)),
         "row": rows,
         "position": positions,
-        "responses": data["responses"].numpy()[keep],
-        "tool_ids": data["tool_ids"].numpy()[keep],
+        **{key: data[key].numpy()[keep] for key in ("responses", "tool_ids") if key in data},
     }
 
 
@@ -327,23 +334,6 @@ def test_of_tied_worst_tokens_the_earliest_in_the_window_win(
     assert kept == [(0, 0, 5), (0, 1, 6), (0, 2, 0), (0, 2, 7), (1, 0, 0), (1, 0, 1)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize(
-    "compiled", [False, pytest.param(True, marks=NEEDS_CXX)], ids=["eager", "compiled"]
-)
-def test_the_top_keys_are_ranked_by_key_then_position(dtype: torch.dtype, compiled: bool) -> None:
-    """The first k of a sort by (-key, position): ties, -0.0 and +0.0, infinities, negatives."""
-    generator = torch.Generator().manual_seed(7)
-    top = torch.compile(earliest_top, dynamic=True) if compiled else earliest_top
-    for count in (1, 9, 200):
-        key = torch.randint(-3, 4, (count,), generator=generator).to(dtype) * 0.25
-        for value, share in ((-math.inf, 0.2), (-0.0, 0.05), (math.inf, 0.05)):
-            key[torch.rand(count, generator=generator) < share] = value
-        for k in sorted(k for k in {1, 3, count // 2, count} if 1 <= k <= count):
-            want = sorted(range(count), key=lambda i: (-key[i].item(), i))[:k]
-            assert sorted(top(key, k).tolist()) == sorted(want)
-
-
 def test_worst_tokens_without_ids_have_no_token_column(tmp_path: Path) -> None:
     batches = [batch(seed) for seed in range(2)]
     for data in batches:
@@ -353,6 +343,265 @@ def test_worst_tokens_without_ids_have_no_token_column(tmp_path: Path) -> None:
     (event,) = accumulator(logger.log_dir).Tensors(TEXT_TAG)
     rows = parse_table(event.tensor_proto.string_val[0].decode())
     assert len(rows) == 3 and "token" not in rows[0]
+
+
+# ---------------------------------------------------------------------- the tokens' text
+SENTENCES = ["the cat sat on the mat", "a|b x*y <s> it's [1] & \\ _z_", "\n \t done"]
+"""A tiny corpus split on single spaces: plain words, Markdown's markup, and whitespace
+tokens (a newline, a tab)."""
+WORDS = ["[UNK]", *sorted({word for line in SENTENCES for word in line.split(" ")})]
+SHOWN = {" ": "␣", "\n": "↵", "\t": "→"}
+CONTEXT = 6
+"""How many tokens before a worst token the table shows (the package's constant)."""
+
+
+def words_tokenizer() -> Tokenizer:
+    """A word-level ``tokenizers.Tokenizer`` over :data:`WORDS`, made here (no download): it
+    decodes ids to their words joined by single spaces."""
+    vocab = {word: index for index, word in enumerate(WORDS)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tokenizer
+
+
+def visible(text: str) -> str:
+    """``text`` as the table shows it: a space ``␣``, a newline ``↵``, a tab ``→``."""
+    return "".join(SHOWN.get(character, character) for character in text)
+
+
+class TableCells(HTMLParser):
+    """The text of every cell of an HTML table, row by row (the header row first)."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.rows: list[list[str]] = []
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: Any) -> None:
+        if tag == "tr":
+            self.rows.append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("td", "th") and self._cell is not None:
+            self.rows[-1].append("".join(self._cell))
+            self._cell = None
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def rendered_table(markdown: str) -> list[dict[str, str]]:
+    """The cells of a Markdown table as TensorBoard's text plugin renders them."""
+    cells = TableCells()
+    cells.feed(plugin_util.markdown_to_safe_html(markdown))
+    header, *rows = cells.rows
+    return [dict(zip(header, row, strict=True)) for row in rows]
+
+
+def text_batch(seed: int) -> dict[str, torch.Tensor]:
+    """A [4, 10] batch of word ids with its largest |r| planted at the start of a row, a
+    few tokens in, at the end of a row, and after masked tokens (which the context shows)."""
+    data = make_batch(4, 10, seed=seed, mask="ones", noise=0.01)
+    generator = torch.Generator().manual_seed(seed)
+    data["responses"] = torch.randint(1, len(WORDS), (4, 10), generator=generator)
+    data["response_mask"][3, :4] = 0
+    for row, position, shift in [(0, 0, 2.0), (1, 3, 1.5), (2, 9, 1.25), (3, 6, 1.0)]:
+        data["old_log_probs"][row, position] = data["rollout_log_probs"][row, position] - shift
+    return data
+
+
+@pytest.mark.parametrize("compile", [None, False], ids=["native", "torch"])
+def test_the_table_shows_each_tokens_text_and_the_text_before_it(
+    tmp_path: Path, compile: bool | None
+) -> None:
+    """A real run with a word-level tokenizer: each row's text and context are the words of
+    its token and of the ids before it in its row, decoded and shown independently here."""
+    k = 6
+    batches = [text_batch(seed) for seed in range(80, 84)]
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    callback = RolloutDebugCallback(worst_tokens_k=k, tokenizer=words_tokenizer(), compile=compile)
+    fit(batches, callback, logger)
+    events = sorted(accumulator(logger.log_dir).Tensors(TEXT_TAG), key=lambda event: event.step)
+    assert len(events) == 2
+    positions = set()
+    for event, window in zip(events, [batches[:2], batches[2:]], strict=True):
+        text = event.tensor_proto.string_val[0].decode()
+        assert "␣ is a space, ↵ a newline, → a tab" in text
+        rows = rendered_table(text)
+        want = reference_worst(window, k, "responses")
+        assert [(int(r["batch"]), int(r["row"]), int(r["position"])) for r in rows] == [
+            (w["batch"], w["row"], w["position"]) for w in want
+        ]
+        for row in rows:
+            ids = window[int(row["batch"])]["responses"][int(row["row"])].tolist()
+            position = int(row["position"])
+            before = [WORDS[i] for i in ids[max(0, position - CONTEXT) : position]]
+            assert int(row["token"]) == ids[position]
+            assert row["context"] == visible(" ".join(before))
+            assert row["text"] == visible(" " * bool(before) + WORDS[ids[position]])
+            positions.add(position)
+    assert {0, 3, 9} <= positions  # no context, part of it, the whole of it
+
+
+MARKUP = ["|", "a|b", "\n", " ", "\t", " x ", "*x*", "_x_", "<s>", "&amp;", "\\", "[1](u)", "`c`"]
+
+
+@pytest.mark.parametrize("text", MARKUP, ids=[repr(text) for text in MARKUP])
+def test_a_cell_shows_its_text_as_it_is_with_whitespace_made_visible(text: str) -> None:
+    """Rendered by TensorBoard's own Markdown, a cell reads the text: a pipe does not split
+    the row, markup is not applied, whitespace shows as a sign."""
+    cell = markdown_cell(text)
+    assert "\n" not in cell and " " not in cell
+    (row,) = rendered_table(f"| a | cell | b |\n|---|---|---|\n| 1 | {cell} | 2 |")
+    assert row == {"a": "1", "cell": visible(text), "b": "2"}
+
+
+class IdsToTokens:
+    """A tokenizer of the ``convert_ids_to_tokens`` shape alone."""
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [WORDS[i] for i in ids]
+
+
+class IdToToken:
+    """A tokenizer of the ``id_to_token`` shape alone (a word or None)."""
+
+    def id_to_token(self, index: int) -> str | None:
+        return WORDS[index] if index < len(WORDS) else None
+
+
+def transformers_tokenizer() -> Any:
+    transformers = pytest.importorskip("transformers")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=words_tokenizer())
+
+
+@pytest.mark.parametrize(
+    ("make", "spaced"),
+    [
+        (words_tokenizer, True),
+        (transformers_tokenizer, True),
+        (IdsToTokens, False),
+        (IdToToken, False),
+    ],
+    ids=["tokenizers", "transformers", "convert_ids_to_tokens", "id_to_token"],
+)
+def test_every_shape_of_tokenizer_gives_the_words(make: Any, spaced: bool) -> None:
+    """``decode`` gives each word with the space the decoded text puts before it; the
+    token-by-token shapes give the words alone; an unknown id shows as itself."""
+    ids = [WORDS.index(word) for word in ("the", "a|b", "\n", "cat")]
+    context, text = TokenText(make()).cells(ids[:-1], ids[-1])
+    space = " " if spaced else ""
+    assert context == markdown_cell(space.join(["the", "a|b", "\n"]))
+    assert text == markdown_cell(space + "cat")
+    unknown = len(WORDS) + 5
+    assert TokenText(make()).cells([], unknown) == ("", f"⟨{unknown}⟩")
+
+
+def test_bytes_that_do_not_decode_show_as_their_ids() -> None:
+    """A byte-level BPE trained here: an emoji's four bytes are four tokens, none of which
+    is text of its own."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = ["the cat sat on the mat", "the cat ate", "a mat for the cat", "the cat 😀"]
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    ids = tokenizer.encode("the cat 😀").ids
+    split = [i for i in ids if "\ufffd" in tokenizer.decode([i])]
+    assert len(split) == 4 and ids[-4:] == split
+    context, text = TokenText(tokenizer).cells(ids[:-1], ids[-1])
+    words = visible(tokenizer.decode(ids[:-4]))
+    assert words == "the␣cat␣"
+    assert context == words + "".join(f"⟨{i}⟩" for i in split[:-1])
+    assert text == f"⟨{split[-1]}⟩"
+
+
+class Broken:
+    def decode(self, ids: list[int]) -> str:
+        raise RuntimeError("no vocabulary loaded")
+
+
+def test_a_failing_tokenizer_shows_the_ids_and_warns_once(tmp_path: Path) -> None:
+    monitor = RolloutDebugMonitor(worst_tokens_k=2, tokenizer=Broken(), alert_ranges={})
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    with pytest.warns(RolloutDebugWarning, match="the tokenizer failed") as warned:
+        for step in range(2):
+            monitor.update(text_batch(step))
+            monitor.log(step, [logger])
+    assert sum("tokenizer failed" in str(w.message) for w in warned) == 1
+    logger.finalize("success")
+    events = accumulator(logger.log_dir).Tensors(TEXT_TAG)
+    rows = rendered_table(events[0].tensor_proto.string_val[0].decode())
+    assert all(row["text"] == f"⟨{row['token']}⟩" for row in rows)
+
+
+def test_without_a_tokenizer_or_ids_the_table_has_no_text() -> None:
+    data = text_batch(5)
+    monitor = RolloutDebugMonitor(worst_tokens_k=3, alert_ranges={})
+    extras = monitor._extras
+    assert extras is not None
+    extras.update(*tensors(data), data["responses"])
+    table = worst_tokens_markdown(extras.summary(extras.state).worst_tokens)
+    assert "context" not in table and "| token |" in table
+    extras = TokenExtras(worst_tokens_k=3)
+    extras.update(*tensors(data))
+    worst = extras.summary(extras.state).worst_tokens
+    table = worst_tokens_markdown(worst, token_text=TokenText(words_tokenizer()))
+    assert "context" not in table and "token" not in table
+    assert all(token.context == () for token in worst)
+
+
+def test_the_tokenizer_is_checked_at_once_and_shapes_no_state() -> None:
+    with pytest.raises(ValueError) as error:
+        RolloutDebugCallback(tokenizer="gpt2", worst_tokens_k=-1)
+    message = str(error.value)
+    assert "`worst_tokens_k`" in message and "AutoTokenizer.from_pretrained" in message
+    for accepted in ("decode(ids)", "convert_ids_to_tokens(ids)", "id_to_token(id)"):
+        assert accepted in message
+    for wrong in (object(), Tokenizer, 3):
+        with pytest.raises(ValueError, match="`tokenizer` must be None or a tokenizer"):
+            RolloutDebugMonitor(tokenizer=wrong)
+    callback = RolloutDebugCallback(tokenizer=words_tokenizer())
+    plain = RolloutDebugCallback()
+    assert callback.config == plain.config
+    assert callback.config.checkpoint_identity() == plain.config.checkpoint_identity()
+    assert callback.monitor._extras.size == plain.monitor._extras.size
+    restored = pickle.loads(pickle.dumps(callback))  # ddp_spawn sends the callback so
+    assert restored.config.tokenizer.decode([1]) == WORDS[1]
+
+
+@pytest.mark.parametrize("road", ["native", "torch", pytest.param("compiled", marks=NEEDS_CXX)])
+def test_the_context_is_the_ids_before_the_token_in_its_row(
+    road: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every road, passes of a few rows, and two ranks merged: each worst token keeps the
+    ids of up to six tokens before it in its own row, none from the row before."""
+    compile = {"native": None, "torch": False, "compiled": True}[road]
+    if road == "compiled":  # torch.compile on the CPU, as an accelerator's road
+        monkeypatch.setattr(native.passes, "_pass", lambda *args, **kwargs: None)
+        monkeypatch.setattr(backends, "_compiling", {"functions": {}, "failed": {}})
+    batches = [text_batch(seed) for seed in (90, 91)]
+    ranks = []
+    for rank, data in enumerate(batches):
+        extras = TokenExtras(worst_tokens_k=20, chunk_tokens=20, compile=compile)
+        extras.update(*tensors(data), data["responses"].int(), batch_index=1, rank=rank)
+        ranks.append(extras)
+    merged = ranks[0].summary(ranks[0].merge_states(torch.stack([e.state for e in ranks])))
+    assert len(merged.worst_tokens) == 20
+    for token in merged.worst_tokens:
+        ids = batches[token.rank]["responses"][token.row].tolist()
+        assert token.token_id == ids[token.position]
+        assert list(token.context) == ids[max(0, token.position - CONTEXT) : token.position]
+    if road == "compiled":
+        assert not backends._compiling["failed"] and len(backends._compiling["functions"]) == 1
 
 
 # ---------------------------------------------------------------------- layout
@@ -636,7 +885,8 @@ def test_empty_windows_and_tiny_batches() -> None:
 
 
 def test_all_ranks_sends_stats_and_extras_in_one_collective() -> None:
-    """Two simulated ranks: one ``all_gather`` of one vector, split and merged per part."""
+    """Two simulated ranks: one ``all_gather`` of one vector, split and merged per part
+    (after the one that compares their settings, before the first merge only)."""
     batches = [batch(40), batch(41, rows=5)]
     monitors = [RolloutDebugMonitor(worst_tokens_k=4) for _ in batches]
     for rank, (monitor, data) in enumerate(zip(monitors, batches, strict=True)):
@@ -646,12 +896,17 @@ def test_all_ranks_sends_stats_and_extras_in_one_collective() -> None:
 
     def all_gather(tensor: torch.Tensor) -> torch.Tensor:
         sent.append(tensor)
+        if len(sent) == 1:  # the settings: the same on both ranks
+            return torch.stack([tensor, tensor])
         other = torch.cat([monitors[1]._stats.state, monitors[1]._extras.state])
         return torch.stack([tensor, other])
 
     ranks = Ranks(world_size=2, is_global_zero=True, gather=all_gather)
     stats, extras = monitors[0]._window.on_host(ranks)
-    assert len(sent) == 1 and sent[0].dtype == torch.float64
+    assert [len(vector) for vector in sent] == [WIDTH, STATE_SIZE + monitors[0]._extras.size]
+    assert sent[1].dtype == torch.float64
+    monitors[0]._window.on_host(ranks)  # the next merge compares nothing
+    assert len(sent) == 3 and len(sent[2]) == len(sent[1])
     tokens = sum(len(counting(data)["r"]) for data in batches)
     assert stats.compute()["rollout_tokens"] == tokens
     assert extras.histograms["rollout_log_ratio_hist"].num == tokens

@@ -40,18 +40,28 @@ SCALARS_ONLY: dict[str, Any] = {
 }
 """The statistics alone, as scalars (``benchmarks/configurations.py``)."""
 
-OPERATIONS_AT_MOST = {"defaults": 86, "scalars only": 54, "seed only": 30}
-"""Top-level torch operations of one eager update, by configuration."""
+OPERATIONS = {
+    "defaults": 86,
+    "defaults, token ids": 89,
+    "scalars only": 54,
+    "seed only": 30,
+}
+"""Top-level torch operations of one eager update, by configuration (with token ids in the
+batch, the worst tokens take their ids and the ids before them)."""
 
 
-def _batch(rows: int, width: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Log-probs of sampled tokens, a small mismatch, rows padded to random lengths."""
+def _batch(rows: int, width: int, seed: int = 0, ids: bool = False) -> dict[str, torch.Tensor]:
+    """Log-probs of sampled tokens, a small mismatch, rows padded to random lengths; with
+    ``ids``, the sampled tokens' ids (``responses``)."""
     generator = torch.Generator().manual_seed(seed)
     rollout = torch.empty(rows, width).uniform_(1e-6, 1.0, generator=generator).log_()
     old = (rollout + 0.01 * torch.randn(rows, width, generator=generator)).clamp_(max=0.0)
     lengths = torch.randint(max(1, width // 4), width + 1, (rows, 1), generator=generator)
     mask = torch.arange(width) < lengths
-    return {"rollout_log_probs": rollout, "old_log_probs": old, "response_mask": mask}
+    batch = {"rollout_log_probs": rollout, "old_log_probs": old, "response_mask": mask}
+    if ids:
+        batch["responses"] = torch.randint(0, 50_000, (rows, width), generator=generator)
+    return batch
 
 
 def _operations(update: Callable[[], None]) -> list[str]:
@@ -65,6 +75,7 @@ def _operations(update: Callable[[], None]) -> list[str]:
 
 CONFIGURATIONS: dict[str, dict[str, Any]] = {
     "defaults": {},
+    "defaults, token ids": {},
     "scalars only": SCALARS_ONLY,
     "seed only": {**SCALARS_ONLY, "groups": ["seed"]},
 }
@@ -74,19 +85,19 @@ CONFIGURATIONS: dict[str, dict[str, Any]] = {
 def test_an_eager_update_issues_the_same_few_operations_at_every_size(
     configuration: str,
 ) -> None:
-    """Defaults (statistics, histograms, worst tokens, profile) 86 operations, the
-    statistics alone 54, the seed's group 30 (the seed's own algorithm: 39), the same
-    number from 1,024 tokens to 4M: nothing loops over chunks or values."""
+    """Defaults (statistics, histograms, worst tokens, profile) 86 operations, 89 with
+    token ids, the statistics alone 54, the seed's group 30 (the seed's own algorithm:
+    39), the same number from 1,024 tokens to 4M: nothing loops over chunks or values."""
     counts = []
     for shape in SHAPES:
         monitor = RolloutDebugMonitor(
             alert_ranges={}, compile=False, **CONFIGURATIONS[configuration]
         )
-        batch = _batch(*shape)
+        batch = _batch(*shape, ids="token ids" in configuration)
         counts.append(len(_operations(functools.partial(monitor.update, batch))))
         del monitor, batch
     assert counts == [counts[0]] * len(SHAPES)
-    assert counts[0] <= OPERATIONS_AT_MOST[configuration]
+    assert counts[0] == OPERATIONS[configuration]
 
 
 @pytest.fixture
@@ -103,11 +114,13 @@ def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
 SIX_SHAPES = [(8, 512), (64, 200), (3, 1000), (17, 64), (1, 4096), (1, 300)]
 
 
+@pytest.mark.parametrize("ids", [False, True], ids=["", "token ids"])
 def test_a_compiled_update_is_one_graph_traced_at_most_twice(
-    torch_path: None, monkeypatch: pytest.MonkeyPatch
+    torch_path: None, monkeypatch: pytest.MonkeyPatch, ids: bool
 ) -> None:
     """The whole default update is one graph without a break (``fullgraph=True`` raises at
-    one), traced at most twice over six batch shapes (one row specialises)."""
+    one), traced at most twice over six batch shapes (one row specialises); with token ids
+    too (the worst tokens' ids and those before them)."""
     graphs: list[torch.fx.GraphModule] = []
 
     def capture(graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
@@ -124,7 +137,7 @@ def test_a_compiled_update_is_one_graph_traced_at_most_twice(
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a failed compilation warns
         for shape in SIX_SHAPES:
-            monitor.update(_batch(*shape))
+            monitor.update(_batch(*shape, ids=ids))
     assert not backends._compiling["failed"]
     assert len(backends._compiling["functions"]) == 1  # statistics and extras: one pass
     assert 1 <= len(graphs) <= 2

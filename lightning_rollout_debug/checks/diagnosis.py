@@ -216,7 +216,8 @@ def zeros_sit_like_padding(window: Window) -> bool:
 def _padding(window: Window, *, count_zeros: bool = True) -> Diagnosis | None:
     """Padding inside the mask: pad ids, and rollout log-probs of 0 (with ``count_zeros``).
 
-    Pad ids right after a pad id (the first of each run is taken for an EOS); rollout
+    Pad ids in the run that ends a row's masked tokens, the first of it excepted (taken
+    for an EOS; a pad id with masked tokens of other ids after it is no padding); rollout
     log-probs of exactly 0 where the trainer's is below -1, where they sit like padding
     (:func:`zeros_sit_like_padding`).
     """
@@ -235,8 +236,8 @@ def _padding(window: Window, *, count_zeros: bool = True) -> Diagnosis | None:
         )
     if pads > 0:
         seen.append(
-            f"{pads:.0f} pad tokens inside the response mask (right after a pad id: the first "
-            "of each run is taken for an EOS)"
+            f"{pads:.0f} pad tokens inside the response mask (the run of pad ids that ends "
+            "their row's masked tokens, but for its first, taken for an EOS)"
         )
     return Diagnosis(
         "padding",

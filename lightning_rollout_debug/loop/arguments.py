@@ -37,6 +37,7 @@ from lightning_rollout_debug.metrics.settings import (
     validate_seq_ratio_bounds,
 )
 from lightning_rollout_debug.views.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS
+from lightning_rollout_debug.views.token_text import tokenizer_problems
 
 
 def monitor_problems(
@@ -61,6 +62,7 @@ def monitor_problems(
     pad_token_id: Any = None,
     profile_images: Any = True,
     profile_images_every_n_steps: Any = PROFILE_IMAGES_EVERY_N_STEPS,
+    tokenizer: Any = None,
 ) -> list[str]:
     """What is wrong with the monitor's arguments, one line per problem (empty if nothing)."""
     problems = _key_problems(
@@ -92,13 +94,16 @@ def monitor_problems(
     problems += alert_problems(alert_ranges, on_alert, enabled)
     problems += drift_problems(drift_factors, drift_baseline, enabled)
     problems += compile_problems(compile)
-    if pad_token_id is not None and not is_token_id(pad_token_id):
-        integral = isinstance(pad_token_id, numbers.Integral) and type(pad_token_id) is not bool
-        beyond = " (beyond int64, the token ids' dtype)" if integral else ""
-        problems.append(
-            f"`pad_token_id` must be None or an int token id, got {pad_token_id!r}{beyond}."
-        )
-    return problems
+    return problems + _pad_token_id_problems(pad_token_id) + tokenizer_problems(tokenizer)
+
+
+def _pad_token_id_problems(pad_token_id: Any) -> list[str]:
+    """What is wrong with ``pad_token_id`` (empty if nothing)."""
+    if pad_token_id is None or is_token_id(pad_token_id):
+        return []
+    integral = isinstance(pad_token_id, numbers.Integral) and type(pad_token_id) is not bool
+    beyond = " (beyond int64, the token ids' dtype)" if integral else ""
+    return [f"`pad_token_id` must be None or an int token id, got {pad_token_id!r}{beyond}."]
 
 
 def _group_problems(groups: Any, token_ids_keys: Any) -> list[str]:

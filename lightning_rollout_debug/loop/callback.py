@@ -115,12 +115,16 @@ class RolloutDebugCallback(Callback):
             back to eager arithmetic where fusing does not work, ``False`` never fuses,
             ``True`` fuses every batch. The results are the same; see
             ``docs/performance.md``.
-        pad_token_id: the pad token's id: pad tokens inside the mask are counted and
-            named in the ``padding`` diagnosis; the ids come from ``token_ids_keys[0]`` or
-            ``responses``.
+        pad_token_id: the pad token's id: the run of pad ids that ends a row's masked
+            tokens (but for its first, an EOS) is counted and named in the ``padding``
+            diagnosis; the ids come from ``token_ids_keys[0]`` or ``responses``.
         warn_dropout: at the start of training, warn once if the module has dropout
             active (recomputed log-probs would carry its noise); ``False`` when the
             recompute already runs in eval mode.
+        tokenizer: with a ``TensorBoardLogger`` and token ids, the worst-tokens table
+            shows each token's text and the text of the tokens before it in its row: a
+            ``transformers`` tokenizer, a ``tokenizers.Tokenizer``, or anything with
+            ``decode(ids)``, ``convert_ids_to_tokens(ids)`` or ``id_to_token(id)``.
 
     Every logged window is checked for the usual pipeline mistakes (misaligned
     log-probs, padding in the mask, truncated sampling, log-probs of another distribution
@@ -171,6 +175,7 @@ class RolloutDebugCallback(Callback):
         compile: bool | None = None,
         pad_token_id: int | None = None,
         warn_dropout: bool = True,
+        tokenizer: Any | None = None,
     ) -> None:
         given = dict(locals())  # the arguments as passed, before anything else is named
         problems = process_group_problems(process_group, trainer_callable=True)

@@ -8,8 +8,8 @@ were laid out by, the drift baselines and the run's per-batch series (:func:`sav
 first, a damaged part starts empty with a warning (an error with ``strict=True``),
 another configuration warns (extras kept with other settings start empty, and so does a
 window whose sums the statistics now count otherwise: other groups, another
-``is_threshold`` or ``seq_ratio_bounds``), and the first rank of the process group alone
-carries the merged window on; the series, merged, every rank.
+``is_threshold`` or ``seq_ratio_bounds``, or none recorded), and the first rank of the
+process group alone carries the merged window on; the series, merged, every rank.
 """
 
 from __future__ import annotations
@@ -124,26 +124,10 @@ class StateReader:
         if problems:
             self._reject(problems, "the window starts empty")
             return None
-        saved = state_dict.get("config", {})
-        changed = [key for key in config if saved and _plain(saved.get(key)) != _plain(config[key])]
-        unmatched = self.stats.unmatched_groups(saved) if saved else {}
-        if changed:
-            differences = "; ".join(
-                f"`{key}` {saved.get(key)!r}, now {config[key]!r}" for key in changed
-            )
-            consequence = (
-                f" Its window does not hold the sums of groups {list(unmatched)} as they are "
-                "counted now, and starts empty."
-                if unmatched
-                else ""
-            )
-            self._warn_on_rank_zero(
-                f"{self.name}: the checkpoint was written with another configuration "
-                f"({differences}); continuing with the constructor's.{consequence}"
-            )
+        carried = self._compare_configuration(state_dict.get("config") or {}, config)
         self._load_drift(state_dict.get("drift"))
         self._load_series(state_dict.get("series"))
-        if unmatched:  # its tokens would count in every mean, not in those groups' sums
+        if not carried:  # its tokens would count in every mean, not in those groups' sums
             return Restored(0, False)
         extras = self._extras(state_dict, window_tokens)
         profiled = self.extras is not None and self.extras.profile
@@ -155,6 +139,41 @@ class StateReader:
             if self.extras is not None and extras is not None:
                 self.extras.load_state(extras)
         return Restored(batches_in_window, partial_profile)
+
+    def _compare_configuration(self, saved: Mapping[str, Any], config: Mapping[str, Any]) -> bool:
+        """Warn where the saved configuration is not ``config``; whether the window carries on.
+
+        It starts empty where the statistics now count the sums of some groups otherwise
+        (other groups, another ``is_threshold`` or ``seq_ratio_bounds``), or where the state
+        does not record what they were counted with (no ``config``, or one without those
+        settings): nothing says its sums are those of these settings.
+        """
+        changed = [key for key in config if _plain(saved.get(key)) != _plain(config[key])]
+        unrecorded = [key for key in self.stats.settings() if key not in saved]
+        if not changed and not unrecorded:
+            return True
+        unmatched = {} if unrecorded else self.stats.unmatched_groups(saved)
+        differences = "; ".join(
+            f"`{key}` {saved.get(key)!r}, now {config[key]!r}" for key in changed
+        )
+        if unrecorded:
+            consequence = (
+                f" It does not record the {', '.join(f'`{key}`' for key in unrecorded)} its "
+                "sums were counted with: its window starts empty."
+            )
+        elif unmatched:
+            consequence = (
+                f" Its window does not hold the sums of groups {list(unmatched)} as they are "
+                "counted now, and starts empty."
+            )
+        else:
+            consequence = ""
+        self._warn_on_rank_zero(
+            f"{self.name}: the checkpoint was written with another configuration "
+            f"({differences if saved else 'it records none: no `config`'}); continuing "
+            f"with the constructor's.{consequence}"
+        )
+        return not (unrecorded or unmatched)
 
     def _extras(self, state_dict: Mapping[str, Any], window_tokens: float) -> Tensor | None:
         """The checkpoint's extras window, if it is one of this monitor's layout.

@@ -5,7 +5,9 @@ and :class:`~lightning_rollout_debug.RolloutDebugCallback` are configured with (
 constructors take these arguments and build it; the callback adds how often to log, the
 dropout check and the process group), validated at once: one ``ValueError`` lists every
 problem. What the settings leave open is resolved here: the groups that will be logged,
-the alert ranges and drift factors of those groups.
+the alert ranges and drift factors of those groups. The ``tokenizer`` only shows the worst
+tokens' text: it takes no part in comparing two configurations, nor in a checkpoint's
+(:meth:`RolloutDebugConfig.checkpoint_identity`), nor in the window's state.
 
 Example:
     >>> config = RolloutDebugConfig(groups=["seed", "kl"], worst_tokens_k=3)
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lightning_rollout_debug.checks.alerts import resolve_alert_ranges
@@ -74,6 +76,7 @@ class RolloutDebugConfig:
     drift_baseline: int = DEFAULT_DRIFT_BASELINE
     compile: bool | None = None
     pad_token_id: int | None = None
+    tokenizer: Any | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         given = {field.name: once(getattr(self, field.name)) for field in settings()}

@@ -3,9 +3,9 @@
 :class:`WindowLogs` writes one logged window on rank zero: the scalars to every logger
 (through its ``log_metrics``), and to each TensorBoard logger the histograms, the
 worst tokens, the profile's pictures at the first logged step of each span of steps, and
-the dashboard layout once per log directory. A logger that fails warns once per kind of
-error (raises in strict mode) and the other loggers still get theirs: a monitor's own
-logs never stop a training run.
+the dashboard layout once per log directory; with a tokenizer the table shows the tokens'
+text. A logger that fails warns once per kind of error (raises in strict mode) and the
+other loggers still get theirs: a monitor's own logs never stop a training run.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from lightning_rollout_debug.views.tensorboard import (
     write_layout,
     write_profile,
 )
+from lightning_rollout_debug.views.token_text import TokenText
 
 
 @dataclass
@@ -40,6 +41,7 @@ class WindowLogs:
         profile_images_every_n_steps: the span of steps the pictures are drawn once in.
         strict: raise what a logger raises instead of warning.
         warn_once: ``warn_once(kind, message)``, the monitor's warning once per kind.
+        token_text: the tokenizer's text of the worst tokens, or ``None`` (ids only).
 
     Example:
         >>> from lightning_rollout_debug.loop.logs import WindowLogs
@@ -62,6 +64,7 @@ class WindowLogs:
     profile_images_every_n_steps: int
     strict: bool
     warn_once: Callable[[str, str], None]
+    token_text: TokenText | None = None
     _layouts_written: set[str] = field(default_factory=set)
     _pictures_span: int | None = None  # the span of steps last drawn in
 
@@ -140,7 +143,15 @@ class WindowLogs:
             names = enabled_metric_names(self.groups)
             write_layout(writer, dashboard_layout(prefix, names))
         if extras is not None:
-            write_extras(writer, prefix, extras, step, show_rank=show_rank)
+            text = self.token_text
+            write_extras(writer, prefix, extras, step, show_rank=show_rank, token_text=text)
+            if text is not None and text.failure is not None:
+                self.warn_once(
+                    "tokenizer",
+                    f"the tokenizer failed on worst-token ids ({text.failure}); the table "
+                    "shows those tokens as their ids.",
+                )
+                text.failure = None
         if pictures is not None:
             write_profile(writer, prefix, pictures, step)
 

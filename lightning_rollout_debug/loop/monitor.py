@@ -46,6 +46,7 @@ from lightning_rollout_debug.metrics.series import MismatchSeries
 from lightning_rollout_debug.metrics.shifts import ShiftSample
 from lightning_rollout_debug.metrics.stats import MismatchStats
 from lightning_rollout_debug.views.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS
+from lightning_rollout_debug.views.token_text import TokenText
 
 MONITOR_DOOR = FrontDoor(
     "RolloutDebugMonitor",
@@ -116,9 +117,13 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
         compile: fuse the statistics and the extras of a batch into one pass, as the
             callback's ``compile`` does (the kernel on CPUs, ``torch.compile`` on
             accelerators, every batch); see ``docs/performance.md``.
-        pad_token_id: the pad token's id: pad tokens inside the mask are counted and
-            named in the ``padding`` diagnosis. The ids come from ``token_ids_keys[0]`` or
-            ``responses``.
+        pad_token_id: the pad token's id: the run of pad ids that ends a row's masked
+            tokens (but for its first, an EOS) is counted and named in the ``padding``
+            diagnosis. The ids come from ``token_ids_keys[0]`` or ``responses``.
+        tokenizer: with a TensorBoard logger and token ids, the worst-tokens table shows
+            each token's text and the text of the tokens before it in its row: a
+            ``transformers`` tokenizer, a ``tokenizers.Tokenizer``, or anything with
+            ``decode(ids)``, ``convert_ids_to_tokens(ids)`` or ``id_to_token(id)``.
 
     Every logged window is also checked for the usual pipeline mistakes
     (:mod:`~lightning_rollout_debug.checks.diagnosis`: misaligned log-probs, padding in the mask,
@@ -172,6 +177,7 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
         drift_baseline: int = DEFAULT_DRIFT_BASELINE,
         compile: bool | None = None,
         pad_token_id: int | None = None,
+        tokenizer: Any | None = None,
     ) -> None:
         given = dict(locals())  # the arguments as passed, before anything else is named
         problems = process_group_problems(process_group)
@@ -228,7 +234,9 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
         # the shifts beside the health group's lag sums.
         self._series = MismatchSeries() if "log_space" in config.groups else None
         self._shifts = ShiftSample() if "health" in config.groups else None
-        self._window = DeviceWindow(self._stats, self._extras, self._series, self._shifts)
+        self._window = DeviceWindow(
+            self._stats, self._extras, self._series, self._shifts, owner=self._door.name
+        )
         self.profile: Profile | None = None
         """The :class:`~lightning_rollout_debug.metrics.profile.Profile` of the last logged window
         (quantiles, by position, by probability, joint counts), if it is kept."""
@@ -240,6 +248,7 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
             profile_images_every_n_steps=config.profile_images_every_n_steps,
             strict=config.strict,
             warn_once=self._warn_once,
+            token_text=None if config.tokenizer is None else TokenText(config.tokenizer),
         )
         self._alerts = AlertMonitor(self.config.alert_ranges)
         self._drift = DriftMonitor(self.config.drift_factors, self.config.drift_baseline)
@@ -289,7 +298,9 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
 
         Every process must call it at the same steps: the window of every rank is merged
         with one collective, through ``fabric.all_gather`` when given a Fabric, over
-        ``process_group`` when ``torch.distributed`` is initialised, else not at all. Rank
+        ``process_group`` when ``torch.distributed`` is initialised, else not at all (before
+        the first, the settings that lay it out are compared: where the ranks' differ, each
+        raises :class:`~.config.InvalidSettings`, as a constructor does). Rank
         0 sends the scalars to the loggers and writes the histograms, worst tokens,
         profile pictures and dashboard layout to the TensorBoard ones; every rank checks
         the alerts.
@@ -345,7 +356,8 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
         carries it on, the others start empty. A damaged state starts an empty window with
         a warning (an error with ``strict=True``); another configuration warns, and a
         window whose groups the statistics now count otherwise (other groups, another
-        ``is_threshold`` or ``seq_ratio_bounds``) starts empty.
+        ``is_threshold`` or ``seq_ratio_bounds``, or a state that records no configuration)
+        starts empty.
         """
         self.restore(state_dict)
 

@@ -3,8 +3,9 @@
 :class:`DeviceWindow` holds them on the batches' device with the number of updates they
 count, and the run's per-batch series beside them, and answers the three questions a
 logged step or a checkpoint asks of them: the window merged over the ranks (one
-collective of one float64 vector, the same length on every rank), that merged window on
-the host (one copy), and its checkpoint state.
+collective of one float64 vector, the same length on every rank, once the ranks have
+been found to lay it out alike: :mod:`.agreement`), that merged window on the host (one
+copy), and its checkpoint state.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.checks.drift import DriftMonitor
+from lightning_rollout_debug.loop.agreement import check_agreement, shaping_settings
 from lightning_rollout_debug.loop.checkpoint import saved_state
 from lightning_rollout_debug.loop.ranks import Ranks
 from lightning_rollout_debug.metrics.extras import ExtrasSummary, TokenExtras
@@ -54,6 +56,7 @@ class DeviceWindow:
         extras: its histograms, worst tokens and profile (``None``: none kept).
         series: the run's per-batch series (``None``: none kept).
         shifts: the sample the window's shifts are searched on (``None``: none kept).
+        owner: the front door its errors name.
 
     Example:
         >>> import torch
@@ -73,11 +76,15 @@ class DeviceWindow:
         extras: TokenExtras | None,
         series: MismatchSeries | None = None,
         shifts: ShiftSample | None = None,
+        owner: str = "RolloutDebugMonitor",
     ) -> None:
         self.stats = stats
         self.extras = extras
         self.series = series
         self.shifts = shifts
+        self.owner = owner
+        self.agreed = False
+        """Whether the ranks were found to lay the window out alike (checked once)."""
         self.batches = 0
         """The updates since the window began, skipped batches too."""
         self.partial_profile = False
@@ -107,6 +114,9 @@ class DeviceWindow:
         The packed statistics, the packed extras (histogram bins, worst-token candidates),
         the window's per-batch series and its sample's sums at every lag travel together,
         the same length on every rank, empty window or not, each merged by its owner.
+        Before the first merge the ranks compare the settings that lay it out, in a
+        collective of its own: where they differ, every rank raises
+        :class:`~.config.InvalidSettings` (:func:`~.agreement.check_agreement`).
         """
         device = ranks.device or self.stats.device or torch.device("cpu")
         owners = (self.stats, self.extras, self.series, self.shifts)
@@ -118,6 +128,10 @@ class DeviceWindow:
         ]
         if ranks.gather is None:
             return Merged(self.stats, *local[1:])
+        if not self.agreed:
+            settings = shaping_settings(self.stats, self.extras, self.series, self.shifts)
+            check_agreement(ranks.gather, settings, self.owner, device)
+            self.agreed = True
         kept = [(i, part.to(device)) for i, part in enumerate(local) if part is not None]
         vector = torch.cat([part for _, part in kept])
         gathered = ranks.gather(vector).reshape(-1, vector.numel()).to(torch.float64)

@@ -61,8 +61,8 @@ def add_batch(
     """Add a checked batch to ``stats`` and ``extras`` (either may be ``None``), in one read.
 
     ``token_ids`` label the worst tokens; ``batch`` and ``rank`` too. The statistics'
-    token-id comparison, and with ``pad_token_id`` the count of the pad tokens among
-    ``token_ids``, are added as a packed state of their own (:func:`check_states`).
+    token-id comparison, and with ``pad_token_id`` the count of the padding among
+    ``token_ids``, are added as a state of their own (:func:`check_states`).
     ``series`` (a :class:`~.series.MismatchSeries`, with ``stats``) keeps the batch's
     statistics as the pass left them: its packed state, or its passes' sums; ``shifts``
     (a :class:`~.shifts.ShiftSample`) the first rows of a window's first batch.
@@ -310,11 +310,12 @@ def check_states(
     groups: frozenset[str],
     token_ids: Tensor | None = None,
     pad_token_id: int | None = None,
-) -> list[Tensor]:
-    """A batch's checks of token ids as one packed state of its own (``[]``: none).
+) -> list[dict[str, Tensor]]:
+    """A batch's checks of token ids as one state of its own (``[]``: none).
 
     The comparison of the rollout's and the trainer's ids with the ``token_ids`` group,
-    the count of the pad tokens among ``token_ids`` with ``pad_token_id``.
+    the count of the padding among ``token_ids`` with ``pad_token_id`` (``pad_slots``): slots
+    of :data:`~.layout.STATE` by name, packed when the window folds.
     """
     compared = "token_ids" in groups
     if not compared and (token_ids is None or pad_token_id is None):
@@ -326,7 +327,7 @@ def check_states(
         token_ids,
         pad_token_id,
     )
-    return [STATE.pack(slots, inputs.mask.device)] if slots else []
+    return [slots] if slots else []
 
 
 def _empty_statistics(inputs: MismatchInputs, groups: frozenset[str]) -> list[Tensor]:

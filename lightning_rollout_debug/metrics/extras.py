@@ -5,8 +5,8 @@ batch's device, laid out by a :class:`~lightning_rollout_debug.metrics.layout.La
 
 * two histograms with FIXED bins (:mod:`.histograms`), of the log ratio ``r = a - b``
   and of ``abs(exp(a) - exp(b))`` over the counting tokens;
-* the ``k`` counting tokens with the largest ``abs(r)``, with where they came from
-  (:mod:`.worst_tokens`);
+* the ``k`` counting tokens with the largest ``abs(r)``, with where they came from and,
+  where the batch has token ids, their ids and those before them (:mod:`.worst_tokens`);
 * the window's :mod:`.profile`: quantile bins, position and probability buckets, the
   joint histogram.
 
@@ -43,7 +43,6 @@ from lightning_rollout_debug.metrics.bins import (
     PROBS_DIFF_BINS,
     QuarterOctaveBins,
 )
-from lightning_rollout_debug.metrics.finish_extras import finish_extras
 from lightning_rollout_debug.metrics.histograms import Histogram, histogram_blocks, read_histograms
 from lightning_rollout_debug.metrics.inputs import check_inputs, check_token_ids
 from lightning_rollout_debug.metrics.layout import Layout
@@ -228,7 +227,8 @@ class TokenExtras(ThreadSafeWindow):
             old_log_probs: ``[B, T]`` log-probs the trainer recomputed (``a``).
             mask: ``[B, T]``; a position counts where it is non-zero.
             token_ids: optional ``[B, T]`` integer ids of the sampled tokens, shown in the
-                worst-tokens table.
+                worst-tokens table: each worst token's id and the ids of the
+                :data:`~.worst_tokens.CONTEXT_TOKENS` tokens before it in its row.
             batch_index: the batch's index within the window, shown in the table.
             rank: the process's rank, shown in the table.
 
@@ -239,10 +239,6 @@ class TokenExtras(ThreadSafeWindow):
         if token_ids is not None:
             check_token_ids(token_ids, token_ids, mask, names=("token_ids", "token_ids", "mask"))
         add_batch(inputs, token_ids, stats=None, extras=self, batch=batch_index, rank=rank)
-
-    def finish(self, sums: Sequence[TokenSums]) -> Tensor:
-        """The packed extras of the tokens of the passes ``sums``."""
-        return finish_extras(sums, self.layout)
 
     # ------------------------------------------------------------ native kernel
     def kernel_request(self, *, add_profile: bool = False) -> native.ExtrasRequest | None:

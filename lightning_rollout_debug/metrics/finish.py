@@ -19,9 +19,8 @@ Example:
     >>> plan = PassPlan(frozenset({"seed"}))
     >>> rollout, old = torch.log(torch.tensor([[0.5, 0.25]])), torch.log(torch.tensor([[0.5, 0.2]]))
     >>> sums = read_sums(plan, 2, token_sums(plan, rollout, old, torch.ones(1, 2)))
-    >>> state = finish_statistics([sums])
-    >>> from lightning_rollout_debug.metrics.layout import STATE
-    >>> state[STATE.at["count"]].item(), round(state[STATE.at["max_prob_diff"]].item(), 6)
+    >>> slots, _ = finish_rows([sums])
+    >>> slots["count"].item(), round(slots["max_prob_diff"].item(), 6)
     (2.0, 0.05)
 """
 
@@ -33,7 +32,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_rollout_debug.metrics.layout import STATE
 from lightning_rollout_debug.metrics.tokens import LOG_RATIO_CLAMP
 from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
 
@@ -72,25 +70,36 @@ def stacked_rows(rows: Tensor | Sequence[Tensor], field: str) -> Tensor:
 
 
 class RowSums:
-    """The rows of a window's waiting batches, and what they merge to.
+    """The rows of a window's waiting batches, and what they merge to, each read once.
 
-    ``totals`` and ``top`` are each plane's sum and largest value over every counting
-    token; ``moments`` the centred second moment ``M`` of each
-    centred plane and ``means`` their means, merged over the rows with Chan's formula.
+    Every reading is a plain value made here: each plane's ``total`` and ``largest``
+    value over every counting token, the ``smallest`` of the planes of
+    :attr:`~.torch_pass.planes.PassPlan.bottoms`; of each centred plane its ``mean``, its
+    centred second moment ``moment`` (``M``, merged over the rows with Chan's formula)
+    and its plain sum of ``squares`` (``M + (sum x)^2 / n``); the co-moments ``M_xy`` of
+    the pairs of :attr:`~.torch_pass.planes.PassPlan.products` (``comoment``), each
+    row's sum of ``r`` (``log_ratio``, ``None``: a plan that needs none), and the tokens
+    that do not count that eager passes counted in their bins of 0 values
+    (``uncounted``, ``None``: no eager pass).
     """
 
     def __init__(self, batches: Sequence[TokenSums]) -> None:
         plan = batches[0].plan
         self.plan = plan
-        self.at = plan.at
+        self.at = at = plan.at
         first = _rows(batches, "first").squeeze(-1)  # [planes, rows]
         self.first = first
-        self.n = first[self.at["one"]]
+        self.n = first[at["one"]]
         self.count = self.n.sum()
-        self.totals = first.sum(1)
+        totals = first.sum(1)
         self.row_top = _rows(batches, "top")
-        self.top = self.row_top.amax(1)
-        self.bottom = _rows(batches, "bottom").amin(1) if plan.bottoms else None
+        self.total = dict(zip(plan.planes, totals.unbind(), strict=True))
+        largest = self.row_top.amax(1).unbind()  # every plane's but the last (``masked``)
+        self.largest = dict(zip(plan.planes, largest, strict=False))
+        self.smallest: dict[str, Tensor] = {}
+        if plan.bottoms:
+            bottoms = _rows(batches, "bottom").amin(1).unbind()
+            self.smallest = dict(zip(plan.bottoms, bottoms, strict=True))
         centred = first[plan.centred]
         rows = self.n.clamp(min=1.0)
         shift = torch.cat(
@@ -104,120 +113,131 @@ class RowSums:
         )
         offset = centred - self.n * shift  # each row's sum of its centred values, about 0
         row_means = centred / rows
-        self.means = self.totals[plan.centred] / self.count.clamp(min=1.0)
-        deviation = row_means - self.means.unsqueeze(1)
+        means = totals[plan.centred] / self.count.clamp(min=1.0)
+        deviation = row_means - means.unsqueeze(1)
         second = _rows(batches, "second")
         squares = len(offset)
         # Chan: each row's own centred sums, plus its mean's deviation from the window's.
         within = second[:squares] - offset * offset / rows
         # M is a sum of squares: Chan's terms may round below zero, a sum of them cannot.
-        self.moments = (within + self.n * deviation * deviation).sum(1).clamp(min=0.0)
-        self._products = {}
+        moments = (within + self.n * deviation * deviation).sum(1).clamp(min=0.0)
+        names = plan.planes[plan.centred]
+        self.mean = dict(zip(names, means.unbind(), strict=True))
+        self.moment = dict(zip(names, moments.unbind(), strict=True))
+        plain = moments + totals[plan.centred] ** 2 / self.count.clamp(min=1.0)
+        self.squares = dict(zip(names, plain.unbind(), strict=True))
+        self.comoment: dict[tuple[str, str], Tensor] = {}
         for i, (left, right) in enumerate(plan.products):
-            x, y = self.at[left] - plan.centred.start, self.at[right] - plan.centred.start
+            x, y = at[left] - plan.centred.start, at[right] - plan.centred.start
             within = second[squares + i] - offset[x] * offset[y] / rows
-            self._products[left, right] = (within + self.n * deviation[x] * deviation[y]).sum()
+            self.comoment[left, right] = (within + self.n * deviation[x] * deviation[y]).sum()
         self.shift = shift
         self.lag = _rows(batches, "lag") if batches[0].lag is not None else None  # [36, rows]
-        self._log_ratio = _log_ratios(batches)
+        self.log_ratio = _log_ratios(batches)
         self.widths = [sums.width for sums in batches]
+        self.uncounted = _uncounted(batches, self.count, at["one"])
 
-    @property
-    def log_ratio(self) -> Tensor:
-        """Each row's float64 sum of ``r`` (of a plan that needs it)."""
-        assert self._log_ratio is not None
-        return self._log_ratio
 
-    def total(self, name: str) -> Tensor:
-        """The sum of plane ``name`` over every counting token."""
-        return self.totals[self.at[name]]
+def _uncounted(batches: Sequence[TokenSums], count: Tensor, one: int) -> Tensor | None:
+    """The tokens that do not count of the eager passes (``None``: none).
 
-    def moment(self, name: str) -> Tensor:
-        """``M`` of centred plane ``name``: the sum of squared deviations from its mean."""
-        return self.moments[self.at[name] - self.plan.centred.start]
+    An eager pass counts them in each part's bin of 0 values (their values are cleared).
+    """
+    eager = [sums for sums in batches if sums.uncounted]
+    if not eager:
+        return None
+    tokens = sum(row_count(sums) * sums.width for sums in eager)
+    if len(eager) == len(batches):
+        counted = count
+    else:
+        counted = sum(
+            stacked_rows(sums.first, "first")[one].to(torch.float64).sum() for sums in eager
+        )
+    return tokens - counted
 
-    def mean(self, name: str) -> Tensor:
-        """The mean of centred plane ``name``."""
-        return self.means[self.at[name] - self.plan.centred.start]
 
-    def squares(self, name: str) -> Tensor:
-        """The plain sum of squares of centred plane ``name``: ``M + (sum x)^2 / n``."""
-        return self.moment(name) + self.total(name) ** 2 / self.count.clamp(min=1.0)
+def finish_rows(
+    statistics: Sequence[TokenSums],
+    extras: Sequence[TokenSums] = (),
+    seq_ratio_bounds: tuple[float, float] = (0.99, 1.01),
+) -> tuple[dict[str, Tensor] | None, RowSums | None]:
+    """The statistics' slots of the passes ``statistics`` and the rows of ``extras``.
 
-    def comoment(self, left: str, right: str) -> Tensor:
-        """``M_xy``: the sum of the products of the deviations of ``pa, pb`` or ``a, b``."""
-        return self._products[left, right]
-
-    def extreme(self, kind: str, name: str) -> Tensor:
-        """The largest (``"max"``) or smallest (``"min"``) value of plane ``name``.
-
-        Smallest values are kept of the planes of :attr:`~.planes.PassPlan.bottoms` alone.
-        """
-        if kind == "max":
-            return self.top[self.at[name]]
-        return self.bottom[self.plan.bottoms.index(name)]
+    Each ``None`` where there are no such passes. The rows of a window's passes are read
+    once: the extras' are the statistics' where both windows wait for the same passes.
+    """
+    rows = RowSums(statistics) if statistics else None
+    slots = None if rows is None else finish_statistics(rows, seq_ratio_bounds)
+    if not extras:
+        return slots, None
+    same = len(extras) == len(statistics) and all(
+        mine is theirs for mine, theirs in zip(extras, statistics, strict=False)
+    )
+    return slots, rows if same and rows is not None else RowSums(extras)
 
 
 def finish_statistics(
-    batches: Sequence[TokenSums], seq_ratio_bounds: tuple[float, float] = (0.99, 1.01)
-) -> Tensor:
-    """The packed statistics (:data:`~.layout.STATE`) of the tokens of ``batches``.
+    rows: RowSums, seq_ratio_bounds: tuple[float, float] = (0.99, 1.01)
+) -> dict[str, Tensor]:
+    """The statistics' slots (of :data:`~.layout.STATE`, by name) of the passes of ``rows``.
 
-    The batches share one plan (a window's). Slots of groups the plan leaves out stay
-    empty, as do those of the token-id checks (their own states).
+    The passes share one plan (a window's). Slots of groups the plan leaves out are not
+    given, nor those of the token-id checks (their own states).
     """
-    rows = RowSums(batches)
     groups = rows.plan.groups
+    total, largest, mean, moment = rows.total, rows.largest, rows.mean, rows.moment
     slots: dict[str, Tensor] = {
         "count": rows.count,
-        "nonfinite": rows.total("masked") - rows.count,
-        "max_actor_log_prob": rows.extreme("max", "a"),
-        "max_rollout_log_prob": rows.extreme("max", "b"),
+        "nonfinite": total["masked"] - rows.count,
+        "max_actor_log_prob": largest["a"],
+        "max_rollout_log_prob": largest["b"],
     }
     if "seed" in groups:
         slots |= {
-            "prob_actor": rows.mean("pa"),
-            "prob_rollout": rows.mean("pb"),
-            "prob_diff": rows.mean("d"),
-            "prob_actor*prob_actor": rows.moment("pa"),
-            "prob_rollout*prob_rollout": rows.moment("pb"),
-            "prob_actor*prob_rollout": rows.comoment("pa", "pb"),
-            "prob_diff*prob_diff": rows.moment("d"),
-            "max_prob_diff": rows.extreme("max", "d"),
+            "prob_actor": mean["pa"],
+            "prob_rollout": mean["pb"],
+            "prob_diff": mean["d"],
+            "prob_actor*prob_actor": moment["pa"],
+            "prob_rollout*prob_rollout": moment["pb"],
+            "prob_actor*prob_rollout": rows.comoment["pa", "pb"],
+            "prob_diff*prob_diff": moment["d"],
+            "max_prob_diff": largest["d"],
         }
     if "log_space" in groups:
         slots |= {
-            "log_diff": rows.mean("l"),
-            "log_diff*log_diff": rows.moment("l"),
-            "max_log_diff": rows.extreme("max", "l"),
+            "log_diff": mean["l"],
+            "log_diff*log_diff": moment["l"],
+            "max_log_diff": largest["l"],
         }
     if {"kl", "importance_ratio"} & groups:
+        assert rows.log_ratio is not None
         slots["log_ratio"] = rows.log_ratio.sum()
     if "kl" in groups:
-        slots["kl_k3"] = rows.total("k3")
-        slots["mult_error_m1"] = rows.total("mult")
+        slots["kl_k3"] = total["k3"]
+        slots["mult_error_m1"] = total["mult"]
     if "importance_ratio" in groups:
         slots |= _importance_ratio(rows)
     if "sequence" in groups or "health" in groups:
         slots |= _sequences(rows, seq_ratio_bounds, "sequence" in groups)
     if "health" in groups:
         slots |= _health(rows)
-    return STATE.pack(slots)
+    return slots
 
 
 def _importance_ratio(rows: RowSums) -> dict[str, Tensor]:
-    ratio_m1 = rows.total("e")  # e = rho - 1
-    extremes = (rows.extreme("max", "r"), rows.extreme("min", "r"))
+    total, squares = rows.total, rows.squares
+    ratio_m1 = total["e"]  # e = rho - 1
+    extremes = (rows.largest["r"], rows.smallest["r"])
     clamped = [
         torch.where(x.isinf(), x, x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) for x in extremes
     ]
     return {
         "ratio_m1": ratio_m1,
-        "ratio_sq_m1": rows.squares("e") + 2.0 * ratio_m1,  # rho^2 - 1 = e^2 + 2 e
-        "ratio": rows.total("rho"),
-        "ratio_sq": rows.squares("rho"),
-        "ratio_high": rows.total("hi"),
-        "ratio_low": rows.total("hilo") - rows.total("hi"),
+        "ratio_sq_m1": squares["e"] + 2.0 * ratio_m1,  # rho^2 - 1 = e^2 + 2 e
+        "ratio": total["rho"],
+        "ratio_sq": squares["rho"],
+        "ratio_high": total["hi"],
+        "ratio_low": total["hilo"] - total["hi"],
         "max_log_ratio": clamped[0],
         "min_log_ratio": clamped[1],
     }
@@ -232,6 +252,7 @@ def _sequences(rows: RowSums, bounds: tuple[float, float], sequence: bool) -> di
         return slots
     means = first[at["a"] : at["b"] + 1] / n  # NaN for a row without tokens
     ppl = torch.exp(-means)
+    assert rows.log_ratio is not None
     mean_r = rows.log_ratio / n
     outside = (mean_r < math.log(bounds[0])) | (mean_r > math.log(bounds[1]))
     summed = torch.stack([ppl[0], ppl[1], mean_r, outside.to(mean_r.dtype)]).nansum(1)
@@ -250,18 +271,18 @@ def _sequences(rows: RowSums, bounds: tuple[float, float], sequence: bool) -> di
 def _health(rows: RowSums) -> dict[str, Tensor]:
     """The health group's counts and the log-probs' moments at lags -1, 0 and +1."""
     assert rows.lag is not None
-    at = rows.at
+    at, total = rows.at, rows.total
     count = rows.count.clamp(min=1.0)
-    sum_a, sum_b = rows.total("a"), rows.total("b")
-    m_ab = rows.comoment("a", "b")
+    sum_a, sum_b = total["a"], total["b"]
+    m_ab = rows.comoment["a", "b"]
     slots = {
-        "zero_rollout_log_prob": rows.total("zero"),
+        "zero_rollout_log_prob": total["zero"],
         # ninf_b and zb hold their products with ninf_a
-        "masked_actor_log_prob": rows.total("ninf_a") - rows.total("ninf_b") - rows.total("zb"),
+        "masked_actor_log_prob": total["ninf_a"] - total["ninf_b"] - total["zb"],
         "sum_actor_log_prob": sum_a,
         "sum_rollout_log_prob": sum_b,
-        "sum_actor_log_prob_sq": rows.squares("a"),
-        "sum_rollout_log_prob_sq": rows.squares("b"),
+        "sum_actor_log_prob_sq": rows.squares["a"],
+        "sum_rollout_log_prob_sq": rows.squares["b"],
         "sum_actor_x_rollout": m_ab + sum_a * sum_b / count,
     }
     # The sums of the products of neighbours x_t y_(t+1), a^2 and b^2 among the planes.

@@ -2,11 +2,12 @@
 
 :func:`finish_extras` finishes the waiting batches of a window of
 :class:`~.extras.TokenExtras` into one packed extras state, laid out as the extras'
-:class:`~.layout.Layout` says: each histogram's counted bins and moments, the best ``k``
-of every batch's worst-token candidates (:mod:`.worst_tokens`), and the profile's counts
-and sums by bucket (:mod:`.profile`). The rows' sums come from :class:`~.finish.RowSums`,
-as the statistics' do. An eager pass counts the tokens that do not count too, in the bin
-of zero values: they are taken out here.
+:class:`~.layout.Layout` says: each histogram's counted bins and moments, and the
+profile's counts and sums by bucket (:mod:`.profile`); beside it, every batch's
+worst-token candidates (:mod:`.worst_tokens`), of which the window's merge keeps the best
+``k`` (:meth:`~.layout.Layout.merge`). The rows' readings are those of the statistics
+(:class:`~.finish.RowSums`, read once), taken as they are. An eager pass counts the
+tokens that do not count too, in the bin of zero values: they are taken out here.
 """
 
 from __future__ import annotations
@@ -17,29 +18,31 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.metrics.bins import LOG_RATIO_BINS, PROBS_DIFF_BINS
-from lightning_rollout_debug.metrics.finish import RowSums, row_count, stacked_rows
-from lightning_rollout_debug.metrics.layout import Layout, filled, ranked
+from lightning_rollout_debug.metrics.finish import RowSums
 from lightning_rollout_debug.metrics.profile import JOINT_BINS, QUANTILE_BINS
-from lightning_rollout_debug.metrics.torch_pass.bins import POSITION_PLANES, places
+from lightning_rollout_debug.metrics.torch_pass.bins import POSITION_PLANES
 from lightning_rollout_debug.metrics.torch_pass.constants import JOINT_EDGES, PROBABILITY_EDGES
 from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
-from lightning_rollout_debug.metrics.worst_tokens import PLACEHOLDER, WORST_FIELDS, WORST_TIES
+from lightning_rollout_debug.metrics.worst_tokens import CONTEXT_TOKENS, PLACEHOLDER
 
 
-def finish_extras(batches: Sequence[TokenSums], layout: Layout) -> Tensor:
-    """The packed extras (laid out by ``layout``) of the tokens of ``batches``.
+def finish_extras(batches: Sequence[TokenSums], rows: RowSums) -> tuple[Tensor, Tensor | None]:
+    """The packed extras of the tokens of ``batches``, whose rows ``rows`` holds.
 
-    The histograms' bins and moments, the ``k`` worst tokens of all the batches'
-    candidates, and the profile, as :class:`~.extras.TokenExtras` lays them out.
+    The histograms' bins and moments and the profile, as :class:`~.extras.TokenExtras`
+    lays them out, with a block of ``k`` empty worst-token candidates; and every
+    batch's candidates (``None``: ``k`` is 0), of which a merge keeps the best ``k``.
     """
     plan = batches[0].plan
-    rows = RowSums(batches)
+    k = plan.worst_tokens_k
     device = rows.count.device
     parts: dict[str, Tensor] = {}
     if plan.parts:
         counts = _summed(batches, "counts").split([size for _, size in plan.parts])
         parts = dict(zip((name for name, _ in plan.parts), counts, strict=True))
-        _drop_uncounted(parts, batches, rows)
+        if rows.uncounted is not None:  # an eager pass counts them in the bins of 0 values
+            for name, part in parts.items():
+                part[ZERO_BINS[name]] -= rows.uncounted
     pieces = []
     if plan.histograms:
         for value, bins in (("r", parts["ratio"]), ("d", parts.get("diff"))):
@@ -47,16 +50,20 @@ def finish_extras(batches: Sequence[TokenSums], layout: Layout) -> Tensor:
                 bins = torch.zeros(_DIFF_BINS, dtype=torch.float64, device=device)
                 bins.index_add_(0, _fine_to_diff(device), parts["fine_d"])
             square_root = "l" if value == "r" else "d"  # r^2 = |r|^2
+            assert rows.log_ratio is not None
             moments = [
                 rows.count,
-                rows.extreme("min", value),
-                rows.extreme("max", value),
-                rows.log_ratio.sum() if value == "r" else rows.total(value),
-                rows.squares(square_root),
+                rows.smallest[value],
+                rows.largest[value],
+                rows.log_ratio.sum() if value == "r" else rows.total[value],
+                rows.squares[square_root],
             ]
             pieces += [bins, torch.stack(moments)]
-    if plan.worst_tokens_k:
-        pieces.append(_worst_block(batches, plan.worst_tokens_k, device))
+    candidates = None
+    if k:
+        placeholder = _placeholder(device)
+        candidates = _candidates(batches, placeholder, device)
+        pieces.append(placeholder.repeat(k))
     if plan.profile:
         position = _by_position(batches)
         probability = _summed(batches, "probability")
@@ -71,9 +78,9 @@ def finish_extras(batches: Sequence[TokenSums], layout: Layout) -> Tensor:
             position[2],
             probability[0],
             probability[1],
-            torch.stack([rows.extreme("max", "d"), rows.extreme("max", "l"), width]),
+            torch.stack([rows.largest["d"], rows.largest["l"], width]),
         ]
-    return torch.cat(pieces)
+    return torch.cat(pieces), candidates
 
 
 def _by_position(batches: Sequence[TokenSums]) -> Tensor:
@@ -83,27 +90,6 @@ def _by_position(batches: Sequence[TokenSums]) -> Tensor:
         for sums in batches
     ]
     return (rows[0] if len(rows) == 1 else torch.stack(rows).sum(0)).to(torch.float64)
-
-
-def _drop_uncounted(parts: dict[str, Tensor], batches: Sequence[TokenSums], rows: RowSums) -> None:
-    """Take the tokens that do not count out of the counted bins an eager pass filled.
-
-    An eager pass counts them too, every one in its part's bin of 0 values (their values
-    are cleared to 0).
-    """
-    eager = [sums for sums in batches if sums.uncounted]
-    if not eager:
-        return
-    tokens = sum(row_count(sums) * sums.width for sums in eager)
-    if len(eager) == len(batches):
-        counted = rows.count
-    else:
-        at = rows.at["one"]
-        counted = sum(
-            stacked_rows(sums.first, "first")[at].to(torch.float64).sum() for sums in eager
-        )
-    for name, part in parts.items():
-        part[ZERO_BINS[name]] -= tokens - counted
 
 
 def _zero_bins() -> dict[str, int]:
@@ -149,13 +135,22 @@ def _fine_to_diff(device: torch.device) -> Tensor:
     return _FINE_TO_DIFF[device]
 
 
-def _worst_block(batches: Sequence[TokenSums], k: int, device: torch.device) -> Tensor:
-    """The best ``k`` of every batch's worst-token candidates, as the packed ``"top"`` block."""
+def _placeholder(device: torch.device) -> Tensor:
+    """The fields of a candidate that loses against any token, made with fill kernels."""
+    return torch.stack(
+        [torch.full((), value, dtype=torch.float64, device=device) for value in PLACEHOLDER]
+    )
+
+
+def _candidates(batches: Sequence[TokenSums], placeholder: Tensor, device: torch.device) -> Tensor:
+    """Every batch's worst-token candidates, as rows of their fields.
+
+    A token that does not count is ``placeholder``.
+    """
     found = [sums.worst for sums in batches]
     keys = torch.cat([w[0] for w in found])
-    place = places(keys).to(torch.float64)
+    place = keys.neg().bitwise_and_(0xFFFFFFFF).to(torch.float64)  # a key's low bits
     a, b = torch.cat([w[1] for w in found], dim=1).unbind()
-    ids = [w[2] for w in found]
     sizes = [len(w[0]) for w in found]
 
     def label(value: Callable[[TokenSums], int]) -> Tensor:  # each candidate's, by fills
@@ -170,18 +165,9 @@ def _worst_block(batches: Sequence[TokenSums], k: int, device: torch.device) -> 
     width, first = label(lambda s: s.width), label(lambda s: s.first_row * s.width)
     place = place + first
     r = (a - b).to(torch.float64)  # float32 r, as it was ranked (and as the kernel reports it)
-    if all(i is None for i in ids):
-        token_id = torch.full_like(r, -1.0)
-    else:
-        token_id = torch.cat(
-            [
-                torch.full((n,), -1.0, dtype=torch.float64, device=device)
-                if i is None
-                else i.to(torch.float64)
-                for i, n in zip(ids, sizes, strict=True)
-            ]
-        )
     row = torch.div(place, width, rounding_mode="floor")
+    position = place - row * width
+    ids = _ids([w[2] for w in found], sizes, device)
     columns = [
         r.abs(),
         r,
@@ -189,15 +175,42 @@ def _worst_block(batches: Sequence[TokenSums], k: int, device: torch.device) -> 
         b.to(torch.float64).exp(),
         batch,
         row,
-        place - row * width,
-        token_id,
+        position,
+        ids[0],
         rank,
     ]
-    candidates = torch.stack(columns, dim=1)
-    placeholder = filled(PLACEHOLDER, dtype=torch.float64, device=device)
+    candidates = torch.cat([torch.stack(columns, dim=1), known_context(ids[1:].t(), position)], 1)
     counted = keys > -(1 << 32)  # a token that does not count has -inf's bits above
-    candidates = torch.where(counted.unsqueeze(1), candidates, placeholder)
-    if len(candidates) < k:
-        candidates = torch.cat([candidates, placeholder.repeat(k - len(candidates), 1)])
-    best = ranked(candidates, [WORST_FIELDS.index(name) for name in WORST_TIES])
-    return candidates.index_select(0, best[:k]).flatten()
+    return torch.where(counted.unsqueeze(1), candidates, placeholder)
+
+
+def _ids(ids: Sequence[Tensor | None], sizes: Sequence[int], device: torch.device) -> Tensor:
+    """``[1 + CONTEXT_TOKENS, n]`` float64: the candidates' ids and those before them.
+
+    -1 for the candidates of a batch without ids.
+    """
+    return torch.cat(
+        [
+            torch.full((1 + CONTEXT_TOKENS, n), -1.0, dtype=torch.float64, device=device)
+            if i is None
+            else i.to(torch.float64)
+            for i, n in zip(ids, sizes, strict=True)
+        ],
+        dim=1,
+    )
+
+
+def known_context(context: Tensor, position: Tensor) -> Tensor:
+    """``[n, CONTEXT_TOKENS]`` float64: the ids before each token, -1 before its row's start.
+
+    ``context[:, j - 1]`` is the id ``j`` places before the token at ``position`` in its
+    row (:func:`~.worst_tokens.ids_before`); it is kept where ``j <= position``.
+
+    Example:
+        >>> context = torch.arange(CONTEXT_TOKENS).repeat(2, 1) + 10
+        >>> known_context(context, torch.tensor([2.0, 9.0], dtype=torch.float64))[:, :3].tolist()
+        [[10.0, 11.0, -1.0], [10.0, 11.0, 12.0]]
+    """
+    f64 = torch.float64
+    steps = torch.arange(1, CONTEXT_TOKENS + 1, dtype=f64, device=position.device)
+    return torch.where(position.unsqueeze(1) >= steps, context.to(f64), -1.0)

@@ -43,6 +43,8 @@ RULES = ("count", "mean", "comoment", "sum", "max", "min", "top")
 _EMPTY = {"max": -math.inf, "min": math.inf}  # every other rule starts at 0
 _FOLDS = ("sum", "max", "min")  # the rules a merge folds down the states
 _EXTREME = {"max": torch.amax, "min": torch.amin}
+_FINITE = ("mean", "comoment", "sum")  # never infinite in a state of real tokens
+_KINDS = {"mean": "mean", "comoment": "co-moment", "sum": "sum", "max": "maximum", "min": "minimum"}
 
 compiling = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
 """Whether torch.compile is tracing the caller (``torch.compiler`` has it from torch 2.3)."""
@@ -160,7 +162,6 @@ class Layout:
                 runs.append((block.rule, where))
         return runs
 
-    # ----------------------------------------------------------------- build
     def identity(self, device: torch.device | str | None = None) -> Tensor:
         """The state of an empty window: merging with it changes nothing.
 
@@ -184,10 +185,8 @@ class Layout:
         """
         device = states.device
         if type(states) is not Tensor or device not in self._pair_columns:
-            x, y = (
-                filled(side, dtype=torch.int64, device=device)
-                for side in zip(*self._pairs, strict=True)
-            )
+            sides = zip(*self._pairs, strict=True)
+            x, y = (filled(side, dtype=torch.int64, device=device) for side in sides)
             if type(states) is not Tensor:
                 return x, y
             self._pair_columns[device] = (x, y)
@@ -219,10 +218,11 @@ class Layout:
             slots[self.at[name]] = value
         return torch.stack(slots)
 
-    # ----------------------------------------------------------------- merge
-    def merge(self, states: Tensor) -> Tensor:
-        """Merge states stacked as ``[n, size]`` into one, exactly, on their device."""
-        merged = torch.empty(0, dtype=torch.float64, device=states.device)
+    def merge(self, states: Tensor, candidates: Tensor | None = None) -> Tensor:
+        """Merge states stacked as ``[n, size]`` into one, exactly, on their device.
+
+        ``candidates``: more rows of the top block's fields, ranked with the states' own.
+        """
         # One sum down the whole states serves every run of sums (its other columns are
         # not read): a reduction of contiguous rows, not one per strided run.
         total = states.sum(0) if self._has_sums else states.new_empty(0)
@@ -248,20 +248,21 @@ class Layout:
                 )
                 parts.append((where.start, states[:, where].sum(0) + spread.sum(0)))
             elif block.rule == "top":
-                candidates = states[:, where].reshape(-1, len(block.names))
-                best = ranked(candidates, [block.names.index(name) for name in block.ties])
-                parts.append((where.start, candidates.index_select(0, best[: block.k]).flatten()))
+                rows = states[:, where].reshape(-1, len(block.names))
+                rows = rows if candidates is None else torch.cat([rows, candidates])
+                best = ranked(rows, [block.names.index(name) for name in block.ties])
+                parts.append((where.start, rows.index_select(0, best[: block.k]).flatten()))
         if not parts:
-            return merged
+            return torch.empty(0, dtype=torch.float64, device=states.device)
         return torch.cat([part for _, part in sorted(parts, key=lambda item: item[0])])
 
-    # ----------------------------------------------------------------- check
     def problems(self, state: Any, what: str = "the state") -> list[str]:
         """Why ``state`` cannot be a state of this layout built from real tokens (or ``[]``).
 
-        The type, dtype and shape first; then counts are whole numbers ``>= 0``, extremes
-        and candidate keys are no NaN, squared spreads (``"x*x"``) are not negative, and a
-        window without tokens holds empty means and co-moments.
+        The type, dtype and shape first; then counts are whole numbers ``>= 0``, sums,
+        means and co-moments are finite, extremes and candidate keys are no NaN (an
+        extreme of an empty window is infinite), squared spreads (``"x*x"``) are not
+        negative, and a window without tokens holds empty means and co-moments.
         """
         found = tensor_problems(state, (self.size,), what)
         if found:
@@ -273,10 +274,14 @@ class Layout:
                 if (block.whole or block.rule == "count") and not _whole(value):
                     label = "the token count" if block.rule == "count" else f"the count `{name}`"
                     found.append(f"{label} of {what} is {value!r}; expected a whole number >= 0")
+                elif block.rule in _FINITE and not math.isfinite(value):
+                    kind = _KINDS[block.rule]
+                    found.append(
+                        f"the {kind} `{name}` of {what} is {value!r}; expected a finite number"
+                    )
                 elif block.rule in ("max", "min") and math.isnan(value):
-                    kind = "maximum" if block.rule == "max" else "minimum"
-                    found.append(f"the {kind} `{name}` of {what} is NaN")
-                elif block.rule == "comoment" and _is_square(name) and value < 0:
+                    found.append(f"the {_KINDS[block.rule]} `{name}` of {what} is NaN")
+                elif block.rule == "comoment" and len(set(name.split("*"))) == 1 and value < 0:
                     found.append(f"the squared spread `{name}` of {what} is negative")
             if block.rule == "top":
                 keys = values[where][:: len(block.names)]
@@ -302,9 +307,16 @@ def _whole(value: float) -> bool:
     return math.isfinite(value) and value >= 0 and value == int(value)
 
 
-def _is_square(name: str) -> bool:
-    left, _, right = name.partition("*")
-    return left == right
+def merge_all(
+    merges: Sequence[tuple[Layout, Sequence[Tensor | Mapping[str, Tensor]], Tensor | None]],
+) -> list[Tensor]:
+    """Each layout's states (packed, or named values to pack) and top candidates, merged."""
+    merged = []
+    for layout, states, candidates in merges:
+        packed = [s if isinstance(s, Tensor) else layout.pack(s) for s in states]
+        alone = len(packed) == 1 and candidates is None
+        merged.append(packed[0] if alone else layout.merge(torch.stack(packed), candidates))
+    return merged
 
 
 def tensor_problems(value: Any, shape: tuple[int, ...], what: str) -> list[str]:

@@ -2,29 +2,38 @@
 
 :class:`ThreadSafeWindow` is what :class:`~.stats.MismatchStats` and
 :class:`~.extras.TokenExtras` share: a packed float64 state on the batches' device, the
-added batches waiting beside it (packed states, or the sums of a torch pass) until the
-state is read or :data:`PENDING` of them have gathered, and a lock around every change,
-so that several threads may feed one window. A window may keep the last block of its
-state added into in place (:class:`InPlaceBlock`: the kernel's profile).
+added batches waiting beside it (:data:`Part`: packed states, slots to pack, or the sums
+of a torch pass) until the state is read or :data:`PENDING` of them have gathered, and a
+lock around every change, so that several threads may feed one window. A window may
+keep the last block of its state added into in place (:class:`InPlaceBlock`: the
+kernel's profile).
 
-An update adds a batch to both windows with one call: :func:`add_states` (packed states
-or pass sums, each window its own), or :func:`add_pass` (a pass that finishes the batch
+An update adds a batch to both windows with one call: :func:`add_states` (each window
+its waiting batches), or :func:`add_pass` (a pass that finishes the batch
 into both windows' packed states, run under the extras' lock when it adds into their
-in-place block).
+in-place block). When either window holds :data:`PENDING` waiting batches, both fold
+together (:func:`fold`): the pass sums' rows read once for both, every packed state
+merged in one call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from lightning_rollout_debug.metrics.layout import Layout
+from lightning_rollout_debug.metrics.finish import finish_rows
+from lightning_rollout_debug.metrics.finish_extras import finish_extras
+from lightning_rollout_debug.metrics.layout import Layout, merge_all
 from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
+
+Part = Tensor | Mapping[str, Tensor] | TokenSums
+"""A batch waiting in a window: a packed state, slots by name to pack, or a pass's sums."""
 
 PENDING = 32
 """Batches a window holds before finishing and merging them: one fold of many costs what
@@ -34,21 +43,28 @@ one of two does, so a step's fixed cost stays small."""
 class ThreadSafeWindow:
     """A packed window that merges batches lazily and whose changes hold a lock.
 
-    Added batches wait in a list, as packed states or as the sums of a torch pass
-    (:class:`~.torch_pass.sums.TokenSums`), and are finished and merged, exactly, in one go
-    when :attr:`state` is read or when :data:`PENDING` of them have gathered, so adding a
-    batch costs no merge. Several threads may feed one instance. Copies and pickles get a
-    lock of their own (a lock itself cannot be pickled). A subclass sets ``size``,
-    ``_state`` (``None``: empty), ``_pending``, ``_lock`` and, to keep a block added into
-    in place, ``_in_place``; it defines :meth:`merge_states`, :meth:`identity_state` and
-    :meth:`finish`.
+    Added batches wait in a list (:data:`Part`: packed states, slots to pack, or the sums
+    of a torch pass, :class:`~.torch_pass.sums.TokenSums`), and are finished and merged,
+    exactly, in one go when :attr:`state` is read or when :data:`PENDING` of them have
+    gathered, so adding a batch costs no merge. Several threads may feed one instance.
+    Copies and pickles get a lock of their own (a lock itself cannot be pickled). A
+    subclass sets ``size``, ``layout``, ``_state`` (``None``: empty), ``_pending``,
+    ``_lock`` and, to keep a block added into in place, ``_in_place``; it says what its
+    pass sums finish into (:attr:`statistics`) and defines :meth:`merge_states` and
+    :meth:`identity_state`.
     """
 
     _lock: threading.Lock
     _state: Tensor | None
-    _pending: list[Tensor | TokenSums]
+    _pending: list[Part]
     _in_place: InPlaceBlock | None = None
     size: int
+    layout: Layout
+    """How the packed state is laid out and merges."""
+    statistics: ClassVar[bool] = False
+    """Whether pass sums finish into the statistics (counting the sequences outside
+    ``seq_ratio_bounds``), else into the extras."""
+    seq_ratio_bounds: tuple[float, float]
 
     def merge_states(self, states: Tensor) -> Tensor:
         """Merge packed states stacked as ``[n, size]`` into one."""
@@ -56,10 +72,6 @@ class ThreadSafeWindow:
 
     def identity_state(self, device: torch.device | str | None = None) -> Tensor:
         """The packed state of an empty window."""
-        raise NotImplementedError
-
-    def finish(self, sums: Sequence[TokenSums]) -> Tensor:
-        """The packed state of the tokens of the passes ``sums``."""
         raise NotImplementedError
 
     @property
@@ -95,18 +107,26 @@ class ThreadSafeWindow:
         if self._in_place is not None:
             self._in_place.clear()
 
-    def _add(self, parts: Sequence[Tensor | TokenSums], device: torch.device | None = None) -> None:
-        """Add packed states or pass sums to the window, under the lock.
+    def _add(self, parts: Sequence[Part], device: torch.device | None = None) -> None:
+        """Add waiting batches to the window alone, under the lock.
 
-        The window ends on ``device`` (by default where it is, else where ``parts`` are).
+        The window ends on ``device`` (by default where it is, else where ``parts`` are),
+        and folds when :data:`PENDING` batches wait.
         """
         with self._lock:
-            target = device or self._device() or _device_of(parts[0])
-            self._move(target)
-            moved = (part.to(target) if isinstance(part, Tensor) else part for part in parts)
-            self._pending.extend(moved)
-            if len(self._pending) >= PENDING:
-                self._fold()
+            self._extend(parts, device)
+            if self._waiting() >= PENDING:
+                fold([self])
+
+    def _extend(self, parts: Sequence[Part], device: torch.device | None) -> None:
+        """Keep ``parts`` waiting, on ``device`` (see :meth:`_add`); the caller holds the lock."""
+        target = device or self._device() or _device_of(parts[0])
+        self._move(target)
+        self._pending.extend(_moved(part, target) for part in parts)
+
+    def _waiting(self) -> int:
+        """How many batches wait: in the list, and as heads of the in-place block."""
+        return len(self._pending) + (0 if self._in_place is None else len(self._in_place.heads))
 
     def _move(self, device: torch.device) -> None:
         """Keep the window on ``device`` from now on; the caller holds the lock."""
@@ -124,24 +144,11 @@ class ThreadSafeWindow:
         return None if self._in_place is None else self._in_place.device()
 
     def _fold(self) -> None:
-        """Finish and merge the waiting batches into the window (the caller holds the lock).
+        """Finish and merge every waiting batch into the state (the caller holds the lock).
 
-        The batches added into the in-place block wait as one packed state.
+        The batches added into the in-place block join it too.
         """
-        added = None if self._in_place is None else self._in_place.take()
-        if added is not None:
-            self._pending.append(added)
-        if not self._pending:
-            return
-        target = self._device()
-        sums = [part for part in self._pending if isinstance(part, TokenSums)]
-        parts = [part for part in self._pending if isinstance(part, Tensor)]
-        if sums:
-            parts.append(self.finish(sums).to(target))
-        if self._state is not None:
-            parts.insert(0, self._state)
-        self._state = parts[0] if len(parts) == 1 else self.merge_states(torch.stack(parts))
-        self._pending = []
+        fold([self], whole=True)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -190,8 +197,6 @@ class InPlaceBlock:
         if self._head is None:  # a view, made once a window
             self._head = self.state[: self.at]
         self.heads.append(self._head.clone())
-        if len(self.heads) >= PENDING:
-            self.heads = [self.head.merge(torch.stack(self.heads))]
 
     def take(self) -> Tensor | None:
         """The batches' packed state, their heads merged (``None``: none); then hold none."""
@@ -227,13 +232,24 @@ extras)`` (``None``: the pass does not apply, and has added nothing into ``into`
 
 
 def add_states(
-    additions: Sequence[tuple[ThreadSafeWindow | None, Sequence[Tensor | TokenSums]]],
+    additions: Sequence[tuple[ThreadSafeWindow | None, Sequence[Part]]],
     device: torch.device,
 ) -> None:
-    """Add each window its packed states or pass sums, under its lock (``None``: no window)."""
+    """Add each window its waiting batches (:data:`Part`; ``None``: no window).
+
+    Each window's under its lock; when either holds :data:`PENDING` waiting batches, all
+    of them fold together (:func:`fold`).
+    """
+    windows = [window for window, _ in additions if window is not None]
     for window, parts in additions:
         if window is not None and parts:
-            window._add(parts, device)
+            with window._lock:
+                window._extend(parts, device)
+    if any(window._waiting() >= PENDING for window in windows):
+        with contextlib.ExitStack() as held:
+            for window in windows:
+                held.enter_context(window._lock)
+            fold(windows)
 
 
 def add_pass(
@@ -241,7 +257,7 @@ def add_pass(
     stats: ThreadSafeWindow | None,
     extras: ThreadSafeWindow | None,
     device: torch.device,
-    more: Sequence[Tensor] = (),
+    more: Sequence[Part] = (),
     series: Any | None = None,
 ) -> bool:
     """Add a batch that one pass finishes into packed states; whether the pass applied.
@@ -249,7 +265,7 @@ def add_pass(
     With an in-place block, the extras' lock is held through the pass: ``into`` is the
     block's state, which the pass adds its block into and writes the rest of (kept as a
     head). Otherwise ``into`` is ``None`` and the extras' state waits whole. The
-    statistics get their state and the packed states ``more``; ``series`` (a
+    statistics get their state and the states ``more``; ``series`` (a
     :class:`~.series.MismatchSeries`) keeps their state too.
     """
     if extras is not None and extras._in_place is not None:
@@ -260,7 +276,7 @@ def add_pass(
             if found is None:
                 return False
             block.keep()
-        extras_parts: list[Tensor] = []
+        extras_parts: list[Part] = []
     else:
         found = finish(into=None)
         if found is None:
@@ -273,9 +289,77 @@ def add_pass(
     return True
 
 
-def _device_of(part: Tensor | TokenSums) -> torch.device:
-    """Where a packed state or the sums of a pass are."""
+def fold(windows: Sequence[ThreadSafeWindow], *, whole: bool = False) -> None:
+    """Finish and merge the waiting batches of ``windows`` (statistics, extras or both).
+
+    The caller holds their locks. The rows of the waiting pass sums are read once for
+    both windows (:func:`~.finish.finish_rows`), the extras finished from them
+    (:func:`~.finish_extras.finish_extras`), and every packed state merged in one call
+    (:func:`~.layout.merge_all`): each window's, and the heads of an in-place block.
+    ``whole``: the block's batches join the window's state (it is read); else the block
+    stays in place, its heads merged into one.
+    """
+    for window in windows if whole else ():
+        added = None if window._in_place is None else window._in_place.take()
+        if added is not None:
+            window._pending.append(added)
+    finished = _finish(windows)
+    owners: list[ThreadSafeWindow | InPlaceBlock] = []
+    merges: list[tuple[Layout, list[Any], Tensor | None]] = []
+    for window, (done, candidates) in zip(windows, finished, strict=True):
+        if window._pending:
+            parts = [part for part in window._pending if not isinstance(part, TokenSums)]
+            kept = [] if window._state is None else [window._state]
+            owners.append(window)
+            merges.append((window.layout, [*kept, *parts, *done], candidates))
+        block = window._in_place
+        if not whole and block is not None and len(block.heads) > 1:
+            owners.append(block)
+            merges.append((block.head, block.heads, None))
+    for owner, merged in zip(owners, merge_all(merges) if merges else [], strict=True):
+        if isinstance(owner, InPlaceBlock):
+            owner.heads = [merged]
+        else:
+            owner._state, owner._pending = merged, []
+
+
+def _finish(windows: Sequence[ThreadSafeWindow]) -> list[tuple[list[Any], Tensor | None]]:
+    """Each window's waiting pass sums finished, and the extras' worst-token candidates.
+
+    The statistics' as slots by name, the extras' as a packed state (``[]``: no sums).
+    """
+    stats = next((window for window in windows if window.statistics), None)
+    extras = next((window for window in windows if not window.statistics), None)
+    stats_sums, extras_sums = (
+        [] if window is None else [part for part in window._pending if isinstance(part, TokenSums)]
+        for window in (stats, extras)
+    )
+    finished: dict[int, tuple[list[Any], Tensor | None]] = {}
+    if stats_sums or extras_sums:
+        bounds = (0.99, 1.01) if stats is None else stats.seq_ratio_bounds  # statistics' alone
+        slots, rows = finish_rows(stats_sums, extras_sums, bounds)
+        if slots is not None:
+            finished[id(stats)] = ([slots], None)
+        if rows is not None:
+            state, candidates = finish_extras(extras_sums, rows)
+            finished[id(extras)] = ([state], candidates)
+    return [finished.get(id(window), ([], None)) for window in windows]
+
+
+def _device_of(part: Part) -> torch.device:
+    """Where a waiting batch is."""
     if isinstance(part, Tensor):
         return part.device
+    if isinstance(part, Mapping):
+        return next(iter(part.values())).device
     first = part.first
     return first.device if isinstance(first, Tensor) else first[0].device
+
+
+def _moved(part: Part, device: torch.device) -> Part:
+    """A waiting batch on ``device`` (a pass's sums stay where they are)."""
+    if isinstance(part, Tensor):
+        return part.to(device)
+    if isinstance(part, Mapping):
+        return {name: value.to(device) for name, value in part.items()}
+    return part

@@ -272,16 +272,27 @@ def check_slots(
 
 
 def pad_slots(mask: Tensor, token_ids: Tensor, pad_token_id: int) -> dict[str, Tensor]:
-    """The slots of the padding check of a block: pad ids inside the mask.
+    """The slots of the padding check of a block: the pad ids that pad a row's response.
 
-    The first pad id of each run of them is taken for an EOS, which counts: many
-    tokenizers (Llama, Qwen, GPT-2) end a response with the id they pad with, and packed
-    or multi-turn rows end each sequence or turn with one. A pad id right after another
-    one inside the mask is padding.
+    Padding is the run of pad ids that ends a row's masked tokens (no masked id of another
+    token after it), the first of that run excepted: it is taken for an EOS, which counts,
+    as many tokenizers (Llama, Qwen, GPT-2) end a response with the id they pad with. A pad
+    id with a masked token of another id after it is no padding: the model sampled it as
+    an ordinary token, or it ends a sequence or a turn of a packed or multi-turn row.
+    Integer counts, no host synchronisation.
+
+    Example:
+        >>> ids = torch.tensor([[5, 0, 0, 5, 0, 0, 0]])  # 0 sampled mid-row; 0 0 0 ends it
+        >>> pad_slots(torch.ones(1, 7), ids, 0)["pad_in_mask"].item()
+        2.0
     """
     f64 = torch.float64
     is_pad = token_ids == pad_token_id
-    padding = (mask[:, 1:] != 0) & is_pad[:, 1:] & is_pad[:, :-1]
+    masked = mask != 0
+    pads = masked & is_pad
+    counted = (masked ^ pads).cumsum(1)  # the masked tokens of other ids so far
+    ending = pads & (counted == counted[:, -1:])  # none of them after it
+    padding = ending[:, 1:] & is_pad[:, :-1]
     values = (torch.ones((), dtype=f64, device=mask.device), padding.sum(dtype=f64))
     return dict(zip(PAD_SLOTS, values, strict=True))
 

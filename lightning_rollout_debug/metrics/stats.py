@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -26,7 +26,6 @@ from lightning_rollout_debug.metrics.catalog import (
     SERIES_METRICS,
     metrics_from_state,
 )
-from lightning_rollout_debug.metrics.finish import finish_statistics
 from lightning_rollout_debug.metrics.inputs import MismatchInputs, check_inputs
 from lightning_rollout_debug.metrics.layout import STATE, STATE_SIZE, identity_state, merge_states
 from lightning_rollout_debug.metrics.packed_window import ThreadSafeWindow
@@ -38,7 +37,6 @@ from lightning_rollout_debug.metrics.settings import (
     validate_is_threshold,
     validate_seq_ratio_bounds,
 )
-from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
 
 _SETTING_OF_GROUP = {"importance_ratio": "is_threshold", "sequence": "seq_ratio_bounds"}
 """The setting whose value a group's sums are counted with."""
@@ -89,6 +87,8 @@ class MismatchStats(ThreadSafeWindow):
         (2.0, 0.05)
     """
 
+    statistics = True
+
     def __init__(
         self,
         *,
@@ -112,6 +112,7 @@ class MismatchStats(ThreadSafeWindow):
         self.compile = compile
         self.chunk_tokens = chunk_tokens
         self.size = STATE_SIZE
+        self.layout = STATE
         self._state: Tensor | None = None
         self._pending: list[Tensor] = []
         self._lock = threading.Lock()
@@ -210,13 +211,9 @@ class MismatchStats(ThreadSafeWindow):
         """Add one batch whose tensors :func:`~.inputs.check_inputs` has checked."""
         add_batch(inputs, None, stats=self, extras=None)
 
-    def finish(self, sums: Sequence[TokenSums]) -> Tensor:
-        """The packed statistics of the tokens of the passes ``sums``."""
-        return finish_statistics(sums, self.seq_ratio_bounds)
-
     @torch.no_grad()
     def count_pads(self, mask: Tensor, token_ids: Tensor, pad_token_id: int) -> None:
-        """Count the pad tokens (``token_ids == pad_token_id``) inside ``mask`` ([B, T])."""
+        """Count the padding among ``token_ids`` inside ``mask`` ([B, T]; :func:`.pad_slots`)."""
         if token_ids.shape != mask.shape:
             raise ValueError(
                 f"`token_ids` has shape {tuple(token_ids.shape)}; expected the mask's "

@@ -9,11 +9,18 @@ Every piece of text is rendered once and kept (:func:`put_text`): tick labels, t
 and legends repeat from step to step; the tick labels are formatted by
 :func:`probability_label`, :func:`count_label` and :func:`position_label`.
 
+TensorBoard shows a picture scaled to its card: 350 px wide on the Images tab, and at most
+about 214 px high on the Time Series tab (:data:`SHOWN_WIDTH`, :data:`SHOWN_HEIGHT`). The
+pictures are drawn at ``WIDTH x HEIGHT`` with text of :data:`TEXT_SIZES` (Pillow's
+built-in TrueType font, at least :data:`MIN_TEXT_SIZE` pixels), so that their smallest
+text still shows 10 px high there, and at full size where TensorBoard shows the actual
+size.
+
 Example:
     >>> image = blank_image()
     >>> put_text(image, probability_label(1e-3), 10, 10)
     >>> (image.mode, image.size, len(encode_png(image)) > 0)
-    ('P', (480, 320), True)
+    ('P', (800, 480), True)
 """
 
 from __future__ import annotations
@@ -24,13 +31,21 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageChops, ImageDraw, ImageFont
 
-WIDTH = 480
+WIDTH = 800
 """Width of every picture, in pixels."""
 
-HEIGHT = 320
+HEIGHT = 480
 """Height of every picture, in pixels."""
+
+SHOWN_WIDTH = 350
+"""The width TensorBoard's Images tab shows a picture at (its card's, without "Show actual
+image size"): a picture is scaled by ``SHOWN_WIDTH / WIDTH`` there."""
+
+SHOWN_HEIGHT = 214
+"""The height a Time Series card of the default size shows a picture at, at most: a picture
+is scaled by ``min(width of the card / WIDTH, SHOWN_HEIGHT / HEIGHT)`` there."""
 
 RGB = tuple[int, int, int]
 
@@ -58,8 +73,19 @@ FRAME_COLOUR: RGB = (120, 120, 120)
 GRID_COLOUR: RGB = (234, 234, 234)
 """Grid lines of the line plots."""
 
-TITLE_SIZE, LABEL_SIZE, TICK_SIZE = 13, 11, 10
-"""Text sizes in pixels: titles, axis labels and legends, tick labels."""
+RULE_PX = 3
+"""Width of the frames, grid lines and tick marks: at least ``WIDTH / SHOWN_WIDTH`` pixels,
+so that TensorBoard's nearest-neighbour scaling keeps every one."""
+
+TITLE_SIZE, LABEL_SIZE, TICK_SIZE = 28, 24, 24
+"""Text sizes in pixels: titles; axis names, legends and captions; tick labels and values."""
+
+TEXT_SIZES = (TITLE_SIZE, LABEL_SIZE, TICK_SIZE)
+"""Every text size the pictures use."""
+
+MIN_TEXT_SIZE = math.ceil(10 * WIDTH / SHOWN_WIDTH)
+"""The smallest text :func:`put_text` draws, in pixels: 10 px on the Images tab (23 px, with
+capitals of 16 px, at full size)."""
 
 # matplotlib's viridis at 0, 1/8, ..., 1; the lookup table interpolates between them.
 _VIRIDIS_ANCHORS = (
@@ -198,12 +224,26 @@ def _line_height(size: int) -> int:
     return int(_font(size).getbbox("Ag|y")[3]) + 1
 
 
+HALO = 0.5
+"""The coverage of the 1-px outline around every glyph, against the glyph's own 1: strokes
+about 3 px wide, which TensorBoard's nearest-neighbour scaling of a picture to its card
+(``image-rendering: pixelated``) keeps, where it drops pixels of the font's own 2 px."""
+
+
 @functools.lru_cache(maxsize=2048)
 def _text_mask(text: str, size: int, rotate: bool) -> Image.Image:
-    """The text as an ``L`` mask, one line high; turned to read upwards with ``rotate``."""
+    """The text as an ``L`` mask, one line high with a pixel either side, and its :data:`HALO`.
+
+    Turned to read upwards with ``rotate``.
+    """
     font = _font(size)
-    mask = Image.new("L", (max(1, math.ceil(font.getlength(text))), _line_height(size)), 0)
-    ImageDraw.Draw(mask).text((0, 0), text, fill=255, font=font)
+    box = (max(1, math.ceil(font.getlength(text))) + 2, _line_height(size) + 2)
+    mask = Image.new("L", box, 0)
+    ImageDraw.Draw(mask).text((1, 1), text, fill=255, font=font)
+    if isinstance(font, ImageFont.FreeTypeFont):  # a bitmap font draws no outline
+        halo = Image.new("L", box, 0)
+        ImageDraw.Draw(halo).text((1, 1), text, fill=round(255 * HALO), font=font, stroke_width=1)
+        mask = ImageChops.lighter(mask, halo)
     return mask.transpose(Image.Transpose.ROTATE_90) if rotate else mask
 
 
@@ -220,7 +260,10 @@ def _text_stamp(text: str, size: int, rotate: bool, colour: RGB) -> tuple[Image.
 
 
 def text_size(text: str, size: int) -> tuple[int, int]:
-    """The ``(width, height)`` in pixels of ``text`` at ``size``, unrotated, one line high."""
+    """The ``(width, height)`` in pixels of ``text`` at ``size``, unrotated, one line high.
+
+    A pixel either side of the glyphs included, for their outline (:data:`HALO`).
+    """
     return _text_mask(text, size, False).size
 
 
@@ -238,13 +281,27 @@ def put_text(
     """Paint ``text`` in ``colour`` with its box anchored at ``(x, y)``.
 
     ``colour`` is ``TEXT_COLOUR`` or ``MUTED_COLOUR``. ``anchor`` is ``l``, ``m`` or ``r``
-    (left, middle, right), then ``t``, ``m`` or ``b`` (top, middle, bottom).
+    (left, middle, right), then ``t``, ``m`` or ``b`` (top, middle, bottom). A ``size``
+    below :data:`MIN_TEXT_SIZE` is refused (``ValueError``).
     """
+    if size < MIN_TEXT_SIZE:
+        raise ValueError(f"text of {size} px is below the pictures' {MIN_TEXT_SIZE} px")
     stamp, mask = _text_stamp(text, size, rotate, colour)
     width, height = stamp.size
     left = x - {"l": 0.0, "m": width / 2, "r": width}[anchor[0]]
     top = y - {"t": 0.0, "m": height / 2, "b": height}[anchor[1]]
     image.paste(stamp, (round(left), round(top)), mask)
+
+
+CAPTION_LAST_TOP, CAPTION_STEP = 440, 30
+"""The top of a picture's last caption line, and the step from one line to the next."""
+
+
+def put_caption(image: Image.Image, lines: Sequence[str]) -> None:
+    """The caption's lines below the axes, muted, the last at :data:`CAPTION_LAST_TOP`."""
+    for k, line in enumerate(lines):
+        top = CAPTION_LAST_TOP - (len(lines) - 1 - k) * CAPTION_STEP
+        put_text(image, line, 12, top, size=LABEL_SIZE, colour=MUTED_COLOUR)
 
 
 # ---------------------------------------------------------------------- labels

@@ -5,7 +5,8 @@ The scalars reach TensorBoard through each Lightning logger's ``log_metrics``
 public methods, from a window's host summary
 (:class:`~lightning_rollout_debug.metrics.extras.ExtrasSummary`): histograms with the
 fixed bins of :mod:`~lightning_rollout_debug.metrics.extras` (``add_histogram_raw``), a
-markdown table of the worst tokens (``add_text``), the pictures of the profile
+markdown table of the worst tokens (``add_text``; with a tokenizer their text, from
+:mod:`.token_text`), the pictures of the profile
 (:mod:`.pictures`, ``add_image``), and the custom-scalars layout of the catalog's
 :data:`~lightning_rollout_debug.metrics.catalog.DASHBOARD`.
 """
@@ -22,8 +23,9 @@ import torch
 from lightning_rollout_debug.metrics.catalog import DASHBOARD
 from lightning_rollout_debug.metrics.extras import ExtrasSummary, TokenExtras
 from lightning_rollout_debug.metrics.profile import Profile
-from lightning_rollout_debug.metrics.worst_tokens import WorstToken
+from lightning_rollout_debug.metrics.worst_tokens import CONTEXT_TOKENS, WorstToken
 from lightning_rollout_debug.views.pictures import PICTURES, profile_pictures
+from lightning_rollout_debug.views.token_text import TokenText
 
 WORST_TOKENS_TAG = "rollout_worst_tokens"
 """Un-prefixed TensorBoard tag of the worst-tokens table."""
@@ -34,6 +36,13 @@ WORST_TOKENS_CAPTION = (
     "logged step); *row*, *position*: the token's place in that batch's [B, T] tensors."
 )
 """First paragraph of the worst-tokens text, above the table."""
+
+TEXT_CAPTION = (
+    f"*context*: the text of up to {CONTEXT_TOKENS} tokens before the token in its row; "
+    "*text*: the token's own. ␣ is a space, ↵ a newline, → a tab, ⟨id⟩ a token without "
+    "text of its own."
+)
+"""The worst-tokens text's paragraph on the text columns, when they are shown."""
 
 PROFILE_IMAGE_TAG = "rollout_profile"
 """Un-prefixed TensorBoard tag group of the profile pictures."""
@@ -51,13 +60,20 @@ some 20 KB); TensorBoard shows 10 images per tag unless started with
 
 
 def write_extras(
-    writer: Any, prefix: str, summary: ExtrasSummary, step: int, *, show_rank: bool = False
+    writer: Any,
+    prefix: str,
+    summary: ExtrasSummary,
+    step: int,
+    *,
+    show_rank: bool = False,
+    token_text: TokenText | None = None,
 ) -> None:
     """Write a window's histograms and worst-tokens table with a ``SummaryWriter``.
 
     A histogram is written from its first to its last non-empty bin (``bucket_limit`` is
     a contiguous run of the fixed edges, then ``DBL_MAX`` if the overflow bin is
-    included). Nothing is written for an empty window.
+    included). With ``token_text``, the table shows the tokens' text. Nothing is written
+    for an empty window.
     """
     for name, histogram in summary.histograms.items():
         if histogram.num < 1:
@@ -77,8 +93,11 @@ def write_extras(
             global_step=step,
         )
     if summary.worst_tokens:
-        table = worst_tokens_markdown(summary.worst_tokens, show_rank=show_rank)
-        writer.add_text(f"{prefix}{WORST_TOKENS_TAG}", f"{WORST_TOKENS_CAPTION}\n\n{table}", step)
+        tokens = summary.worst_tokens
+        table = worst_tokens_markdown(tokens, show_rank=show_rank, token_text=token_text)
+        texts = token_text is not None and any(token.token_id is not None for token in tokens)
+        caption = f"{WORST_TOKENS_CAPTION} {TEXT_CAPTION}" if texts else WORST_TOKENS_CAPTION
+        writer.add_text(f"{prefix}{WORST_TOKENS_TAG}", f"{caption}\n\n{table}", step)
 
 
 def logger_prefix(logger: Any) -> str:
@@ -160,10 +179,14 @@ def prepare_pictures() -> None:
     profile_pictures(extras.summary(extras.state).profile)
 
 
-def worst_tokens_markdown(tokens: Sequence[WorstToken], *, show_rank: bool = False) -> str:
+def worst_tokens_markdown(
+    tokens: Sequence[WorstToken], *, show_rank: bool = False, token_text: TokenText | None = None
+) -> str:
     """A Markdown table of the worst tokens (TensorBoard's text plugin renders it).
 
-    The token column appears when any token has an id, the rank column with ``show_rank``.
+    The token column appears when any token has an id, the rank column with ``show_rank``;
+    with ``token_text`` and ids, the text of each token (aligned left) and of its context
+    (aligned right, so that the two read on; :meth:`TokenText.cells`).
 
     Example:
         >>> token = WorstToken(-0.223144, 0.2, 0.25, batch=0, row=1, position=7, token_id=42,
@@ -172,20 +195,38 @@ def worst_tokens_markdown(tokens: Sequence[WorstToken], *, show_rank: bool = Fal
         | # | batch | row | position | token | rollout prob | actor prob | r = log(actor/rollout) |
         |---:|---:|---:|---:|---:|---:|---:|---:|
         | 1 | 0 | 1 | 7 | 42 | 0.25 | 0.2 | -0.223144 |
+        >>> from tokenizers import Tokenizer, models
+        >>> vocab = {"[UNK]": 0, "the": 40, "mat": 42}
+        >>> words = TokenText(Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")))
+        >>> token = WorstToken(-0.223144, 0.2, 0.25, batch=0, row=1, position=7, token_id=42,
+        ...                    rank=0, context=(40,))
+        >>> print(worst_tokens_markdown([token], token_text=words).splitlines()[2])
+        | 1 | 0 | 1 | 7 | 42 | the | ␣mat | 0.25 | 0.2 | -0.223144 |
     """
     show_token = any(token.token_id is not None for token in tokens)
+    show_text = show_token and token_text is not None
     header = ["#", *(["rank"] if show_rank else []), "batch", "row", "position"]
-    header += [*(["token"] if show_token else []), "rollout prob", "actor prob"]
-    header.append("r = log(actor/rollout)")
-    lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
+    header += [*(["token"] if show_token else []), *(["context", "text"] if show_text else [])]
+    header += ["rollout prob", "actor prob", "r = log(actor/rollout)"]
+    aligned = "".join(":---|" if name == "text" else "---:|" for name in header)
+    lines = ["| " + " | ".join(header) + " |", "|" + aligned]
     for number, token in enumerate(tokens, start=1):
         cells = [str(number), *([str(token.rank)] if show_rank else [])]
         cells += [str(token.batch), str(token.row), str(token.position)]
         if show_token:
             cells.append("-" if token.token_id is None else str(token.token_id))
+        if show_text and token_text is not None:
+            cells += _text_cells(token, token_text)
         cells += [f"{token.rollout_prob:.6g}", f"{token.actor_prob:.6g}", f"{token.log_ratio:.6g}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _text_cells(token: WorstToken, token_text: TokenText) -> tuple[str, str]:
+    """The context and text cells of ``token`` (none without its id)."""
+    if token.token_id is None:
+        return "", "-"
+    return token_text.cells(token.context, token.token_id)
 
 
 DashboardLayout = dict[str, dict[str, list[Any]]]

@@ -4,7 +4,7 @@ Eagerly (:func:`bin_indices`, :func:`count_bins`, :func:`by_position`,
 :func:`by_probability`): the bins' indices in planes of their own, counted in one
 scatter-add; compiled (:func:`scattered`): every counted bin and sum by bucket in one
 float64 scatter-add. The worst tokens are the ``k`` largest keys (:func:`worst_keys`),
-each row's best first.
+each row's best first, with their ids and those before them where the batch has ids.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from lightning_rollout_debug.metrics.torch_pass.constants import (
     part_starts,
 )
 from lightning_rollout_debug.metrics.torch_pass.planes import PassPlan, Planes
+from lightning_rollout_debug.metrics.worst_tokens import CONTEXT_TOKENS, ids_before
 
 INF = math.inf
 
@@ -137,15 +138,25 @@ def worst_candidates(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """The ``k`` tokens of largest key: their keys, ``[a, b]`` and ids.
 
-    Each row's best first (rows in parallel), then the best of those.
+    Each row's best first (rows in parallel), then the best of those. The ids are
+    ``[1 + CONTEXT_TOKENS, k]``: each token's, then those before it (:func:`ids_before`).
     """
     best = keys.topk(min(k, width), dim=-1).values
     found = best.flatten().topk(min(k, best.numel())).values
     flat = places(found)
     ab = p.run("a", "b") if value is None else torch.stack([value["a"], value["b"]])
     ab = ab.reshape(2, -1).index_select(1, flat)
-    ids = None if token_ids is None else token_ids.reshape(-1).index_select(0, flat)
+    ids = None if token_ids is None else ids_before(token_ids, flat, _context_steps(flat))
     return found, ab, ids
+
+
+def _context_steps(like: Tensor) -> Tensor:
+    """The column ``0, 1, ..., CONTEXT_TOKENS`` on the device of ``like``."""
+
+    def steps(device: torch.device) -> Tensor:
+        return torch.arange(CONTEXT_TOKENS + 1, device=device).view(-1, 1)
+
+    return by_shape("context steps", like, steps)
 
 
 def places(keys: Tensor) -> Tensor:

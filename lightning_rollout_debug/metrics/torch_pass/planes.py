@@ -41,7 +41,8 @@ class PassPlan:
         worst_tokens_k: find this many worst-token candidates (0: none).
         profile: count the profile's bins and sum its buckets.
 
-    The layout of the pass's planes follows from these, once (:attr:`planes`).
+    What follows from these (the planes, their layout, what the finishing reads) is made
+    once, into plain fields.
     """
 
     groups: frozenset[str]
@@ -59,49 +60,41 @@ class PassPlan:
     """The index of each plane."""
     parts: tuple[tuple[str, int], ...] = field(init=False, compare=False, repr=False)
     """The parts of the extras' counted bins, in order after the unused bin 0: name and size."""
+    extras: bool = field(init=False, compare=False, repr=False)
+    """Whether any extra is on."""
+    index_planes: int = field(init=False, compare=False, repr=False)
+    """The planes of the extras' bin indices: one a counted part, two for the joint bins."""
+    centred: slice = field(init=False, compare=False, repr=False)
+    """The planes centred at their rows' means: from ``a`` to ``rho`` (or ``d``)."""
+    products: tuple[tuple[str, str], ...] = field(init=False, compare=False, repr=False)
+    """The pairs of centred planes whose products are summed: ``pa pb``, then ``a b``."""
+    tail: str = field(init=False, compare=False, repr=False)
+    """The first of the planes that are not read once the rows are summed."""
+    bottoms: tuple[str, ...] = field(init=False, compare=False, repr=False)
+    """The planes whose smallest values are needed: ``r`` and ``d`` (the histograms)."""
+    log_ratio: bool = field(init=False, compare=False, repr=False)
+    """Whether the rows' sums of ``r`` are needed (in float64, from ``a - b``)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "parts", counted_parts(self.histograms, self.profile))
-        lean = not (self.extras or {"kl", "importance_ratio", "health"} & self.groups)
-        planes = LEAN_PLANES if lean else plane_names(self, self.index_planes)
-        object.__setattr__(self, "planes", planes)
-        object.__setattr__(self, "at", {name: i for i, name in enumerate(planes)})
-
-    @property
-    def extras(self) -> bool:
-        """Whether any extra is on."""
-        return self.histograms or self.profile or self.worst_tokens_k > 0
-
-    @property
-    def index_planes(self) -> int:
-        """The planes of the extras' bin indices: one a counted part, two for the joint bins."""
-        return len(self.parts) + int(self.profile)
-
-    @property
-    def centred(self) -> slice:
-        """The planes centred at their rows' means: from ``a`` to ``rho`` (or ``d``)."""
-        return slice(self.at["a"], self.at["rho" if "rho" in self.at else "d"] + 1)
-
-    @property
-    def products(self) -> tuple[tuple[str, str], ...]:
-        """The pairs of centred planes whose products are summed: ``pa pb``, then ``a b``."""
-        return (("pa", "pb"), ("a", "b")) if "ab" in self.at else (("pa", "pb"),)
-
-    @property
-    def tail(self) -> str:
-        """The first of the planes that are not read once the rows are summed."""
-        return self.planes[self.at["ab" if "ab" in self.at else "papb"] + 1]
-
-    @property
-    def bottoms(self) -> tuple[str, ...]:
-        """The planes whose smallest values are needed: ``r`` and ``d`` (the histograms)."""
-        r = "importance_ratio" in self.groups or self.histograms
-        return ("r",) * r + ("d",) * self.histograms
-
-    @property
-    def log_ratio(self) -> bool:
-        """Whether the rows' sums of ``r`` are needed (in float64, from ``a - b``)."""
-        return self.histograms or bool({"kl", "importance_ratio", "sequence"} & self.groups)
+        groups, histograms, profile = self.groups, self.histograms, self.profile
+        derived: dict[str, Any] = {"parts": counted_parts(histograms, profile)}
+        derived["extras"] = histograms or profile or self.worst_tokens_k > 0
+        derived["index_planes"] = len(derived["parts"]) + int(profile)
+        lean = not (derived["extras"] or {"kl", "importance_ratio", "health"} & groups)
+        planes = LEAN_PLANES if lean else plane_names(self, derived["index_planes"])
+        at = {name: i for i, name in enumerate(planes)}
+        r = "importance_ratio" in groups or histograms
+        derived |= {
+            "planes": planes,
+            "at": at,
+            "centred": slice(at["a"], at["rho" if "rho" in at else "d"] + 1),
+            "products": (("pa", "pb"), ("a", "b")) if "ab" in at else (("pa", "pb"),),
+            "tail": planes[at["ab" if "ab" in at else "papb"] + 1],
+            "bottoms": ("r",) * r + ("d",) * histograms,
+            "log_ratio": histograms or bool({"kl", "importance_ratio", "sequence"} & groups),
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
 
 LEAN_PLANES = ("one", "a", "b", "l", "pa", "pb", "d", "papb", "masked")

@@ -103,7 +103,8 @@ class TokenSums:
     probability: Tensor | None = None
     """``[2, PROBABILITY_BUCKETS]``: ``|pa - pb|`` and ``|a - b|`` summed by bucket."""
     worst: tuple[Tensor, Tensor, Tensor | None] | None = None
-    """The ``k`` worst candidates: their keys (:func:`places` finds them), ``[a, b]``, ids."""
+    """The ``k`` worst candidates: their keys (:func:`places` finds them), ``[a, b]``, and their
+    ids with those before them (``[1 + CONTEXT_TOKENS, k]``)."""
     log_ratio: Tensor | None = None
     """``[B]``: each row's sum of ``r`` from the float64 differences ``a - b`` (``None``: a
     plan that needs none, :attr:`PassPlan.log_ratio`)."""
