@@ -28,11 +28,17 @@ fired during the run:
   for the pad steps (``generate``'s ``output_logits`` does): invisible in the mismatch
   metrics; ``+ pad_token_id`` is the same run with the monitor's ``pad_token_id``.
 * ``prompt columns``: ``old_log_probs`` over the prompt and the response (``P + T``
-  wide) with ``prompts`` in the batch: every batch is skipped, with the slice to take.
+  wide) with ``prompts`` in the batch: every batch is skipped, with the slice to take;
+  ``no prompts``: the same without ``prompts`` (the skip still names the prompt as the
+  likely cause); ``same width (lp[:, :T])``: the forward pass's log-probs of every token
+  after the first sliced from their start to the response's width: the trainer's are
+  ``P - 1`` positions late.
 * ``top-k 50 engine``, ``top-k 5 engine``: the engine samples from the k most likely
   tokens and records the renormalised log-prob (``generate``'s processed ``scores``); the
   trainer the full one. This policy keeps almost all its mass in its top 50 (the KL that
   truncation causes, which k1 estimates, is tiny there); top 5 drops a few percent.
+  ``full-distribution log-probs``: the top-5 engine records the log-probs of its full
+  distribution (``generate``'s raw ``logits``) instead: the truncation is hidden.
 * ``greedy decoding (top-k 1)``: the same engine at ``top_k=1``: it records 0.0 (the
   renormalised one-token distribution) at every step but those of tied bf16 logits
   (Hugging Face keeps the ties), where the trainer's log-prob of the argmax token is
@@ -44,19 +50,26 @@ fired during the run:
 * ``top-k 50 in the trainer``: the engine samples from the full distribution, the
   trainer cuts its logits to their top 50 (masked to -inf) before the log-softmax: a
   sampled token outside them gets -inf.
-* ``dropout 0.1``: the trainer recomputes in training mode with GPT-2's default dropout.
+* ``dropout 0.1``: the trainer recomputes in training mode with GPT-2's default dropout
+  (``peaked``: of the peaked policy below, whose bf16 log-probs of 0.0 the noisy trainer
+  doubts).
+* ``stale weights (synced every 4 steps)``: the trainer's weights move along a fixed
+  random direction at every step, as an optimizer's would; the engine is a bf16 copy
+  refreshed at every 4th step (16 windows, one step each).
 * ``correct, peaked (gain 12)``: a correct run of a more confident policy (largest
   logits ~30, like a trained LM's); shows whether healthy bf16 rounding of log p ~ 0 to
   exactly 0.0 reads as padding.
 
-Run (about 35 s on two CPU cores with the defaults; ``--threads 1`` is the default, as in
-``calibrate_alerts.py``: these ops are too small to split)::
+Run (about 150 s on two CPU cores with the defaults; ``--threads 1`` is the default, as
+in ``calibrate_alerts.py``: these ops are too small to split)::
 
     python benchmarks/mistakes.py
     python benchmarks/mistakes.py --windows 16 --seed 1 --top-k 50,20,5
+    python benchmarks/mistakes.py --messages
 
 It prints a markdown table (columns: the un-prefixed metric names without ``rollout_`` /
-``rollout_actor_``), ready for ``docs/troubleshooting.md``.
+``rollout_actor_``; ``stale_period``: its largest over the run), ready for
+``docs/troubleshooting.md``; with ``--messages``, every warning each scenario gave.
 """
 
 from __future__ import annotations
@@ -89,6 +102,7 @@ COLUMNS = {  # table column: logged metric name (un-prefixed)
     "alignment_lag": "rollout_alignment_lag",
     "zero_log_prob_tokens": "rollout_zero_log_prob_tokens",
     "actor_ppl": "actor_ppl",
+    "stale_period": "rollout_stale_period",
 }
 PREFIX = "training/"
 
@@ -108,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--dropout", type=float, default=0.1, help="p of the dropout scenario")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument(
+        "--messages", action="store_true", help="print every diagnosis and skip warning"
+    )
     return parser.parse_args(argv)
 
 
@@ -152,11 +169,15 @@ class Policy:
         generator: torch.Generator,
         trainer: torch.nn.Module | None = None,
         temperature: float = 1.0,
+        raw: bool = False,
+        engine: torch.nn.Module | None = None,
     ) -> Rollout:
         """One window; ``top_k > 0``: the engine's log-probs are renormalised over the top k.
 
         The engine samples at ``temperature`` and records raw log-probs (its logits before
-        the temperature); the trainer divides its logits by it.
+        the temperature); the trainer divides its logits by it. ``raw``: the engine records
+        the log-probs of its full distribution even when it truncates. ``engine`` and
+        ``trainer`` stand in for the policy's.
         """
         a = self.args
         seeds = torch.randint(2, self.vocab, (a.batch, 2), generator=generator)
@@ -170,7 +191,7 @@ class Policy:
             eos_token_id=self.eos,
             pad_token_id=self.pad,
         )
-        out = self.engine.generate(
+        out = (self.engine if engine is None else engine).generate(
             prompts,
             attention_mask=torch.ones_like(prompts),
             do_sample=True,
@@ -185,7 +206,7 @@ class Policy:
             pad_token_id=self.pad,
         )
         sequences = out.sequences
-        steps = torch.stack(out.scores if top_k else out.logits, 1)  # scores: after top-k
+        steps = torch.stack(out.scores if top_k and not raw else out.logits, 1)  # after top-k
         ids = {"eos_token_id": self.eos, "pad_token_id": self.pad}
         rollout, mask = response_log_probs(steps, sequences, a.prompt_len, **ids)
         model = self.trainer if trainer is None else trainer
@@ -227,6 +248,13 @@ def with_prompt(r: Rollout) -> torch.Tensor:
     return torch.nn.functional.pad(lp, (1, 0))
 
 
+def prompt_sliced(r: Rollout, prompt: int) -> torch.Tensor:
+    """The log-probs of every token after the first sliced from their start, ``lp[:, :T]``."""
+    log_p = r.logits[:, :-1].float().log_softmax(-1)
+    lp = log_p.gather(-1, r.sequences[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return lp[:, : r.rollout.shape[1]]
+
+
 @dataclass
 class Scenario:
     name: str
@@ -237,6 +265,10 @@ class Scenario:
     dropout: float = 0.0
     gain: float | None = None
     monitor: dict[str, object] = field(default_factory=dict)
+    raw: bool = False
+    """The engine records the log-probs of its full distribution (raw logits)."""
+    sync_every: int = 0
+    """Stale weights: the trainer moves at every step, the engine is synced every this many."""
 
 
 def plain(r: Rollout, prompt: int, old: torch.Tensor | None = None, **extra: torch.Tensor) -> Batch:
@@ -274,11 +306,19 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
             "prompt columns",
             lambda r, p: plain(r, p, with_prompt(r), prompts=r.sequences[:, :p]),
         ),
+        Scenario("prompt columns, no prompts", lambda r, p: plain(r, p, with_prompt(r))),
+        Scenario(
+            "prompt columns, same width (`lp[:, :T]`)",
+            lambda r, p: plain(r, p, prompt_sliced(r, p)),
+        ),
         *(Scenario(f"top-k {k} engine", plain, top_k=int(k)) for k in args.top_k.split(",")),
+        Scenario("top-k 5 engine, full-distribution log-probs", plain, top_k=5, raw=True),
         Scenario("greedy decoding (top-k 1)", plain, top_k=1),
         Scenario("raw rollout log-probs, temperature 0.7", plain, temperature=0.7),
         Scenario("top-k 50 in the trainer", lambda r, p: plain(r, p, trainer_top_k(r, p, 50))),
         Scenario(f"dropout {args.dropout:g}", plain, dropout=args.dropout),
+        Scenario(f"dropout {args.dropout:g}, peaked", plain, dropout=args.dropout, gain=12.0),
+        Scenario("stale weights (synced every 4 steps)", plain, sync_every=4),
         Scenario("correct, peaked (gain 12)", plain, gain=12.0),
     ]
 
@@ -298,15 +338,22 @@ def run(args: argparse.Namespace, scenario: Scenario, policy: Policy) -> dict[st
         histograms=False, worst_tokens_k=0, alert_ranges={}, **scenario.monitor
     )
     trainer = with_dropout(policy.trainer, scenario.dropout) if scenario.dropout else None
+    drift = Drift(policy, scenario.sync_every, args.seed) if scenario.sync_every else None
     generator = torch.Generator().manual_seed(args.seed + 1)
     torch.manual_seed(args.seed + 1)  # generate() samples from the global generator
     values: dict[str, list[float]] = collections.defaultdict(list)
+    windows = max(args.windows, 4 * scenario.sync_every)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if trainer is not None:
             monitor.check_dropout(trainer)
-        for step in range(args.windows):
-            rollout = policy.sample(scenario.top_k, generator, trainer, scenario.temperature)
+        for step in range(windows):
+            engine = None
+            if drift is not None:
+                trainer, engine = drift.step(step)
+            rollout = policy.sample(
+                scenario.top_k, generator, trainer, scenario.temperature, scenario.raw, engine
+            )
             monitor.update(scenario.batch(rollout, args.prompt_len))
             logged = monitor.log(step)
             for column, name in COLUMNS.items():
@@ -323,7 +370,33 @@ def run(args: argparse.Namespace, scenario: Scenario, policy: Policy) -> dict[st
     for column in COLUMNS:
         row[column] = summary(column, values[column])
     row["diagnoses"] = ", ".join(fired) or "none"
+    said = [w for w in caught if w.category in (RolloutDebugWarning, RolloutDiagnosisWarning)]
+    row["messages"] = "\n".join(dict.fromkeys(f"  - {w.message}" for w in said))
     return row
+
+
+class Drift:
+    """A trainer whose weights move along a fixed random direction at every step, and a
+    bf16 engine synced with it every ``sync_every`` steps: stale weights in between."""
+
+    def __init__(self, policy: Policy, sync_every: int, seed: int, size: float = 5e-4) -> None:
+        self.trainer = copy.deepcopy(policy.trainer)
+        generator = torch.Generator().manual_seed(seed + 7)
+        self.direction = [
+            size * torch.randn(p.shape, generator=generator) for p in self.trainer.parameters()
+        ]
+        self.engine = copy.deepcopy(policy.engine)
+        self.sync_every = sync_every
+
+    @torch.no_grad()
+    def step(self, step: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """The trainer and the engine of ``step`` (the trainer moved, the engine synced)."""
+        if step:
+            for parameter, direction in zip(self.trainer.parameters(), self.direction, strict=True):
+                parameter.add_(direction)
+        if step % self.sync_every == 0:
+            self.engine.load_state_dict(self.trainer.state_dict())
+        return self.trainer, self.engine
 
 
 def summary(column: str, values: list[float]) -> str:
@@ -333,6 +406,8 @@ def summary(column: str, values: list[float]) -> str:
         return f"{collections.Counter(values).most_common(1)[0][0]:+.0f}"
     if column == "zero_log_prob_tokens":
         return f"{statistics.median(values):.0f}"
+    if column == "stale_period":  # the run's series: named once it holds three periods
+        return f"{max(values):.0f}"
     return f"{statistics.median(values):.4g}"
 
 
@@ -360,6 +435,9 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         print("| " + " | ".join(row[column] for column in header) + " |")
     print(f"\n({time.perf_counter() - start:.0f} s)")
+    if args.messages:
+        for row in rows:
+            print(f"\n{row['scenario']}:\n{row['messages'] or '  (none)'}")
 
 
 if __name__ == "__main__":

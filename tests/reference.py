@@ -40,6 +40,7 @@ NAMES: dict[str, tuple[str, ...]] = {
         "rollout_log_probs_diff_max",
         "rollout_log_probs_diff_mean",
         "rollout_log_probs_diff_std",
+        "rollout_stale_period",
     ),
     "kl": (
         "rollout_actor_kl_k1",
@@ -233,10 +234,13 @@ def reference_metrics(
     zero_rollout = 0
     pairs_next: list[tuple[float, float]] = []  # (a_t, b_(t+1)), both counting
     pairs_prev: list[tuple[float, float]] = []  # (a_(t+1), b_t)
+    batch_means: list[float] = []  # each batch's mean |r| (NaN: no counting token)
+    batch_errors: list[float] = []  # and its standard error, sqrt(var(|r|) / n)
     ids_seen = False
     id_diff = 0
     id_rows = 0
     id_diff_rows = 0
+    nan = math.nan
     for rollout, old, m, rid, tid in zip(rollouts, olds, masks, r_ids, t_ids, strict=True):
         b = np.maximum(to_numpy(rollout), FLOOR)  # NaN stays NaN, -inf becomes -20
         a = np.maximum(to_numpy(old), FLOOR)
@@ -247,6 +251,11 @@ def reference_metrics(
         nonfinite += int(np.sum(masked & ~finite))
         token_a.append(a[counts])
         token_b.append(b[counts])
+        if masked.size:
+            abs_batch = np.abs(a - b)[counts]
+            batch_means.append(float(np.mean(abs_batch)) if counts.any() else nan)
+            spread = float(np.std(abs_batch) / math.sqrt(abs_batch.size)) if counts.any() else nan
+            batch_errors.append(spread)
         zero_rollout += int(np.sum(counts & (b == 0.0) & (a < -1.0)))
         for row in range(a.shape[0]):
             for t in range(a.shape[1] - 1):
@@ -281,7 +290,6 @@ def reference_metrics(
     mean_a, mean_b, mean_r = np.array(seq_mean_a), np.array(seq_mean_b), np.array(seq_mean_r)
     seqs = mean_a.size
     geo = np.exp(mean_r)
-    nan = math.nan
 
     lags = lag_correlations(a, b, pairs_prev, pairs_next)
     values = {
@@ -296,6 +304,7 @@ def reference_metrics(
         "rollout_log_probs_diff_max": _max(abs_r),
         "rollout_log_probs_diff_mean": _mean(abs_r),
         "rollout_log_probs_diff_std": _std(abs_r),
+        "rollout_stale_period": stale_period(batch_means, batch_errors),
         # KL group; rho - 1 is evaluated as expm1 so that k3 keeps its digits near r = 0
         "rollout_actor_kl_k1": _mean(-r),
         "rollout_actor_kl_k3": _mean(np.expm1(np.clip(r, -CLAMP, CLAMP)) - r),
@@ -349,6 +358,51 @@ def reference_metrics(
     out.lags = lags
     out.lag_sides = lag_sides(a, b, pairs_prev, pairs_next)
     return out
+
+
+def stale_period(means: Sequence[float], errors: Sequence[float]) -> float:
+    """``rollout_stale_period`` of the per-batch mean ``|r|`` (docs/metrics.md), the last 64.
+
+    For each period ``P`` in 2..16 held three times and each phase: every drop and every
+    whole period's rise above 0, at least two drops; the fit ``c0 + (c1 + c2 t') k`` with
+    ``R^2 >= 0.8``; at every drop and whole period the fitted rise above 0, at least half
+    ``c0``, and the step at least half the fitted rise and four standard errors of the
+    two batches' difference (``errors``: each mean's). The best ``R^2``'s ``P``, else 0.
+    """
+    x = np.asarray(list(means)[-64:], dtype=np.float64)
+    se = np.asarray(list(errors)[-64:], dtype=np.float64)
+    n, t = x.size, np.arange(x.size)
+    best, found = -math.inf, 0
+    for period in range(2, 17):
+        if n < 3 * period:
+            break
+        for phase in range(period):
+            k = (t - phase) % period
+            drops_at = t[(k == 0) & (t > 0)]
+            rises_at = t[(k == 0) & (t + period <= n)]
+            steps = [(x[s - 1] - x[s], s - 1, s) for s in drops_at]
+            steps += [(x[s + period - 1] - x[s], s, s + period - 1) for s in rises_at]
+            seen = [(step, at, other) for step, at, other in steps if not np.isnan(step)]
+            seen_drops = sum(not np.isnan(x[s - 1] - x[s]) for s in drops_at)
+            if seen_drops < 2 or len(seen) == seen_drops or min(s for s, _, _ in seen) <= 0:
+                continue
+            scaled = (t - (n - 1) / 2) / n
+            design = np.stack([np.ones(n), k, k * scaled], axis=1)
+            valid = ~np.isnan(x)
+            coef = np.linalg.lstsq(design[valid], x[valid], rcond=None)[0]
+            residual = x[valid] - design[valid] @ coef
+            r2 = 1.0 - np.sum(residual**2) / np.sum((x[valid] - x[valid].mean()) ** 2)
+            rise = (coef[1] + coef[2] * scaled) * (period - 1)
+            holds = all(
+                rise[at] > 0
+                and rise[at] >= 0.5 * coef[0]
+                and step >= 0.5 * rise[at]
+                and step >= 4.0 * math.hypot(se[at], se[other])
+                for step, at, other in seen
+            )
+            if r2 >= 0.8 and holds and r2 > best:
+                best, found = r2, period
+    return float(found)
 
 
 def quantile(values: np.ndarray, per_mille: int) -> float:
@@ -490,10 +544,14 @@ def assert_metrics_close(got: Mapping[str, float], want: Reference, *, prefix: s
     NaN must match NaN; Pearson and ``1 -`` it use :func:`assert_pearson_close`; quantiles
     :func:`quantile_close`; everything else ``|got - want| <= metric_atol + RTOL * |want|``.
     The quantiles come from a window's profile: when ``got`` has none of them (a
-    ``MismatchStats`` without a profile), they are not expected.
+    ``MismatchStats`` without a profile), they are not expected; nor is
+    ``rollout_stale_period`` without the run's series (which the reference reads from the
+    window's batches).
     """
     if not any(prefix + name in got for name in NAMES["quantiles"]):
         want = want.select([name for name in want if name not in NAMES["quantiles"]])
+    if prefix + "rollout_stale_period" not in got:  # a window without the run's series
+        want = want.select([name for name in want if name != "rollout_stale_period"])
     expected = [prefix + name for name in want]
     assert sorted(got) == sorted(expected), (
         f"names differ: extra {sorted(set(got) - set(expected))}, "

@@ -48,6 +48,7 @@ from lightning_rollout_debug.checks.diagnosis import (
 )
 from lightning_rollout_debug.metrics.formulas import Window, lag_correlations
 from lightning_rollout_debug.metrics.layout import STATE, merge_states
+from lightning_rollout_debug.metrics.shifts import LAGS, ShiftSample, lag_sums
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),
@@ -775,7 +776,7 @@ def test_pad_ids_the_model_sampled_mid_response_are_not_padding(
 
 # ---------------------------------------------------------------------- prompt columns
 @pytest.mark.parametrize("columns", ["all", "after-the-first"])
-@pytest.mark.parametrize("source", ["prompts", "attention_mask", None])
+@pytest.mark.parametrize("source", ["prompts", "attention_mask", "prompt_attention_mask", None])
 def test_log_probs_with_the_prompt_columns_are_skipped_with_the_slice(
     rollouts: list[Rollout], source: str | None, columns: str
 ) -> None:
@@ -790,22 +791,113 @@ def test_log_probs_with_the_prompt_columns_are_skipped_with_the_slice(
         extra["prompts"] = r.sequences[:, :PROMPT]
     elif source == "attention_mask":
         extra["attention_mask"] = torch.ones_like(r.sequences)
+    elif source == "prompt_attention_mask":  # the prompt's own mask, as its tokenizer gave it
+        extra["attention_mask"] = torch.ones_like(r.sequences[:, :PROMPT])
     run = fit([batch_of(r.rollout, whole, r.mask, **extra)])
     skipped = [message for message in run.skips() if "old_log_probs" in message]
     assert len(skipped) == 1, run.skips()
-    if source is None:
-        assert "prompt" not in skipped[0]
+    assert f"`old_log_probs[:, -{width}:]`" in skipped[0]
+    assert "The batch is skipped" in skipped[0]
+    assert run.diagnoses() == []
+    # The slice it names is the correct run's log-probs.
+    torch.testing.assert_close(whole[:, -width:], r.old)
+    if source is None:  # no width to confirm it: the prompt is the likely cause
+        more = whole.shape[1] - width
+        assert (
+            f"`old_log_probs` has {more} more columns than `rollout_log_probs`: it likely "
+            "includes the prompt's (log-probs of the whole sequence, prompt and response)"
+        ) in skipped[0]
         return
     assert "`old_log_probs` looks like it includes the prompt" in skipped[0]
     if columns == "all":
         assert f"{PROMPT} columns wider, the prompt's width." in skipped[0]
     else:
         assert f"{PROMPT - 1} columns wider, the prompt's width less one" in skipped[0]
-    assert f"`old_log_probs[:, -{width}:]`" in skipped[0]
-    assert "The batch is skipped" in skipped[0]
-    assert run.diagnoses() == []
-    # The slice it names is the correct run's log-probs.
-    torch.testing.assert_close(whole[:, -width:], r.old)
+
+
+def whole_log_probs(rollout: Rollout, first: bool) -> Tensor:
+    """The log-probs of every token of the sequence after the first (``[B, P + T - 1]``), as
+    a forward pass gives them; with ``first``, a 0 column for the first token too."""
+    log_p = rollout.logits[:, :-1].float().log_softmax(-1)
+    every = log_p.gather(-1, rollout.sequences[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.nn.functional.pad(every, (1, 0)) if first else every
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["every-token-after-the-first", "all"])
+def test_prompt_columns_of_the_responses_width_are_named(
+    rollouts: list[Rollout], first: bool
+) -> None:
+    """``lp[:, :T]``: the right width, the prompt's columns kept and the response's last
+    dropped. The trainer's log-probs are ``P - 1`` (``P``) positions late: the window's
+    sample names it, the slice to take with it, and nothing else."""
+    width = rollouts[0].mask.shape[1]
+    batches = [
+        batch_of(r.rollout, whole_log_probs(r, first)[:, :width], r.mask, seed=i)
+        for i, r in enumerate(rollouts[:2])
+    ]
+    run = fit(batches)
+    late = PROMPT if first else PROMPT - 1
+    assert run.callback.monitor.diagnosed == {"prompt"}, run.diagnoses()
+    message = one_with(run.diagnoses(), "positions late")
+    assert f"The trainer's log-probs look {late} positions late" in message
+    assert f"rollout_log_probs[:, t - {late}]" in message
+    assert "Take the response's columns: lp[:, -T:]" in message
+    torch.testing.assert_close(whole_log_probs(rollouts[0], first)[:, -width:], rollouts[0].old)
+
+
+def test_log_probs_early_by_several_positions_are_misaligned(rollouts: list[Rollout]) -> None:
+    """``lp[:, P + 2 :]``: three positions early, padded to the response's width."""
+    width = rollouts[0].mask.shape[1]
+    batches = []
+    for i, r in enumerate(rollouts[:2]):
+        early = whole_log_probs(r, first=False)[:, PROMPT + 2 :]
+        early = torch.nn.functional.pad(early, (0, width - early.shape[1]))
+        batches.append(batch_of(r.rollout, early, r.mask, seed=i))
+    run = fit(batches)
+    assert run.callback.monitor.diagnosed == {"misaligned"}, run.diagnoses()
+    message = one_with(run.diagnoses(), "positions early")
+    assert "The trainer's log-probs look 3 positions early" in message
+
+
+def reference_lag_sums(batch: Mapping[str, Tensor], lag: int) -> tuple[float, ...]:
+    """The sums over the pairs ``(a_t, b_(t+lag))`` of one row that both count, in float64."""
+    a = np.maximum(batch["old_log_probs"].double().numpy(), -20.0)
+    b = np.maximum(batch["rollout_log_probs"].double().numpy(), -20.0)
+    counts = (batch["response_mask"].numpy() != 0) & np.isfinite(a) & np.isfinite(b)
+    pairs = [
+        (a[row, t], b[row, t + lag])
+        for row in range(min(a.shape[0], 8))
+        for t in range(a.shape[1])
+        if 0 <= t + lag < a.shape[1] and counts[row, t] and counts[row, t + lag]
+    ]
+    x = np.array([p[0] for p in pairs]).reshape(-1)
+    y = np.array([p[1] for p in pairs]).reshape(-1)
+    return (len(pairs), x.sum(), y.sum(), (x * x).sum(), (y * y).sum(), (x * y).sum())
+
+
+def test_the_samples_lag_sums_are_the_references_and_merge_over_ranks() -> None:
+    """Every lag up to half the sample's width, from the window's first batch alone; two
+    ranks' samples add up."""
+    batches = [sampled_batch(seed, width=40) for seed in range(3)]
+    batches[0]["old_log_probs"][1, 3] = -math.inf  # floored at -20
+    batches[0]["rollout_log_probs"][2, 5] = math.nan  # does not count
+    monitors = [RolloutDebugMonitor(alert_ranges={}, drift_factors={}) for _ in range(2)]
+    for monitor in monitors:
+        for batch in batches:  # the later batches add nothing to the sample
+            monitor.update(batch)
+    vectors = [monitor._shifts.window_values(torch.device("cpu")) for monitor in monitors]
+    sums = lag_sums(vectors[0].tolist())
+    for lag in range(-LAGS, LAGS + 1):
+        want = reference_lag_sums(batches[0], lag) if abs(lag) <= 20 else (0,) * 6
+        np.testing.assert_allclose(sums[lag], want, rtol=1e-9, atol=1e-9, err_msg=str(lag))
+    merged = lag_sums(ShiftSample.merge_states(torch.stack(vectors)).tolist())
+    np.testing.assert_allclose(merged[-3], 2 * np.array(sums[-3]), rtol=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RolloutDiagnosisWarning)  # the -inf: masked logits
+        monitors[0].log(0)  # a new window: a new sample, from its first batch
+    monitors[0].update(batches[2])
+    again = lag_sums(monitors[0]._shifts.window_values(torch.device("cpu")).tolist())
+    np.testing.assert_allclose(again[2], reference_lag_sums(batches[2], 2), rtol=1e-9)
 
 
 # ---------------------------------------------------------------------- truncated sampling

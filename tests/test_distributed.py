@@ -767,7 +767,7 @@ def test_the_settings_are_compared_once_before_the_first_merge(strict: bool) -> 
         sent.append(vector)
         return torch.stack([vector, *(others if len(sent) == 1 else [vector] * 2)])
 
-    mine = shaping_settings(window.stats, window.extras)
+    mine = shaping_settings(window.stats, window.extras, window.series, window.shifts)
     theirs = {**mine, "histograms": False, "profile": False, "is_threshold": 3.0}
     others[:] = [encoded(theirs), encoded(mine)]
     ranks = Ranks(3, True, gather)

@@ -35,8 +35,15 @@ from lightning_rollout_debug.functional import (
 
 PREFIX = "training/"
 SEED_KEYS = [PREFIX + name for name in SEED_FUNCTION_NAMES]
-NO_ID_NAMES = [name for group, names in NAMES.items() if group != "token_ids" for name in names]
-ALL = [name for names in NAMES.values() for name in names]
+# One batch has no run's series: no period of stale weights.
+NO_ID_NAMES = [
+    name
+    for group, names in NAMES.items()
+    if group != "token_ids"
+    for name in names
+    if name != "rollout_stale_period"
+]
+ALL = [name for names in NAMES.values() for name in names if name != "rollout_stale_period"]
 
 
 class FakeDataProto:

@@ -29,7 +29,11 @@ from lightning_rollout_debug.metrics.layout import (
 from lightning_rollout_debug.metrics.stats import MismatchStats
 
 # The metrics of MismatchStats' own state: the quantiles come from a profile (test_profile.py).
-STATS_NAMES = tuple(name for name in ALL_NAMES if name not in NAMES["quantiles"])
+STATS_NAMES = tuple(
+    name for name in ALL_NAMES if name not in (*NAMES["quantiles"], "rollout_stale_period")
+)
+"""What ``MismatchStats.compute`` gives: no quantiles without a profile, no period of stale
+weights without the run's series."""
 C_VALUES = st.sampled_from([2.0, 1.5, 1.01, 5.0, 3])
 BOUNDS = st.sampled_from([(0.99, 1.01), (0.5, 2.0), (1.0, 1.0), (0.9, 1.0), (0.999999, 1.5)])
 
@@ -331,7 +335,7 @@ def test_groups_selection(groups: list[str], batch: Batch) -> None:
     stats = MismatchStats(groups=groups)
     stats.update(*batch.args())
     got = stats.compute()
-    # Without a profile the quantiles are left out.
+    # Without a profile the quantiles are left out, without a series the stale period.
     names = [name for group in GROUPS if group in groups for name in NAMES[group]]
     names = [name for name in names if name in STATS_NAMES]
     assert list(got) == names

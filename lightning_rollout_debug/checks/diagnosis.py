@@ -35,6 +35,8 @@ from lightning_rollout_debug.checks.findings import (
     in_order,
 )
 from lightning_rollout_debug.checks.sampling import kept_one_token, one_sided, truncated
+from lightning_rollout_debug.checks.shifts import shifted
+from lightning_rollout_debug.checks.stale import stale
 from lightning_rollout_debug.metrics.formulas import Window, lag_correlations
 
 __all__ = [
@@ -76,11 +78,12 @@ def diagnose(
     A cause, of the window or known, explains the window's symptoms (truncated or
     one-sided sampling), which are then not named as causes of their own
     (:func:`~.findings.in_order`). Dropout's noise is in every value the rules read: with
-    dropout known, neither a shift by one position nor rollout log-probs of 0 are read
-    from them (pad ids and masked logits still are).
+    dropout known, neither a shift nor rollout log-probs of 0 are read from them (pad ids
+    and masked logits still are). A shift by one position comes from the window's exact
+    sums, a longer one (the prompt's columns) from its sample (:func:`~.shifts.shifted`).
     """
     noisy = "dropout" in known
-    misaligned = None if noisy else _misaligned(window)
+    misaligned = None if noisy else _misaligned(window) or shifted(window)
     # Log-probs of other tokens (misaligned): their KL estimates mean nothing.
     sampled = truncated(window, metrics) if misaligned is None else None
     # A greedy or strongly truncated engine records 0.0 (probability 1) for the steps where
@@ -92,7 +95,7 @@ def diagnose(
     found = [misaligned, _padding(window, count_zeros=zeros_say_padding), sampled]
     if misaligned is None:
         found.append(one_sided(window, metrics))
-    found.append(_masked_logits(window))
+    found += [_masked_logits(window), stale(window)]
     return in_order([diagnosis for diagnosis in found if diagnosis is not None], known)
 
 

@@ -58,8 +58,14 @@ _NAMED = {
 """How a message names the settings that are no constructor argument."""
 
 
-def shaping_settings(stats: MismatchStats, extras: TokenExtras | None) -> dict[str, Any]:
-    """The settings that shape the packed window of ``stats`` and ``extras``, by name."""
+def shaping_settings(
+    stats: MismatchStats, extras: TokenExtras | None, *beside: Any | None
+) -> dict[str, Any]:
+    """The settings that shape the packed window of ``stats`` and ``extras``, by name.
+
+    ``beside``: what else travels in the window's vector (each with its ``size``, or
+    ``None``): the run's series and the shift sample.
+    """
     return {
         "groups": tuple(group for group in GROUPS if group in stats.groups),
         "is_threshold": float(stats.is_threshold),
@@ -67,7 +73,9 @@ def shaping_settings(stats: MismatchStats, extras: TokenExtras | None) -> dict[s
         "histograms": extras is not None and bool(extras.histograms),
         "worst_tokens_k": 0 if extras is None else int(extras.worst_tokens_k),
         "profile": extras is not None and bool(extras.profile),
-        "state_size": STATE.size + (0 if extras is None else extras.size),
+        "state_size": STATE.size
+        + (0 if extras is None else extras.size)
+        + sum(part.size for part in beside if part is not None),
     }
 
 

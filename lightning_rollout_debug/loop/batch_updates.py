@@ -23,6 +23,8 @@ from lightning_rollout_debug.metrics.backends import add_batch
 from lightning_rollout_debug.metrics.batch import BatchRead, batch_type_error, read_batch
 from lightning_rollout_debug.metrics.extras import TokenExtras
 from lightning_rollout_debug.metrics.inputs import BatchError
+from lightning_rollout_debug.metrics.series import MismatchSeries
+from lightning_rollout_debug.metrics.shifts import ShiftSample
 from lightning_rollout_debug.metrics.stats import MismatchStats
 
 
@@ -86,6 +88,8 @@ class BatchUpdates:
     _door: FrontDoor
     _stats: MismatchStats
     _extras: TokenExtras | None
+    _series: MismatchSeries | None
+    _shifts: ShiftSample | None
     _warned: set[str]
     skips: SkippedBatches
 
@@ -110,6 +114,8 @@ class BatchUpdates:
                 batch=index,
                 rank=rank,
                 pad_token_id=self._pad_token_id(read),
+                series=self._series,
+                shifts=self._shifts,
             )
         except BatchError as error:
             # No local may hold the error (its traceback holds this frame, and with it the

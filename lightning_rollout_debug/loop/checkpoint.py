@@ -2,13 +2,14 @@
 
 A state holds the window merged over the ranks (the packed statistics and extras, on the
 CPU), its batch count, the configuration it was written with, the settings the extras
-were laid out by and the drift baselines (:func:`saved_state`). :class:`StateReader`
-reads one back into a :class:`~lightning_rollout_debug.RolloutDebugMonitor`'s window:
-every part is checked first, a damaged part starts empty with a warning (an error with
-``strict=True``), another configuration warns (extras kept with other settings start
-empty, and so does a window whose sums the statistics now count otherwise: other groups,
-another ``is_threshold`` or ``seq_ratio_bounds``, or none recorded), and the first rank of
-the process group alone carries the merged window on.
+were laid out by, the drift baselines and the run's per-batch series (:func:`saved_state`).
+:class:`StateReader` reads one back into a
+:class:`~lightning_rollout_debug.RolloutDebugMonitor`'s window: every part is checked
+first, a damaged part starts empty with a warning (an error with ``strict=True``),
+another configuration warns (extras kept with other settings start empty, and so does a
+window whose sums the statistics now count otherwise: other groups, another
+``is_threshold`` or ``seq_ratio_bounds``, or none recorded), and the first rank of the
+process group alone carries the merged window on; the series, merged, every rank.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from lightning_rollout_debug.loop.ranks import global_rank, rank_in
 from lightning_rollout_debug.metrics import caller
 from lightning_rollout_debug.metrics.extras import TokenExtras
 from lightning_rollout_debug.metrics.layout import state_problems
+from lightning_rollout_debug.metrics.series import MismatchSeries, series_problems
 from lightning_rollout_debug.metrics.stats import MismatchStats
 
 
@@ -35,6 +37,7 @@ def saved_state(
     config: Mapping[str, Any],
     drift: DriftMonitor,
     extras_settings: Mapping[str, Any] | None = None,
+    series: Tensor | None = None,
 ) -> dict[str, Any]:
     """A checkpoint state of the window ``stats`` and ``extras``, on the CPU.
 
@@ -46,6 +49,8 @@ def saved_state(
         drift: the drift baselines, kept with the window.
         extras_settings: what ``extras`` is laid out by (``TokenExtras.settings``), or
             ``None`` without extras.
+        series: the run's per-batch series (``MismatchSeries.state``), or ``None``
+            without one.
     """
     return {
         "window": stats.state.detach().cpu().clone(),
@@ -54,6 +59,7 @@ def saved_state(
         "extras_settings": None if extras_settings is None else dict(extras_settings),
         "config": dict(config),
         "drift": drift.state(),
+        "series": series,
     }
 
 
@@ -85,6 +91,8 @@ class StateReader:
         drift: the drift baselines, continued from the state.
         process_group: the process group whose first rank carries the saved window on.
         category: the category of the warnings.
+        series: the run's per-batch series, continued from the state on every rank (it is
+            merged); ``None`` where the monitor keeps none.
     """
 
     name: str
@@ -96,6 +104,7 @@ class StateReader:
     drift: DriftMonitor
     process_group: Any | None
     category: type[Warning]
+    series: MismatchSeries | None = None
 
     def read(self, state_dict: Any, config: Mapping[str, Any]) -> Restored | None:
         """Restore ``state_dict`` into an empty window; ``None`` if it was rejected.
@@ -117,6 +126,7 @@ class StateReader:
             return None
         carried = self._compare_configuration(state_dict.get("config") or {}, config)
         self._load_drift(state_dict.get("drift"))
+        self._load_series(state_dict.get("series"))
         if not carried:  # its tokens would count in every mean, not in those groups' sums
             return Restored(0, False)
         extras = self._extras(state_dict, window_tokens)
@@ -213,6 +223,15 @@ class StateReader:
                 f"drift_baseline={self.drift_baseline}; the baselines of {again} are "
                 "collected again."
             )
+
+    def _load_series(self, state: Any) -> None:
+        """Continue the run's per-batch series (none saved: it starts empty)."""
+        if self.series is None or state is None:
+            return
+        if problems := series_problems(state):
+            self._reject(problems, "the stale-weights series starts empty")
+            return
+        self.series.load_state(state)
 
     def _reject(self, problems: Sequence[str], consequence: str) -> None:
         message = (

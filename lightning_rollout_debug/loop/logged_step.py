@@ -41,6 +41,7 @@ from lightning_rollout_debug.loop.window import DeviceWindow
 from lightning_rollout_debug.metrics import caller
 from lightning_rollout_debug.metrics.formulas import Window
 from lightning_rollout_debug.metrics.profile import Profile
+from lightning_rollout_debug.metrics.sawtooth import Series
 from lightning_rollout_debug.metrics.stats import MismatchStats
 
 POSITIVE_LOG_PROB_TOLERANCE = 1e-3
@@ -73,7 +74,7 @@ class LoggedStep:
         (:meth:`check_alerts`), as the callback does. Returns the logged scalars by
         prefixed name, and every metric by its own.
         """
-        stats, extras = self._window.on_host(ranks)
+        stats, extras, window_series, shifts = self._window.on_host(ranks)
         # A window restored without its extras has a profile of only part of its tokens:
         # no quantiles and no pictures for it.
         partial = self._window.partial_profile
@@ -83,7 +84,8 @@ class LoggedStep:
         self.skips.empty()
         self._window.empty()
         self.profile = None if extras is None or partial else extras.profile
-        metrics = stats.compute(self.profile)
+        series = self._series_after(window_series)
+        metrics = stats.compute(self.profile, series)
         scalars = {
             f"{self.config.prefix}{name}": value
             for name, value in metrics.items()
@@ -94,8 +96,15 @@ class LoggedStep:
             show_rank = ranks.world_size > 1
             self._logs.write(loggers, scalars, extras, self.profile, step, show_rank=show_rank)
         # After the writes: with strict=True the window a mistake is named from is logged.
-        self._diagnose(stats, metrics, ranks.is_global_zero)
+        window = Window(stats.state.tolist(), series=series, shifts=shifts)
+        self._diagnose(window, metrics, ranks.is_global_zero)
         return scalars, metrics
+
+    def _series_after(self, window: list[float] | None) -> Series | None:
+        """The run's per-batch series once the merged ``window``'s are added (``None``: none)."""
+        if window is None or self._window.series is None:
+            return None
+        return self._window.series.extend(window)
 
     def _check_log_prob_signs(self, stats: MismatchStats, step: int) -> None:
         """Warn once per key when the window holds log-probs above 0 (read off the host copy)."""
@@ -167,10 +176,8 @@ class LoggedStep:
             rank_zero=global_rank() == 0,
         )
 
-    def _diagnose(
-        self, stats: MismatchStats, metrics: Mapping[str, float], rank_zero: bool
-    ) -> None:
-        for found in diagnose(Window(stats.state.tolist()), metrics, self.causes):
+    def _diagnose(self, window: Window, metrics: Mapping[str, float], rank_zero: bool) -> None:
+        for found in diagnose(window, metrics, self.causes):
             self._report(found, rank_zero=rank_zero)
 
     def _report(self, found: Diagnosis, *, rank_zero: bool) -> None:

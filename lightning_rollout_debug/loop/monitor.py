@@ -42,6 +42,8 @@ from lightning_rollout_debug.loop.ranks import Ranks, loop_ranks
 from lightning_rollout_debug.loop.window import DeviceWindow
 from lightning_rollout_debug.metrics.extras import TokenExtras
 from lightning_rollout_debug.metrics.profile import Profile
+from lightning_rollout_debug.metrics.series import MismatchSeries
+from lightning_rollout_debug.metrics.shifts import ShiftSample
 from lightning_rollout_debug.metrics.stats import MismatchStats
 from lightning_rollout_debug.views.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS
 from lightning_rollout_debug.views.token_text import TokenText
@@ -228,7 +230,13 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
             if config.histograms or config.worst_tokens_k or profile
             else None
         )
-        self._window = DeviceWindow(self._stats, self._extras, self._door.name)
+        # The per-batch mean |r| the kernel writes with the log-space group; the sample of
+        # the shifts beside the health group's lag sums.
+        self._series = MismatchSeries() if "log_space" in config.groups else None
+        self._shifts = ShiftSample() if "health" in config.groups else None
+        self._window = DeviceWindow(
+            self._stats, self._extras, self._series, self._shifts, owner=self._door.name
+        )
         self.profile: Profile | None = None
         """The :class:`~lightning_rollout_debug.metrics.profile.Profile` of the last logged window
         (quantiles, by position, by probability, joint counts), if it is kept."""
@@ -371,6 +379,8 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
             self._window.empty()
             self._drift.restart()
             self.diagnosed.clear()
+            if self._series is not None:
+                self._series.reset()
         elif device is not None:
             self._window.move_to(device)
 
@@ -387,8 +397,8 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
         if ranks is None:
             extras = None if self._extras is None else self._extras.state
             return self._window.saved(self._stats, extras, config, self._drift)
-        stats, merged = self._window.merged(ranks)
-        return self._window.saved(stats, merged, config, self._drift)
+        stats, merged, series, _ = self._window.merged(ranks)
+        return self._window.saved(stats, merged, config, self._drift, series=series)
 
     def restore(self, state_dict: Any, extra: Mapping[str, Any] | None = None) -> bool:
         """Restore a saved window (see :meth:`load_state_dict`); whether it was.
@@ -401,6 +411,8 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
         """Restore a saved window (see :meth:`load_state_dict`); whether it was."""
         self._window.empty()
         self._drift.restart()
+        if self._series is not None:
+            self._series.reset()
         restored = self._state_reader().read(state_dict, config)
         if restored is None:
             return False
@@ -419,4 +431,5 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
             drift=self._drift,
             process_group=self.process_group,
             category=RolloutDebugWarning,
+            series=self._series,
         )

@@ -1,17 +1,18 @@
 """A monitor's window: the statistics and extras of the batches since the last log.
 
 :class:`DeviceWindow` holds them on the batches' device with the number of updates they
-count, and answers the three questions a logged step or a checkpoint asks of them: the
-window merged over the ranks (one collective of one float64 vector, the same length on
-every rank, once the ranks have been found to lay it out alike: :mod:`.agreement`), that
-merged window on the host (one copy), and its checkpoint state.
+count, and the run's per-batch series beside them, and answers the three questions a
+logged step or a checkpoint asks of them: the window merged over the ranks (one
+collective of one float64 vector, the same length on every rank, once the ranks have
+been found to lay it out alike: :mod:`.agreement`), that merged window on the host (one
+copy), and its checkpoint state.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -21,8 +22,30 @@ from lightning_rollout_debug.loop.agreement import check_agreement, shaping_sett
 from lightning_rollout_debug.loop.checkpoint import saved_state
 from lightning_rollout_debug.loop.ranks import Ranks
 from lightning_rollout_debug.metrics.extras import ExtrasSummary, TokenExtras
-from lightning_rollout_debug.metrics.layout import merge_states
+from lightning_rollout_debug.metrics.series import MismatchSeries
+from lightning_rollout_debug.metrics.shifts import ShiftSample
 from lightning_rollout_debug.metrics.stats import MismatchStats
+
+
+class Merged(NamedTuple):
+    """A window merged over the ranks, on the device (``None``: not kept)."""
+
+    stats: MismatchStats
+    extras: Tensor | None
+    """The packed extras."""
+    series: Tensor | None
+    """The window's per-batch series (:meth:`.MismatchSeries.window_values`)."""
+    shifts: Tensor | None
+    """The sample's sums at every lag (:meth:`.ShiftSample.window_values`)."""
+
+
+class OnHost(NamedTuple):
+    """A merged window on the host (``None``: not kept)."""
+
+    stats: MismatchStats
+    extras: ExtrasSummary | None
+    series: list[float] | None
+    shifts: list[float] | None
 
 
 class DeviceWindow:
@@ -31,6 +54,8 @@ class DeviceWindow:
     Args:
         stats: the window's statistics.
         extras: its histograms, worst tokens and profile (``None``: none kept).
+        series: the run's per-batch series (``None``: none kept).
+        shifts: the sample the window's shifts are searched on (``None``: none kept).
         owner: the front door its errors name.
 
     Example:
@@ -40,16 +65,23 @@ class DeviceWindow:
         >>> from lightning_rollout_debug.loop.window import DeviceWindow
         >>> window = DeviceWindow(MismatchStats(groups=["seed"]), None)
         >>> window.stats.update(torch.zeros(1, 3), torch.zeros(1, 3), torch.ones(1, 3))
-        >>> stats, summary = window.on_host(Ranks())
-        >>> stats.compute()["rollout_probs_diff_max"], summary
-        (0.0, None)
+        >>> stats, summary, series, shifts = window.on_host(Ranks())
+        >>> stats.compute()["rollout_probs_diff_max"], summary, series, shifts
+        (0.0, None, None, None)
     """
 
     def __init__(
-        self, stats: MismatchStats, extras: TokenExtras | None, owner: str = "RolloutDebugMonitor"
+        self,
+        stats: MismatchStats,
+        extras: TokenExtras | None,
+        series: MismatchSeries | None = None,
+        shifts: ShiftSample | None = None,
+        owner: str = "RolloutDebugMonitor",
     ) -> None:
         self.stats = stats
         self.extras = extras
+        self.series = series
+        self.shifts = shifts
         self.owner = owner
         self.agreed = False
         """Whether the ranks were found to lay the window out alike (checked once)."""
@@ -63,6 +95,10 @@ class DeviceWindow:
         self.stats.reset()
         if self.extras is not None:
             self.extras.reset()
+        if self.series is not None:
+            self.series.clear_window()
+        if self.shifts is not None:
+            self.shifts.clear()
         self.batches = 0
         self.partial_profile = False
 
@@ -72,47 +108,65 @@ class DeviceWindow:
         if self.extras is not None:
             self.extras.load_state(self.extras.state.to(device))
 
-    def merged(self, ranks: Ranks) -> tuple[MismatchStats, Tensor | None]:
+    def merged(self, ranks: Ranks) -> Merged:
         """The window merged over ``ranks``: one collective of one float64 vector.
 
-        The packed statistics and the packed extras (histogram bins, worst-token
-        candidates) travel together, the same length on every rank, empty window or not.
+        The packed statistics, the packed extras (histogram bins, worst-token candidates),
+        the window's per-batch series and its sample's sums at every lag travel together,
+        the same length on every rank, empty window or not, each merged by its owner.
         Before the first merge the ranks compare the settings that lay it out, in a
         collective of its own: where they differ, every rank raises
-        :class:`~.config.InvalidSettings` (:func:`~.agreement.check_agreement`). Returns
-        the merged statistics and the merged extras state (``None`` without extras), both
-        on the device.
+        :class:`~.config.InvalidSettings` (:func:`~.agreement.check_agreement`).
         """
-        extras = None if self.extras is None else self.extras.state
-        if ranks.gather is None:
-            return self.stats, extras
         device = ranks.device or self.stats.device or torch.device("cpu")
+        owners = (self.stats, self.extras, self.series, self.shifts)
+        local = [
+            self.stats.state,
+            None if self.extras is None else self.extras.state,
+            None if self.series is None else self.series.window_values(device),
+            None if self.shifts is None else self.shifts.window_values(device),
+        ]
+        if ranks.gather is None:
+            return Merged(self.stats, *local[1:])
         if not self.agreed:
-            settings = shaping_settings(self.stats, self.extras)
+            settings = shaping_settings(self.stats, self.extras, self.series, self.shifts)
             check_agreement(ranks.gather, settings, self.owner, device)
             self.agreed = True
-        parts = [self.stats.state.to(device)]
-        if extras is not None:
-            parts.append(extras.to(device))
-        width = parts[0].numel()
-        local = torch.cat(parts)
-        gathered = ranks.gather(local).reshape(-1, local.numel()).to(torch.float64)
+        kept = [(i, part.to(device)) for i, part in enumerate(local) if part is not None]
+        vector = torch.cat([part for _, part in kept])
+        gathered = ranks.gather(vector).reshape(-1, vector.numel()).to(torch.float64)
+        blocks = gathered.split([part.numel() for _, part in kept], dim=1)
+        merged: list[Tensor | None] = [None] * len(owners)
+        for (i, _), block in zip(kept, blocks, strict=True):
+            merged[i] = owners[i].merge_states(block)  # type: ignore[union-attr]
         stats = copy.copy(self.stats)
-        stats.load_state(merge_states(gathered[:, :width]))
-        if self.extras is not None:
-            extras = self.extras.merge_states(gathered[:, width:])
-        return stats, extras
+        stats.load_state(merged[0])  # type: ignore[arg-type]
+        return Merged(stats, *merged[1:])
 
-    def on_host(self, ranks: Ranks) -> tuple[MismatchStats, ExtrasSummary | None]:
-        """The merged window, copied to the host in one transfer: statistics and extras."""
-        stats, extras = self.merged(ranks)
-        state = stats.state
-        host = torch.cat([state] if extras is None else [state, extras.to(state.device)]).cpu()
-        on_host = copy.copy(stats)
-        on_host.load_state(host[: state.numel()])
-        if extras is None or self.extras is None:
-            return on_host, None
-        return on_host, self.extras.summary(host[state.numel() :])
+    def on_host(self, ranks: Ranks) -> OnHost:
+        """The merged window, copied to the host in one transfer.
+
+        The statistics, the extras' summary, the window's per-batch series
+        (:meth:`.MismatchSeries.window_values`) and its sample's sums at every lag
+        (:meth:`.ShiftSample.window_values`), as plain floats (``None``: not kept).
+        """
+        merged = self.merged(ranks)
+        state = merged.stats.state
+        parts = [state, *(p.to(state.device) for p in merged[1:] if p is not None)]
+        host = torch.cat(parts).cpu()
+        pieces = iter(host.split([part.numel() for part in parts]))
+        stats = copy.copy(merged.stats)
+        stats.load_state(next(pieces))
+        extras, series, shifts = (None if p is None else next(pieces) for p in merged[1:])
+        summary = None
+        if extras is not None and self.extras is not None:
+            summary = self.extras.summary(extras)
+        return OnHost(
+            stats,
+            summary,
+            None if series is None else series.tolist(),
+            None if shifts is None else shifts.tolist(),
+        )
 
     def saved(
         self,
@@ -121,14 +175,19 @@ class DeviceWindow:
         config: Mapping[str, Any],
         drift: DriftMonitor,
         batches: int | None = None,
+        series: Tensor | None = None,
     ) -> dict[str, Any]:
         """A checkpoint state of the window ``stats`` and ``extras``.
 
-        ``batches``: the window's updates (by default this process's).
+        ``batches``: the window's updates (by default this process's). ``series``: the
+        window's per-batch vector, kept after the run's series.
         """
         settings = None if self.extras is None else self.extras.settings()
         batches = self.batches if batches is None else batches
-        return saved_state(stats, extras, batches, config, drift, settings)
+        kept = None
+        if self.series is not None:
+            kept = self.series.state([] if series is None else series.tolist())
+        return saved_state(stats, extras, batches, config, drift, settings, kept)
 
     def saved_over(
         self, ranks: Ranks, config: Mapping[str, Any], drift: DriftMonitor
@@ -140,10 +199,10 @@ class DeviceWindow:
         log-probs), that rank would otherwise save a window of tokens and no batch, which
         reads as damaged.
         """
-        stats, extras = self.merged(ranks)
+        stats, extras, series, _ = self.merged(ranks)
         batches = self.batches
         if ranks.gather is not None:
             device = ranks.device or self.stats.device or torch.device("cpu")
             count = torch.tensor([float(batches)], dtype=torch.float64, device=device)
             batches = int(ranks.gather(count).max().item())
-        return self.saved(stats, extras, config, drift, batches)
+        return self.saved(stats, extras, config, drift, batches, series)

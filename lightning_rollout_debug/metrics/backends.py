@@ -55,14 +55,21 @@ def add_batch(
     batch: int = 0,
     rank: int = 0,
     pad_token_id: int | None = None,
+    series: Any | None = None,
+    shifts: Any | None = None,
 ) -> None:
     """Add a checked batch to ``stats`` and ``extras`` (either may be ``None``), in one read.
 
     ``token_ids`` label the worst tokens; ``batch`` and ``rank`` too. The statistics'
     token-id comparison, and with ``pad_token_id`` the count of the padding among
     ``token_ids``, are added as a state of their own (:func:`check_states`).
+    ``series`` (a :class:`~.series.MismatchSeries`, with ``stats``) keeps the batch's
+    statistics as the pass left them: its packed state, or its passes' sums; ``shifts``
+    (a :class:`~.shifts.ShiftSample`) the first rows of a window's first batch.
     """
     device = inputs.mask.device
+    if shifts is not None:
+        shifts.add(inputs)
     if inputs.mask.numel() == 0:
         if stats is not None:
             pads = check_states(inputs, frozenset(), token_ids, pad_token_id)
@@ -74,10 +81,12 @@ def add_batch(
         if road == NATIVE:
             request = None if extras is None else extras.kernel_request(add_profile=True)
             finish = _kernel_pass(inputs, token_ids, stats, request, batch, rank)
-            if add_pass(finish, stats, extras, device, more):
+            if add_pass(finish, stats, extras, device, more, series):
                 return
         else:
             sums = _torch_sums(inputs, token_ids, plan, stats, extras, road, batch, rank)
+            if series is not None and stats is not None:
+                series.add(sums)
             add_states(((stats, [*sums, *more]), (extras, sums)), device)
             return
 

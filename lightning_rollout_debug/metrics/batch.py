@@ -252,36 +252,40 @@ def cut_hint(sources: Sequence[Any], mask_name: str, mask: Any) -> str | None:
 
 
 def prompt_hint(sources: Sequence[Any], rollout: Any, old: Any, names: Sequence[str]) -> str | None:
-    """Why the two log-prob tensors differ in width, when the difference is the prompt's.
+    """Why the two log-prob tensors differ in width: the wider likely holds the prompt's columns.
 
-    The prompt's width is that of ``prompts``, or what ``attention_mask`` holds beyond
-    the narrower log-probs. The wider may also be one column narrower than prompt and
-    response: the log-probs of every token but the first, from a forward pass over both
-    (logits ``[:, :-1]`` against tokens ``[:, 1:]``). ``None`` when the widths do not
-    differ by either.
+    The log-probs of a whole sequence (prompt and response) are wider than the response's
+    by the prompt's width, or by one less: the log-probs of every token but the first,
+    from a forward pass over both (logits ``[:, :-1]`` against tokens ``[:, 1:]``). The
+    prompt's width, where the batch shows it, confirms it: that of ``prompts``, of an
+    ``attention_mask`` of the prompt alone, or what an ``attention_mask`` of prompt and
+    response holds beyond the narrower log-probs. ``None`` when the widths do not differ.
     """
     if not (_is_matrix(rollout) and _is_matrix(old)) or rollout.shape[1] == old.shape[1]:
         return None
     response, whole = sorted((rollout.shape[1], old.shape[1]))
+    wider, narrower = (names[0], names[1]) if rollout.shape[1] == whole else (names[1], names[0])
+    extra = whole - response
     prompt_widths = set()
     if _is_matrix(prompts := lookup(sources, "prompts")):
         prompt_widths.add(prompts.shape[1])
     if _is_matrix(attention := lookup(sources, "attention_mask")):
-        prompt_widths.add(attention.shape[1] - response)
-    extra = whole - response
+        prompt_widths |= {attention.shape[1], attention.shape[1] - response}
+    keep = (
+        f"Keep the response's columns: `{wider}[:, -{response}:]` (for log-probs from causal-LM "
+        "logits, see lightning_rollout_debug.response_log_probs)."
+    )
     if response == 0 or not {extra, extra + 1} & prompt_widths:
-        return None
-    wider = names[0] if rollout.shape[1] == whole else names[1]
+        return (
+            f"`{wider}` has {extra} more columns than `{narrower}`: it likely includes the "
+            f"prompt's (log-probs of the whole sequence, prompt and response). {keep}"
+        )
     width = (
         "the prompt's width"
         if extra in prompt_widths
         else "the prompt's width less one: the log-probs of every token after the first"
     )
-    return (
-        f"`{wider}` looks like it includes the prompt: {extra} columns wider, {width}. Keep "
-        f"the response's columns: `{wider}[:, -{response}:]` (for log-probs from causal-LM "
-        "logits, see lightning_rollout_debug.response_log_probs)."
-    )
+    return f"`{wider}` looks like it includes the prompt: {extra} columns wider, {width}. {keep}"
 
 
 def _width(value: Any) -> int | str:

@@ -32,8 +32,10 @@ from lightning_rollout_debug.metrics.formulas import (
     one_minus_ess,
     one_minus_pearson,
     pearson,
+    stale_period,
 )
 from lightning_rollout_debug.metrics.profile import QUANTILE_BINS, QUANTILES, Profile
+from lightning_rollout_debug.metrics.sawtooth import Series
 
 Bound = float | None
 
@@ -49,6 +51,8 @@ class Metric:
         chart: ``(category, chart title)`` on the dashboard; metrics sharing a title
             share a chart.
         alert: the default allowed ``(low, high)`` range (either bound ``None``), if any.
+        series: it reads the run's per-batch series, not the window: only a monitor,
+            which keeps one, gives it.
     """
 
     name: str
@@ -56,6 +60,7 @@ class Metric:
     value: Callable[[Window], float]
     chart: tuple[str, str]
     alert: tuple[Bound, Bound] | None = None
+    series: bool = False
 
 
 AGREEMENT, DIVERGENCE, SEQUENCES, HEALTH = "agreement", "divergence", "sequences", "health"
@@ -118,6 +123,13 @@ CATALOG: tuple[Metric, ...] = (
     ),
     Metric("rollout_log_probs_diff_mean", "log_space", lambda w: w.mean("log_diff"), _LOG_DIFF),
     Metric("rollout_log_probs_diff_std", "log_space", lambda w: w.std("log_diff"), _LOG_DIFF),
+    Metric(
+        "rollout_stale_period",
+        "log_space",
+        stale_period,
+        (AGREEMENT, "stale weights: period of the rise and drop of |a - b| (batches)"),
+        series=True,
+    ),
     # ------------------------------------------------------------------ kl
     Metric(
         "rollout_actor_kl_k1",
@@ -299,6 +311,9 @@ SEED_FUNCTION_NAMES: tuple[str, ...] = (
 """The five metrics of the original debug module: what ``calculate_debug_metrics`` returns
 (the seed group without its ``1 - x`` companion)."""
 
+SERIES_METRICS: frozenset[str] = frozenset(metric.name for metric in CATALOG if metric.series)
+"""The metrics of the run's per-batch series, left out where there is none."""
+
 DEFAULT_ALERT_RANGES: dict[str, tuple[Bound, Bound]] = {
     metric.name: metric.alert for metric in CATALOG if metric.alert is not None
 }
@@ -330,13 +345,15 @@ def metrics_from_state(
     state: Sequence[float],
     profile: Profile | None = None,
     groups: Collection[str] | None = None,
+    series: Series | None = None,
 ) -> dict[str, float]:
     """Every metric of the catalog from a packed state on the host (NaN if undefined).
 
     Only the metrics of ``groups`` when given (each metric's formula stands on its own).
-    The quantiles come from the window's ``profile`` (NaN without one).
+    The quantiles come from the window's ``profile``, :data:`SERIES_METRICS` from the run's
+    per-batch ``series`` (NaN without).
     """
-    window = Window(state, profile)
+    window = Window(state, profile, series)
     return {
         metric.name: metric.value(window)
         for metric in CATALOG

@@ -17,6 +17,7 @@ import torch
 
 from lightning_rollout_debug.metrics.layout import STATE
 from lightning_rollout_debug.metrics.profile import Profile
+from lightning_rollout_debug.metrics.sawtooth import Sawtooth, Series, sawtooth
 
 _AT = STATE.at
 
@@ -30,13 +31,27 @@ class Window:
     """A merged window of statistics on the host, with the readings formulas need.
 
     Undefined readings are NaN: a mean without tokens, a standard deviation of fewer
-    than two tokens, an extreme of an empty window, a quantile without a profile.
+    than two tokens, an extreme of an empty window, a quantile without a profile, the
+    period of stale weights without the run's series.
     """
 
-    def __init__(self, state: Sequence[float], profile: Profile | None = None) -> None:
+    def __init__(
+        self,
+        state: Sequence[float],
+        profile: Profile | None = None,
+        series: Series | None = None,
+        shifts: Sequence[float] | None = None,
+    ) -> None:
         self.state = state
         self.profile = profile
         """The window's :class:`~.profile.Profile`, if it was kept."""
+        self.series = series
+        """The per-batch mean ``|r|`` of the run's last batches, if kept
+        (:class:`~.series.MismatchSeries`)."""
+        self.shifts = shifts
+        """The sums at every lag of the window's sample, if kept (:class:`~.shifts.ShiftSample`,
+        read with :func:`~.shifts.lag_sums`)."""
+        self._sawtooth: tuple[Sawtooth | None] | None = None
         self.n = state[_AT["count"]]
         """Counting tokens."""
         self.sequences = state[_AT["sequences"]]
@@ -75,6 +90,21 @@ class Window:
     def quantile(self, name: str) -> float:
         """A quantile of the profile (NaN without a profile or tokens)."""
         return math.nan if self.profile is None else self.profile.quantiles[name]
+
+    @property
+    def sawtooth(self) -> Sawtooth | None:
+        """The rise and drop of stale weights in the run's series (:func:`~.sawtooth.sawtooth`)."""
+        if self._sawtooth is None:
+            self._sawtooth = (None if self.series is None else sawtooth(self.series),)
+        return self._sawtooth[0]
+
+
+def stale_period(w: Window) -> float:
+    """The period, in batches, of the series' rise and drop (0: none; NaN: no series)."""
+    if w.series is None:
+        return math.nan
+    found = w.sawtooth
+    return 0.0 if found is None else float(found.period)
 
 
 def exp_or_inf(x: float) -> float:
@@ -214,6 +244,18 @@ def _pearson_of_sums(n: float, sx: float, sy: float, sxx: float, syy: float, sxy
     mean_x, mean_y = sx / n, sy / n
     m_xx, m_yy = sxx - sx * mean_x, syy - sy * mean_y
     return pearson_from_moments(n, mean_x, mean_y, m_xx, m_yy, sxy - sx * mean_y)
+
+
+def pair_agreement(sums: Sequence[float]) -> tuple[float, float]:
+    """The correlation and mean squared difference of pairs ``(a, b)`` from their sums.
+
+    ``sums``: their number and the sums of ``a``, ``b``, ``a^2``, ``b^2`` and ``a b`` (a
+    lag's :data:`~.shifts.SUMS`). NaN for both with fewer than two pairs.
+    """
+    n, sa, sb, saa, sbb, sab = sums
+    if n < 2:
+        return math.nan, math.nan
+    return _pearson_of_sums(n, sa, sb, saa, sbb, sab), max(saa + sbb - 2.0 * sab, 0.0) / n
 
 
 def alignment_lag(w: Window) -> float:

@@ -258,13 +258,15 @@ def add_pass(
     extras: ThreadSafeWindow | None,
     device: torch.device,
     more: Sequence[Part] = (),
+    series: Any | None = None,
 ) -> bool:
     """Add a batch that one pass finishes into packed states; whether the pass applied.
 
     With an in-place block, the extras' lock is held through the pass: ``into`` is the
     block's state, which the pass adds its block into and writes the rest of (kept as a
     head). Otherwise ``into`` is ``None`` and the extras' state waits whole. The
-    statistics get their state and the states ``more``.
+    statistics get their state and the states ``more``; ``series`` (a
+    :class:`~.series.MismatchSeries`) keeps their state too.
     """
     if extras is not None and extras._in_place is not None:
         with extras._lock:
@@ -281,6 +283,8 @@ def add_pass(
             return False
         extras_parts = [] if found[1] is None else [found[1]]
     statistics = [] if found[0] is None else [found[0], *more]
+    if series is not None and found[0] is not None:
+        series.add([found[0]])
     add_states(((stats, statistics), (extras, extras_parts)), device)
     return True
 

@@ -20,12 +20,18 @@ import torch
 from torch import Tensor
 
 from lightning_rollout_debug.metrics.backends import add_batch, compile_problems
-from lightning_rollout_debug.metrics.catalog import GROUPS, METRIC_NAMES, metrics_from_state
+from lightning_rollout_debug.metrics.catalog import (
+    GROUPS,
+    METRIC_NAMES,
+    SERIES_METRICS,
+    metrics_from_state,
+)
 from lightning_rollout_debug.metrics.inputs import MismatchInputs, check_inputs
 from lightning_rollout_debug.metrics.layout import STATE, STATE_SIZE, identity_state, merge_states
 from lightning_rollout_debug.metrics.packed_window import ThreadSafeWindow
 from lightning_rollout_debug.metrics.profile import Profile
 from lightning_rollout_debug.metrics.rows import pad_slots
+from lightning_rollout_debug.metrics.sawtooth import Series
 from lightning_rollout_debug.metrics.settings import (
     validate_groups,
     validate_is_threshold,
@@ -216,21 +222,30 @@ class MismatchStats(ThreadSafeWindow):
         self._add([STATE.pack(pad_slots(mask, token_ids, pad_token_id))], mask.device)
 
     # ---------------------------------------------------------------- compute
-    def compute(self, profile: Profile | None = None) -> dict[str, float]:
+    def compute(
+        self, profile: Profile | None = None, series: Series | None = None
+    ) -> dict[str, float]:
         """Return every metric of the enabled groups as Python floats (NaN if undefined).
 
         One device-to-host copy of the packed state; the rest is host arithmetic. The
         quantiles come from the window's ``profile`` (kept by
-        :class:`~lightning_rollout_debug.metrics.extras.TokenExtras`): without one they are left
-        out.
+        :class:`~lightning_rollout_debug.metrics.extras.TokenExtras`), the period of stale
+        weights from the run's per-batch ``series`` (kept by
+        :class:`~lightning_rollout_debug.metrics.series.MismatchSeries`): without them
+        they are left out.
         """
         groups = [
             group
             for group in GROUPS
             if group in self.groups and (profile is not None or group != "quantiles")
         ]
-        metrics = metrics_from_state(self.state.tolist(), profile, groups)
-        return {name: metrics[name] for group in groups for name in METRIC_NAMES[group]}
+        metrics = metrics_from_state(self.state.tolist(), profile, groups, series)
+        return {
+            name: metrics[name]
+            for group in groups
+            for name in METRIC_NAMES[group]
+            if series is not None or name not in SERIES_METRICS
+        }
 
     def largest_log_probs(self) -> tuple[float, float]:
         """The largest counting ``(old_log_probs, rollout_log_probs)`` of the window.
