@@ -341,6 +341,8 @@ def test_native_extras_match_the_torch_extras(
             each.update(batch.rollout, batch.old, batch.mask, batch_ids, batch_index=index, rank=1)
     assert native_calls == ([True, True] if k <= native.MAX_WORST_TOKENS else [])
     _assert_same_extras(*extras)
+    for each in extras:  # no segment labels: the kernel's -1, as the torch pass's
+        assert all(t.segment is None for t in each.summary(each.state).worst_tokens)
 
 
 def _largest_first(batch: Batch, k: int) -> list[tuple[int, int]]:

@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_rollout_debug import RolloutDebugCallback, RolloutDebugMonitor, RolloutDebugWarning
 from lightning_rollout_debug.checks.alerts import enabled_metric_names
 from lightning_rollout_debug.loop.agreement import WIDTH
+from lightning_rollout_debug.loop.logs import WindowLogs
 from lightning_rollout_debug.loop.ranks import Ranks
 from lightning_rollout_debug.metrics import backends, native
 from lightning_rollout_debug.metrics.bins import (
@@ -54,11 +55,16 @@ from lightning_rollout_debug.metrics.bins import (
     QuarterOctaveBins,
 )
 from lightning_rollout_debug.metrics.catalog import DASHBOARD
-from lightning_rollout_debug.metrics.extras import TokenExtras
+from lightning_rollout_debug.metrics.extras import ExtrasSummary, TokenExtras
 from lightning_rollout_debug.metrics.layout import STATE_SIZE
 from lightning_rollout_debug.metrics.tokens import LOG_PROB_FLOOR
-from lightning_rollout_debug.metrics.worst_tokens import WORST_FIELDS
-from lightning_rollout_debug.views.tensorboard import dashboard_layout, worst_tokens_markdown
+from lightning_rollout_debug.metrics.worst_tokens import WORST_FIELDS, WorstToken
+from lightning_rollout_debug.views.tensorboard import (
+    SEGMENT_CAPTION,
+    dashboard_layout,
+    worst_tokens_markdown,
+    write_extras,
+)
 from lightning_rollout_debug.views.token_text import TokenText, markdown_cell
 
 pytestmark = [
@@ -559,6 +565,44 @@ def test_without_a_tokenizer_or_ids_the_table_has_no_text() -> None:
     assert all(token.context == () for token in worst)
 
 
+class TextWriter:
+    """Keeps what ``add_text`` is given, as a ``SummaryWriter`` would write it."""
+
+    def __init__(self) -> None:
+        self.texts: dict[str, str] = {}
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        self.texts[tag] = text
+
+
+def test_the_table_names_each_tokens_segment() -> None:
+    """Segment ``i`` shows ``segment_names[i]`` (``other`` the last), its number beyond
+    them, ``-`` for a token of a batch without labels; no column where no token has one."""
+    place = {"batch": 0, "row": 1, "token_id": None, "rank": 0}
+    tokens = [
+        WorstToken(-0.5, 0.2, 0.33, position=0, segment=0, **place),
+        WorstToken(0.4, 0.3, 0.2, position=1, segment=2, **place),
+        WorstToken(0.3, 0.3, 0.22, position=2, segment=5, **place),
+        WorstToken(0.2, 0.3, 0.25, position=3, **place),
+    ]
+    names = ("math", "tool use", "other")  # two segments, then other
+    rows = parse_table(worst_tokens_markdown(tokens, segment_names=names))
+    assert [row["segment"] for row in rows] == ["math", "other", "5", "-"]
+    assert [row["position"] for row in rows] == ["0", "1", "2", "3"]
+    numbered = parse_table(worst_tokens_markdown(tokens))
+    assert [row["segment"] for row in numbered] == ["0", "2", "5", "-"]
+    unlabelled = [WorstToken(0.2, 0.3, 0.25, position=3, **place)]
+    assert "segment" not in worst_tokens_markdown(unlabelled)
+
+    writer = TextWriter()
+    write_extras(writer, PREFIX, ExtrasSummary({}, tokens), 0, segment_names=names)
+    (text,) = writer.texts.values()
+    assert SEGMENT_CAPTION in text and "| segment |" in text
+    write_extras(writer, PREFIX, ExtrasSummary({}, unlabelled), 0, segment_names=names)
+    (text,) = writer.texts.values()
+    assert SEGMENT_CAPTION not in text and "segment" not in text
+
+
 def test_the_tokenizer_is_checked_at_once_and_shapes_no_state() -> None:
     with pytest.raises(ValueError) as error:
         RolloutDebugCallback(tokenizer="gpt2", worst_tokens_k=-1)
@@ -717,6 +761,95 @@ def test_layout_follows_groups_and_prefix() -> None:
     assert chart == ["Multiline", [r"^rl\.v2/rollout_probs_diff_mean$"]]
     every = [name for _, charts in DASHBOARD for _, names in charts for name in names]
     assert len(every) == len(set(every))
+
+
+def test_the_segments_category_charts_each_metric_with_every_segment() -> None:
+    metrics = ("rollout_tokens", "rollout_actor_kl_k3")
+    layout = dashboard_layout("rl.v2/", ["rollout_tokens"], metrics)
+    assert list(layout) == ["rl.v2/health", "rl.v2/segments"]
+    assert dashboard_layout("rl.v2/", ["rollout_tokens"]) == {
+        "rl.v2/health": layout["rl.v2/health"]
+    }
+    charts = layout["rl.v2/segments"]
+    assert list(charts) == [f"{metric} by segment" for metric in metrics]
+    kind, (pattern,) = charts["rollout_actor_kl_k3 by segment"]
+    assert kind == "Multiline"
+    tags = {
+        "rl.v2/segments/0/rollout_actor_kl_k3": True,
+        "rl.v2/segments/math.hard/rollout_actor_kl_k3": True,
+        "rl.v2/segments/other/rollout_actor_kl_k3": True,
+        "rl.v2/rollout_actor_kl_k3": False,  # the window's own
+        "rl.v2/segments/0/rollout_actor_kl_k1": False,
+        "rl.v2/segments/0/rollout_actor_kl_k3_x": False,
+        "rl.v2/segments/a/b/rollout_actor_kl_k3": False,
+        "rl.v2/segments//rollout_actor_kl_k3": False,
+        "rlxv2/segments/0/rollout_actor_kl_k3": False,  # the prefix is escaped
+        "a/rl.v2/segments/0/rollout_actor_kl_k3": False,
+    }
+    assert {tag: bool(re.match(pattern, tag)) for tag in tags} == tags
+
+
+def segment_scalars(names: Sequence[str], metrics: Sequence[str]) -> dict[str, float]:
+    """A logged window's scalars with a value of each metric for each named segment."""
+    scalars = {f"{PREFIX}{metric}": 2.0 for metric in metrics}
+    scalars.update(
+        {f"{PREFIX}segments/{name}/{metric}": 1.0 for name in names for metric in metrics}
+    )
+    return scalars
+
+
+def read_layouts(ea: EventAccumulator) -> list[layout_pb2.Layout]:
+    """Every custom-scalars layout a run wrote, in order."""
+    layouts = []
+    for event in ea.Tensors(LAYOUT_TAG):
+        layout = layout_pb2.Layout()
+        layout.ParseFromString(event.tensor_proto.string_val[0])
+        layouts.append(layout)
+    return layouts
+
+
+@pytest.mark.parametrize("lit", PACKAGES)
+def test_the_layout_is_written_again_with_the_segments_at_their_first_window(
+    tmp_path: Path, lit: Lightning
+) -> None:
+    """Once without segments, once more at the first window that logs segments, then
+    never again: TensorBoard serves the last, whose charts find every segment's tags."""
+    logger = lit.loggers.TensorBoardLogger(tmp_path, name="tb", version=0, prefix="rl")
+    metrics = ("rollout_tokens", "rollout_actor_kl_k3")
+
+    def fail(kind: str, message: str) -> None:
+        raise AssertionError(message)
+
+    logs = WindowLogs(
+        prefix=PREFIX,
+        groups=("kl", "health"),
+        dashboard_layout=True,
+        profile_images=False,
+        profile_images_every_n_steps=50,
+        strict=True,
+        warn_once=fail,
+        segment_metrics=metrics,
+    )
+    plain = segment_scalars([], metrics)
+    segmented = segment_scalars(["0", "math", "other"], metrics)
+    for step, scalars in enumerate([plain, plain, segmented, plain, segmented]):
+        logs.write([logger], scalars, None, None, step)
+    logger.finalize("success")
+
+    ea = accumulator(logger.log_dir)
+    ours = f"rl-{PREFIX}"
+    first, last = read_layouts(ea)
+    titles = [f"{ours}{category}" for category in ("divergence", "health")]
+    assert [category.title for category in first.category] == titles
+    assert [category.title for category in last.category] == [*titles, f"{ours}segments"]
+    assert served_layout(tmp_path / "tb") == [*titles, f"{ours}segments"]
+    scalars = ea.Tags()["scalars"]
+    (segments,) = (c for c in last.category if c.title == f"{ours}segments")
+    assert [chart.title for chart in segments.chart] == [f"{m} by segment" for m in metrics]
+    for chart, metric in zip(segments.chart, metrics, strict=True):
+        (pattern,) = chart.multiline.tag
+        found = {tag for tag in scalars if re.match(pattern, tag)}
+        assert found == {f"{ours}segments/{name}/{metric}" for name in ("0", "math", "other")}
 
 
 # ---------------------------------------------------------------------- loggers, flags

@@ -3,9 +3,10 @@
 :class:`WindowLogs` writes one logged window on rank zero: the scalars to every logger
 (through its ``log_metrics``), and to each TensorBoard logger the histograms, the
 worst tokens, the profile's pictures at the first logged step of each span of steps, and
-the dashboard layout once per log directory; with a tokenizer the table shows the tokens'
-text. A logger that fails warns once per kind of error (raises in strict mode) and the
-other loggers still get theirs: a monitor's own logs never stop a training run.
+the dashboard layout once per log directory (once more, with the segments' charts, at the
+first window that logs segments); with a tokenizer the table shows the tokens' text. A
+logger that fails warns once per kind of error (raises in strict mode) and the other
+loggers still get theirs: a monitor's own logs never stop a training run.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from lightning_rollout_debug.loop.packages import TENSORBOARD_LOGGERS
 from lightning_rollout_debug.metrics.extras import ExtrasSummary
 from lightning_rollout_debug.metrics.profile import Profile
 from lightning_rollout_debug.views.tensorboard import (
+    SEGMENTS_CATEGORY,
     dashboard_layout,
     log_scalars,
     logger_prefix,
@@ -42,6 +44,9 @@ class WindowLogs:
         strict: raise what a logger raises instead of warning.
         warn_once: ``warn_once(kind, message)``, the monitor's warning once per kind.
         token_text: the tokenizer's text of the worst tokens, or ``None`` (ids only).
+        segment_metrics: the metrics charted per segment once segments are logged.
+        segment_names: the name of each segment by index (``other`` last), for the
+            worst-tokens table; a segment without one shows its number.
 
     Example:
         >>> from lightning_rollout_debug.loop.logs import WindowLogs
@@ -65,7 +70,9 @@ class WindowLogs:
     strict: bool
     warn_once: Callable[[str, str], None]
     token_text: TokenText | None = None
-    _layouts_written: set[str] = field(default_factory=set)
+    segment_metrics: tuple[str, ...] = ()
+    segment_names: tuple[str, ...] = ()
+    _layouts_written: dict[str, bool] = field(default_factory=dict)  # with segments' charts
     _pictures_span: int | None = None  # the span of steps last drawn in
 
     def restart(self) -> None:
@@ -92,10 +99,14 @@ class WindowLogs:
             for logger in loggers:
                 self._log_scalars_to(logger, scalars, step)
         pictures = profile is not None and profile.tokens > 0 and self._pictures_due(step)
+        segments = f"{self.prefix}{SEGMENTS_CATEGORY}/"
+        segmented = any(name.startswith(segments) for name in scalars)
         for logger in loggers:
             if not isinstance(logger, TENSORBOARD_LOGGERS):
                 continue
             try:
+                if self.dashboard_layout:
+                    self._write_layout_to(logger, segmented)
                 self._write_extras_to(
                     logger, extras, profile if pictures else None, step, show_rank=show_rank
                 )
@@ -138,13 +149,17 @@ class WindowLogs:
         """
         writer = logger.experiment
         prefix = logger_prefix(logger) + self.prefix
-        if self.dashboard_layout and logger.log_dir not in self._layouts_written:
-            self._layouts_written.add(logger.log_dir)
-            names = enabled_metric_names(self.groups)
-            write_layout(writer, dashboard_layout(prefix, names))
         if extras is not None:
             text = self.token_text
-            write_extras(writer, prefix, extras, step, show_rank=show_rank, token_text=text)
+            write_extras(
+                writer,
+                prefix,
+                extras,
+                step,
+                show_rank=show_rank,
+                token_text=text,
+                segment_names=self.segment_names,
+            )
             if text is not None and text.failure is not None:
                 self.warn_once(
                     "tokenizer",
@@ -154,6 +169,22 @@ class WindowLogs:
                 text.failure = None
         if pictures is not None:
             write_profile(writer, prefix, pictures, step)
+
+    def _write_layout_to(self, logger: Any, segmented: bool) -> None:
+        """Write the dashboard layout to a logger's run, if it is due.
+
+        Once per log directory, and once more, with the segments' charts, at the first
+        window that logs segments: TensorBoard shows the last layout a run wrote.
+        """
+        written = self._layouts_written.get(logger.log_dir)
+        if written or (written is not None and not segmented):
+            return
+        self._layouts_written[logger.log_dir] = segmented
+        metrics = self.segment_metrics if segmented else ()
+        layout = dashboard_layout(
+            logger_prefix(logger) + self.prefix, enabled_metric_names(self.groups), metrics
+        )
+        write_layout(logger.experiment, layout)
 
     def _pictures_due(self, step: int) -> bool:
         """Whether ``step`` is the first logged step of its span of steps to draw in."""

@@ -178,6 +178,7 @@ def _candidates(batches: Sequence[TokenSums], placeholder: Tensor, device: torch
         position,
         ids[0],
         rank,
+        _segments([w[3] if len(w) > 3 else None for w in found], sizes, device),
     ]
     candidates = torch.cat([torch.stack(columns, dim=1), known_context(ids[1:].t(), position)], 1)
     counted = keys > -(1 << 32)  # a token that does not count has -inf's bits above
@@ -197,6 +198,20 @@ def _ids(ids: Sequence[Tensor | None], sizes: Sequence[int], device: torch.devic
             for i, n in zip(ids, sizes, strict=True)
         ],
         dim=1,
+    )
+
+
+def _segments(
+    segments: Sequence[Tensor | None], sizes: Sequence[int], device: torch.device
+) -> Tensor:
+    """``[n]`` float64: each candidate's segment index, -1 in a batch without labels."""
+    return torch.cat(
+        [
+            torch.full((n,), -1.0, dtype=torch.float64, device=device)
+            if s is None
+            else s.to(torch.float64)
+            for s, n in zip(segments, sizes, strict=True)
+        ]
     )
 
 

@@ -6,14 +6,16 @@ the batch's device without a host synchronisation; a merge of windows or ranks k
 best ``k`` of all candidates. Of tokens of equal ``abs(r)`` the earlier one in the
 window wins (:data:`WORST_TIES`), on every path and in every merge. Where the batch has
 token ids, a candidate carries its id and the :data:`CONTEXT_TOKENS` ids before it in its
-row, so that a merge keeps each token's context with it and the state stays ``k`` rows.
+row, so that a merge keeps each token's context with it and the state stays ``k`` rows;
+where the batch has segment labels, it carries its segment's index too.
 :func:`read_worst_tokens` reads a merged block on the host.
 
 Example:
-    >>> fields = [0.5, -0.5, 0.3, 0.5, 0, 0, 2, 9, 0, 8, 7, -1, -1, -1, -1]  # WORST_FIELDS
+    >>> fields = [0.5, -0.5, 0.3, 0.5, 0, 0, 2, 9, 0, 3, 8, 7, -1, -1, -1, -1]  # WORST_FIELDS
     >>> block = fields + list(PLACEHOLDER)  # k = 2: one token, one placeholder
-    >>> [(t.log_ratio, t.position, t.token_id, t.context) for t in read_worst_tokens(block)]
-    [(-0.5, 2, 9, (7, 8))]
+    >>> [(t.log_ratio, t.position, t.token_id, t.context, t.segment)
+    ...  for t in read_worst_tokens(block)]
+    [(-0.5, 2, 9, (7, 8), 3)]
 """
 
 from __future__ import annotations
@@ -55,15 +57,17 @@ WORST_FIELDS: tuple[str, ...] = (
     "position",
     "token_id",
     "rank",
+    "segment",
     *CONTEXT_FIELDS,
 )
 """Columns of a worst-token candidate in the packed extras (an id is -1 if unknown: no ids
-in the batch, or before the start of the token's row)."""
+in the batch, or before the start of the token's row; ``segment`` is the index of the
+token's segment, -1 in a batch without segment labels)."""
 
 FIELDS = len(WORST_FIELDS)
 """The values of one candidate in the packed state."""
-PLACEHOLDER = (-math.inf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0, *(-1.0,) * CONTEXT_TOKENS)
-"""A candidate that loses against any token (no token id, no context)."""
+PLACEHOLDER = (-math.inf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0, -1.0, *(-1.0,) * CONTEXT_TOKENS)
+"""A candidate that loses against any token (no token id, no segment, no context)."""
 
 WORST_TIES = ("batch", "rank", "row", "position")
 """Of tokens of equal ``abs(r)`` the earlier one in the window ranks first: the earlier
@@ -82,7 +86,9 @@ class WorstToken:
     batch after the previous logged step), ``row`` and ``position`` locate the token in
     that batch's ``[B, T]`` tensors, ``token_id`` is ``None`` when the batch had no ids.
     ``context`` holds the ids of up to :data:`CONTEXT_TOKENS` tokens before it in its row,
-    earliest first (fewer near the row's start, none without ids).
+    earliest first (fewer near the row's start, none without ids). ``segment`` is the
+    index of the token's segment (``max_segments`` for ``other``), ``None`` when its
+    batch had no segment labels.
     """
 
     log_ratio: float
@@ -94,6 +100,7 @@ class WorstToken:
     token_id: int | None
     rank: int
     context: tuple[int, ...] = ()
+    segment: int | None = None
 
 
 def worst_tokens_block(k: int) -> Block:
@@ -136,6 +143,7 @@ def read_worst_tokens(values: Sequence[float]) -> list[WorstToken]:
                 token_id=None if row["token_id"] < 0 else int(row["token_id"]),
                 rank=int(row["rank"]),
                 context=_context(row),
+                segment=None if row["segment"] < 0 else int(row["segment"]),
             )
         )
     worst.sort(key=lambda t: (-abs(t.log_ratio), *(getattr(t, name) for name in WORST_TIES)))

@@ -25,7 +25,7 @@ from lightning_rollout_debug.metrics.extras import ExtrasSummary, TokenExtras
 from lightning_rollout_debug.metrics.profile import Profile
 from lightning_rollout_debug.metrics.worst_tokens import CONTEXT_TOKENS, WorstToken
 from lightning_rollout_debug.views.pictures import PICTURES, profile_pictures
-from lightning_rollout_debug.views.token_text import TokenText
+from lightning_rollout_debug.views.token_text import TokenText, markdown_cell
 
 WORST_TOKENS_TAG = "rollout_worst_tokens"
 """Un-prefixed TensorBoard tag of the worst-tokens table."""
@@ -43,6 +43,12 @@ TEXT_CAPTION = (
     "text of its own."
 )
 """The worst-tokens text's paragraph on the text columns, when they are shown."""
+
+SEGMENT_CAPTION = (
+    "*segment*: the segment (turn, data source, task: the batch's segment labels) the "
+    "token counts in."
+)
+"""The worst-tokens text's sentence on the segment column, when it is shown."""
 
 PROFILE_IMAGE_TAG = "rollout_profile"
 """Un-prefixed TensorBoard tag group of the profile pictures."""
@@ -67,13 +73,15 @@ def write_extras(
     *,
     show_rank: bool = False,
     token_text: TokenText | None = None,
+    segment_names: Sequence[str] = (),
 ) -> None:
     """Write a window's histograms and worst-tokens table with a ``SummaryWriter``.
 
     A histogram is written from its first to its last non-empty bin (``bucket_limit`` is
     a contiguous run of the fixed edges, then ``DBL_MAX`` if the overflow bin is
-    included). With ``token_text``, the table shows the tokens' text. Nothing is written
-    for an empty window.
+    included). With ``token_text``, the table shows the tokens' text; ``segment_names``
+    names the tokens' segments (:func:`worst_tokens_markdown`). Nothing is written for an
+    empty window.
     """
     for name, histogram in summary.histograms.items():
         if histogram.num < 1:
@@ -94,10 +102,15 @@ def write_extras(
         )
     if summary.worst_tokens:
         tokens = summary.worst_tokens
-        table = worst_tokens_markdown(tokens, show_rank=show_rank, token_text=token_text)
-        texts = token_text is not None and any(token.token_id is not None for token in tokens)
-        caption = f"{WORST_TOKENS_CAPTION} {TEXT_CAPTION}" if texts else WORST_TOKENS_CAPTION
-        writer.add_text(f"{prefix}{WORST_TOKENS_TAG}", f"{caption}\n\n{table}", step)
+        table = worst_tokens_markdown(
+            tokens, show_rank=show_rank, token_text=token_text, segment_names=segment_names
+        )
+        caption = [WORST_TOKENS_CAPTION]
+        if any(token.segment is not None for token in tokens):
+            caption.append(SEGMENT_CAPTION)
+        if token_text is not None and any(token.token_id is not None for token in tokens):
+            caption.append(TEXT_CAPTION)
+        writer.add_text(f"{prefix}{WORST_TOKENS_TAG}", f"{' '.join(caption)}\n\n{table}", step)
 
 
 def logger_prefix(logger: Any) -> str:
@@ -180,13 +193,19 @@ def prepare_pictures() -> None:
 
 
 def worst_tokens_markdown(
-    tokens: Sequence[WorstToken], *, show_rank: bool = False, token_text: TokenText | None = None
+    tokens: Sequence[WorstToken],
+    *,
+    show_rank: bool = False,
+    token_text: TokenText | None = None,
+    segment_names: Sequence[str] = (),
 ) -> str:
     """A Markdown table of the worst tokens (TensorBoard's text plugin renders it).
 
     The token column appears when any token has an id, the rank column with ``show_rank``;
     with ``token_text`` and ids, the text of each token (aligned left) and of its context
-    (aligned right, so that the two read on; :meth:`TokenText.cells`).
+    (aligned right, so that the two read on; :meth:`TokenText.cells`). The segment column
+    appears when any token has a segment: ``segment_names[i]`` names segment ``i`` (the
+    names of every segment by index, ``other`` last), the number where it has no name.
 
     Example:
         >>> token = WorstToken(-0.223144, 0.2, 0.25, batch=0, row=1, position=7, token_id=42,
@@ -202,17 +221,27 @@ def worst_tokens_markdown(
         ...                    rank=0, context=(40,))
         >>> print(worst_tokens_markdown([token], token_text=words).splitlines()[2])
         | 1 | 0 | 1 | 7 | 42 | the | ␣mat | 0.25 | 0.2 | -0.223144 |
-    """
+        >>> token = WorstToken(-0.223144, 0.2, 0.25, batch=0, row=1, position=7, token_id=None,
+        ...                    rank=0, segment=2)
+        >>> print(worst_tokens_markdown([token], segment_names=("math", "code", "other")))
+        | # | batch | row | position | segment | rollout prob | actor prob | r = log(actor/rollout) |
+        |---:|---:|---:|---:|---:|---:|---:|---:|
+        | 1 | 0 | 1 | 7 | other | 0.25 | 0.2 | -0.223144 |
+    """  # noqa: E501
     show_token = any(token.token_id is not None for token in tokens)
     show_text = show_token and token_text is not None
+    show_segment = any(token.segment is not None for token in tokens)
     header = ["#", *(["rank"] if show_rank else []), "batch", "row", "position"]
-    header += [*(["token"] if show_token else []), *(["context", "text"] if show_text else [])]
+    header += [*(["segment"] if show_segment else []), *(["token"] if show_token else [])]
+    header += ["context", "text"] if show_text else []
     header += ["rollout prob", "actor prob", "r = log(actor/rollout)"]
     aligned = "".join(":---|" if name == "text" else "---:|" for name in header)
     lines = ["| " + " | ".join(header) + " |", "|" + aligned]
     for number, token in enumerate(tokens, start=1):
         cells = [str(number), *([str(token.rank)] if show_rank else [])]
         cells += [str(token.batch), str(token.row), str(token.position)]
+        if show_segment:
+            cells.append(_segment_cell(token.segment, segment_names))
         if show_token:
             cells.append("-" if token.token_id is None else str(token.token_id))
         if show_text and token_text is not None:
@@ -220,6 +249,13 @@ def worst_tokens_markdown(
         cells += [f"{token.rollout_prob:.6g}", f"{token.actor_prob:.6g}", f"{token.log_ratio:.6g}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _segment_cell(segment: int | None, names: Sequence[str]) -> str:
+    """The name of segment ``segment`` (its number where ``names`` has none; ``-`` if none)."""
+    if segment is None:
+        return "-"
+    return markdown_cell(names[segment]) if 0 <= segment < len(names) else str(segment)
 
 
 def _text_cells(token: WorstToken, token_text: TokenText) -> tuple[str, str]:
@@ -233,15 +269,26 @@ DashboardLayout = dict[str, dict[str, list[Any]]]
 """A custom-scalars layout as ``SummaryWriter.add_custom_scalars`` takes it."""
 
 
-def dashboard_layout(prefix: str, names: Collection[str]) -> DashboardLayout:
+SEGMENTS_CATEGORY = "segments"
+"""The dashboard's category of the segments' charts, and the tags' part before a segment's
+name (``{prefix}segments/{name}/{metric}``)."""
+
+
+def dashboard_layout(
+    prefix: str, names: Collection[str], segment_metrics: Sequence[str] = ()
+) -> DashboardLayout:
     """The custom-scalars layout of :data:`DASHBOARD` for ``SummaryWriter.add_custom_scalars``.
 
     Only metrics in ``names`` (un-prefixed) appear; empty charts and categories are left
-    out. Chart tags are anchored regular expressions of the prefixed names.
+    out. Chart tags are anchored regular expressions of the prefixed names. With
+    ``segment_metrics``, a last category, ``segments``, charts each of them with every
+    segment as a series (the tags ``{prefix}segments/{name}/{metric}`` of any name).
 
     Example:
         >>> dashboard_layout("training/", ["rollout_actor_kl_k1", "rollout_actor_kl_k3"])
         {'training/divergence': {'KL(rollout || actor): k1, k3': ['Multiline', ['^training/rollout_actor_kl_k1$', '^training/rollout_actor_kl_k3$']]}}
+        >>> dashboard_layout("training/", [], ["rollout_actor_kl_k3"])
+        {'training/segments': {'rollout_actor_kl_k3 by segment': ['Multiline', ['^training/segments/[^/]+/rollout_actor_kl_k3$']]}}
     """  # noqa: E501
     layout: DashboardLayout = {}
     for category, charts in DASHBOARD:
@@ -252,6 +299,12 @@ def dashboard_layout(prefix: str, names: Collection[str]) -> DashboardLayout:
         }
         if content:
             layout[f"{prefix}{category}"] = content
+    if segment_metrics:
+        segments = f"^{re.escape(f'{prefix}{SEGMENTS_CATEGORY}/')}[^/]+/"
+        layout[f"{prefix}{SEGMENTS_CATEGORY}"] = {
+            f"{metric} by segment": ["Multiline", [f"{segments}{re.escape(metric)}$"]]
+            for metric in segment_metrics
+        }
     return layout
 
 

@@ -1542,14 +1542,15 @@ void run(const void* rollout, const void* old, int log_prob_kind, const void* ma
 #define ROLLOUT_GROUPS(X)                                                                   \
   X(g_seed, "seed") X(g_log_space, "log_space") X(g_kl, "kl") X(g_ratio, "importance_ratio") \
   X(g_sequence, "sequence") X(g_health, "health")
-// The fields of a worst-token candidate (`WORST_FIELDS` in worst_tokens.py): `context_j` is
-// the id j positions before the token in its row.
+// The fields of a worst-token candidate (`WORST_FIELDS` in worst_tokens.py): `segment` is
+// the token's segment (-1 here: the kernel never runs on a batch with segment labels),
+// `context_j` the id j positions before the token in its row.
 #define ROLLOUT_WORST_FIELDS(X)                                                             \
   X(w_key, "abs_log_ratio") X(w_r, "log_ratio") X(w_pa, "actor_prob") X(w_pb, "rollout_prob") \
   X(w_batch, "batch") X(w_row, "row") X(w_position, "position") X(w_id, "token_id")         \
-  X(w_rank, "rank") X(w_context_1, "context_1") X(w_context_2, "context_2")                 \
-  X(w_context_3, "context_3") X(w_context_4, "context_4") X(w_context_5, "context_5")       \
-  X(w_context_6, "context_6")
+  X(w_rank, "rank") X(w_segment, "segment") X(w_context_1, "context_1")                     \
+  X(w_context_2, "context_2") X(w_context_3, "context_3") X(w_context_4, "context_4")       \
+  X(w_context_5, "context_5") X(w_context_6, "context_6")
 
 #define ROLLOUT_ENUM(id, name) id,
 #define ROLLOUT_NAME(id, name) name,
@@ -1712,7 +1713,7 @@ void write_candidates(const void* rollout, const void* old, int kind, const void
                     });
   for (int i = 0; i < x.k; ++i, out += kWorstFields) {
     if (static_cast<size_t>(i) >= kept) {  // a placeholder: loses against any token
-      const double empty[w_context_1] = {-INFINITY, 0, 0, 0, 0, 0, 0, -1, 0};
+      const double empty[w_context_1] = {-INFINITY, 0, 0, 0, 0, 0, 0, -1, 0, -1};
       std::memcpy(out, empty, sizeof empty);
       std::fill(out + w_context_1, out + kWorstFields, -1.0);
       continue;
@@ -1732,6 +1733,7 @@ void write_candidates(const void* rollout, const void* old, int kind, const void
     out[w_position] = static_cast<double>(c.position);
     out[w_id] = ids ? id_at(ids, id_kind, index) : -1.0;
     out[w_rank] = rank;
+    out[w_segment] = -1.0;
     for (int j = 1; j <= kContextTokens; ++j) {  // the ids before it in its row
       out[w_context_1 + j - 1] = ids && c.position >= j ? id_at(ids, id_kind, index - j) : -1.0;
     }
