@@ -5,9 +5,9 @@
 - the dashboard table of ``docs/tensorboard.md`` lists the charts of ``DASHBOARD``;
 - every constructor parameter of ``RolloutDebugCallback`` is in the argument table of
   ``docs/usage.md``, with the default the code has;
-- the code blocks of ``docs/usage.md`` marked ``<!-- test: run -->`` run, and the YAML
-  block marked ``<!-- test: lightningcli -->`` configures the callback through
-  LightningCLI;
+- the code blocks of ``docs/usage.md`` and ``docs/segments.md`` marked
+  ``<!-- test: run -->`` run, and the YAML block of ``docs/usage.md`` marked
+  ``<!-- test: lightningcli -->`` configures the callback through LightningCLI;
 - every page in ``docs/`` is in the ``mkdocs.yml`` navigation;
 - the quick test subset the README documents (``pytest -m "not slow"``) exists: the
   marker is registered and the slow tables of ``tests/conftest.py`` name real tests.
@@ -142,6 +142,17 @@ def test_usage_block_runs(index: int, tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.chdir(tmp_path)  # the blocks may write logs to the working directory
     with torch.random.fork_rng():  # the blocks seed the global generator
         exec(compile(code, f"docs/usage.md (runnable block {index})", "exec"), {"__name__": "docs"})
+
+
+@pytest.mark.parametrize("index", range(len(marked_blocks("segments.md", "run"))))
+def test_segments_block_runs(index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    code = marked_blocks("segments.md", "run")[index]
+    monkeypatch.chdir(tmp_path)
+    with torch.random.fork_rng():
+        exec(
+            compile(code, f"docs/segments.md (runnable block {index})", "exec"),
+            {"__name__": "docs"},
+        )
 
 
 def test_lightningcli_yaml_configures_the_callback() -> None:
