@@ -12,17 +12,16 @@ This script is a small GRPO run on a CPU that shows it:
 
 * the policy is a 2-layer causal transformer with linear attention (written with
   ``torch.nn``, nothing downloaded). Linear attention keeps its KV cache in a fixed
-  size: one running sum of ``phi(k) v^T`` and one of ``phi(k)`` per head, which every
-  token adds to;
+  size: one running sum of ``phi(k) v^T`` per head and layer, which every token adds to;
 * the task: the prompt is four random digits; in each of ``--turns`` turns the agent
   writes the last four digits it was shown (the prompt's, then each tool answer's), then
-  the same digits reversed; after every turn but the last, a tool answers with four new
-  digits (a stand-in for a search result). The reward is the fraction of answer tokens
-  right;
+  the same digits reversed; after every turn but the last, a tool answers (a stand-in
+  for a search result: twelve words of text, then four new digits). The reward is the
+  fraction of answer tokens right;
 * the rollout engine is a copy of the policy that samples token by token (temperature 1),
   computes in float32 but stores its cache in ``--cache-dtype``, and reuses it across the
   turns: the tool's tokens are added to the same cache. In bfloat16 each addition to the
-  running sums rounds them to 8 significant bits, and a sum that grows with every token
+  running sum rounds it to 8 significant bits, and a sum that grows with every token
   rounds in ever larger steps: the cache's error accumulates along the conversation;
 * the trainer recomputes the log-probabilities in float32 from the whole conversation at
   once (the attention matrix, no cache), normalises the rewards within each group of
@@ -31,16 +30,28 @@ This script is a small GRPO run on a CPU that shows it:
   tokens, 0 on the tool's) and ``segment_ids``: the turn of every token, the tool's
   answer labelled with the turn that called it.
 
-What it shows: with the default bfloat16 cache, the first turn's tokens see a cache of
-a few dozen additions and their mismatch is small; each later turn's is larger, on every
-logged step. At the end the script prints each turn's ``rollout_probs_diff_mean`` and
-``rollout_actor_kl_k3`` over the whole run (from
-``lightning_rollout_debug.functional.segment_metrics``): with the defaults the KL
-estimate of the fourth turn is about 20 times the first's, and the probability
-difference about 4 times, while the window-wide values that TensorBoard's
-``training/rollout_*`` charts show sit in between and name no turn. With
-``--cache-dtype float32`` every turn's mismatch is float32 rounding, thousands of times
-smaller.
+What it shows: with the default bfloat16 cache, the first turn reads a cache of a dozen
+tokens at most, the fourth one of more than eighty, and the fourth turn's mismatch is
+above the first's at every logged step. At the end the script prints each turn's
+``rollout_probs_diff_mean`` and ``rollout_actor_kl_k3`` over the whole run (from
+``lightning_rollout_debug.functional.segment_metrics``), and the multiple of the first
+turn's; with the defaults::
+
+    turn      tokens  probs_diff_mean             kl_k3
+    turn_1     20480        1.243e-05   1.0x  8.991e-09    1.0x
+    turn_2     20480        1.932e-05   1.6x  2.287e-08    2.5x
+    turn_3     20480        2.795e-05   2.2x  4.470e-08    5.0x
+    turn_4     20480        3.305e-05   2.7x  6.153e-08    6.8x
+
+Each turn's mismatch is above the one before: the KL estimate of the fourth turn is about
+7 times the first's and the probability difference about 2.7 times, while the
+window-wide values of the ``training/rollout_*`` charts sit in between and name no turn.
+The digits move a little with the CPU's arithmetic. The mismatch is small, since the
+engine computes everything but its cache in float32: it is the cache's rounding alone.
+With ``--cache-dtype float32`` there is none: every turn's probability difference is
+about 3e-8 (float32 rounding) and none is above the first's. The reward rises slowly in
+so short a run (from about 0.06 to about 0.1: the agent learns to answer with digits
+first); the run is there for its mismatch.
 
 Run it, then open TensorBoard (the ``segments`` section of the Custom Scalars page, or
 the ``training/segments/turn_*`` charts of the Scalars page)::

@@ -8,6 +8,8 @@
 - the code blocks of ``docs/usage.md`` and ``docs/segments.md`` marked
   ``<!-- test: run -->`` run, and the YAML block of ``docs/usage.md`` marked
   ``<!-- test: lightningcli -->`` configures the callback through LightningCLI;
+- the table of the metrics a segment can log in ``docs/metrics.md`` lists
+  ``SEGMENT_METRIC_CHOICES`` and ``DEFAULT_SEGMENT_METRICS``;
 - every page in ``docs/`` is in the ``mkdocs.yml`` navigation;
 - the quick test subset the README documents (``pytest -m "not slow"``) exists: the
   marker is registered and the slow tables of ``tests/conftest.py`` name real tests.
@@ -153,6 +155,26 @@ def test_segments_block_runs(index: int, tmp_path: Path, monkeypatch: pytest.Mon
             compile(code, f"docs/segments.md (runnable block {index})", "exec"),
             {"__name__": "docs"},
         )
+
+
+def test_the_per_segment_table_lists_the_choices() -> None:
+    """``docs/metrics.md``'s table of the metrics a segment can log, and of its defaults."""
+    from lightning_rollout_debug.metrics.segments import (
+        DEFAULT_SEGMENT_METRICS,
+        SEGMENT_METRIC_CHOICES,
+    )
+
+    text = read("metrics.md")
+    table = text[text.index("| group | metrics a segment can log |") :]
+    choices: list[str] = []
+    defaults: list[str] = []
+    for row in table[: table.index("\n\n")].splitlines()[2:]:
+        _, can, default = (cell.strip() for cell in row.strip("|").split("|"))
+        can = can.split("(not ")[0]  # what a segment cannot log is named after "not"
+        choices += re.findall(r"`(\w+)`", can)
+        defaults += re.findall(r"`(\w+)`", default)
+    assert sorted(choices) == sorted(SEGMENT_METRIC_CHOICES)
+    assert sorted(defaults) == sorted(DEFAULT_SEGMENT_METRICS)
 
 
 def test_lightningcli_yaml_configures_the_callback() -> None:
