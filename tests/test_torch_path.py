@@ -130,13 +130,17 @@ def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
 SIX_SHAPES = [(8, 512), (64, 200), (3, 1000), (17, 64), (1, 4096), (1, 300)]
 
 
-@pytest.mark.parametrize("ids", [False, True], ids=["", "token ids"])
+@pytest.mark.parametrize(
+    ("ids", "segments"),
+    [(False, ""), (True, ""), (True, "turns")],
+    ids=["", "token ids", "segments"],
+)
 def test_a_compiled_update_is_one_graph_traced_at_most_twice(
-    torch_path: None, monkeypatch: pytest.MonkeyPatch, ids: bool
+    torch_path: None, monkeypatch: pytest.MonkeyPatch, ids: bool, segments: str
 ) -> None:
     """The whole default update is one graph without a break (``fullgraph=True`` raises at
     one), traced at most twice over six batch shapes (one row specialises); with token ids
-    too (the worst tokens' ids and those before them)."""
+    too (the worst tokens' ids and those before them), and with segment labels."""
     graphs: list[torch.fx.GraphModule] = []
 
     def capture(graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
@@ -153,7 +157,7 @@ def test_a_compiled_update_is_one_graph_traced_at_most_twice(
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a failed compilation warns
         for shape in SIX_SHAPES:
-            monitor.update(_batch(*shape, ids=ids))
+            monitor.update(_batch(*shape, ids=ids, segments=segments))
     assert not backends._compiling["failed"]
     assert len(backends._compiling["functions"]) == 1  # statistics and extras: one pass
     assert 1 <= len(graphs) <= 2

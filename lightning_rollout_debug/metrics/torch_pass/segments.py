@@ -68,14 +68,13 @@ class SegmentRows:
         """The segment rows: ``B (S + 1)``."""
         signed = labels if labels.dtype.is_signed else labels.long()
         # -1 and every label above S - 1 become S: the "other" segment.
-        self.label = signed.clamp(-1, segments).remainder_(self.per_row)
-        """Each token's (or row's) segment, ``S`` for the other one."""
+        label = signed.clamp(-1, segments).remainder_(self.per_row)
 
         def offsets(device: torch.device) -> Tensor:
             starts = torch.arange(rows, device=device) * self.per_row
             return starts if labels.dim() == 1 else starts.unsqueeze(1)
 
-        index = self.label + by_shape(("segment offsets", segments), labels, offsets)
+        index = label + by_shape(("segment offsets", segments), labels, offsets)
         if index.dim() == 1:
             index = index.unsqueeze(1).expand(rows, width)
         self.index = index.reshape(1, -1)
@@ -99,9 +98,7 @@ class SegmentRows:
 
     def of_places(self, places: Tensor, width: int) -> Tensor:
         """The segment of the tokens at ``places`` (``row * T + t``) of the batch."""
-        if self.label.dim() == 1:
-            return self.label.index_select(0, torch.div(places, width, rounding_mode="floor"))
-        return self.label.reshape(-1).index_select(0, places)
+        return torch.take(self.index, places).remainder_(self.per_row)
 
     # An eager pass keeps each reduction as it comes (:meth:`fields` gives them).
     def keep_smallest(self, r: Tensor) -> None:
