@@ -1,15 +1,19 @@
 """One-shot functions on tensors and batches, for use outside Lightning.
 
 The first four keep the names and call shapes of the original debug-metrics module;
-:func:`mismatch_metrics` returns the whole catalog and :func:`mismatch_profile` where the
-mismatch lives. :func:`calculate_debug_metrics` goes through
+:func:`mismatch_metrics` returns the whole catalog, :func:`mismatch_profile` where the
+mismatch lives and :func:`segment_metrics` the mismatch of each segment (turn, data source,
+task). :func:`calculate_debug_metrics` goes through
 :class:`~lightning_rollout_debug.metrics.stats.MismatchStats`, :func:`mismatch_profile` through
 :class:`~lightning_rollout_debug.metrics.extras.TokenExtras` and :func:`mismatch_metrics`
-through both; the other three are plain tensor arithmetic.
+through both, :func:`segment_metrics` through
+:class:`~lightning_rollout_debug.metrics.segments.SegmentWindow`; the other three are plain
+tensor arithmetic.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,8 +25,20 @@ from lightning_rollout_debug.metrics.batch import extract_inputs, tensor_sources
 from lightning_rollout_debug.metrics.catalog import METRIC_NAMES, SEED_FUNCTION_NAMES
 from lightning_rollout_debug.metrics.extras import TokenExtras
 from lightning_rollout_debug.metrics.formulas import pearson_from_moments
-from lightning_rollout_debug.metrics.inputs import check_inputs, check_token_ids
+from lightning_rollout_debug.metrics.inputs import (
+    check_inputs,
+    check_segment_ids,
+    check_token_ids,
+)
 from lightning_rollout_debug.metrics.rows import paired_moments
+from lightning_rollout_debug.metrics.segments import (
+    DEFAULT_SEGMENT_METRICS,
+    MAX_SEGMENTS,
+    OTHER,
+    SegmentWindow,
+    segment_problems,
+    segment_values,
+)
 from lightning_rollout_debug.metrics.settings import prefix_problems
 from lightning_rollout_debug.metrics.stats import MismatchStats
 
@@ -33,6 +49,7 @@ __all__ = [
     "mismatch_metrics",
     "mismatch_profile",
     "pearson_correlation_coefficient",
+    "segment_metrics",
 ]
 
 DEFAULT_PREFIX = "training/"
@@ -166,9 +183,16 @@ def mismatch_metrics(
 
 
 def mismatch_profile(
-    rollout_log_probs: Tensor, old_log_probs: Tensor, response_mask: Tensor
+    rollout_log_probs: Tensor,
+    old_log_probs: Tensor,
+    response_mask: Tensor,
+    segment_ids: Tensor | None = None,
+    segment: int | None = None,
 ) -> dict[str, Any]:
     """Where the mismatch of one batch lives: quantiles, two profiles and the joint counts.
+
+    With ``segment_ids`` (``[B]`` or ``[B, T]`` integer labels) and ``segment``, of the
+    tokens labelled ``segment`` alone: a turn's mismatch by position, say.
 
     Returns a dict of plain Python values (see ``docs/metrics.md``, "Profiles"):
 
@@ -197,11 +221,71 @@ def mismatch_profile(
         >>> top["low"], top["high"], top["tokens"]
         (0.5, 1.0, 2.0)
     """
+    if (segment_ids is None) != (segment is None):
+        raise ValueError("`segment_ids` and `segment` go together: give both or neither.")
+    if segment_ids is not None:
+        check_inputs(rollout_log_probs, old_log_probs, response_mask)
+        check_segment_ids(segment_ids, response_mask)
+        if not isinstance(segment, int) or isinstance(segment, bool):
+            raise ValueError(f"`segment` must be an int label, got {segment!r}.")
+        labels = segment_ids if segment_ids.dim() == 2 else segment_ids.unsqueeze(1)
+        response_mask = (response_mask != 0) & (labels == segment)
     extras = TokenExtras(histograms=False, worst_tokens_k=0, profile=True)
     extras.update(rollout_log_probs, old_log_probs, response_mask)
     profile = extras.summary(extras.state).profile
     assert profile is not None
     return profile.as_dict()
+
+
+def segment_metrics(
+    rollout_log_probs: Tensor,
+    old_log_probs: Tensor,
+    response_mask: Tensor,
+    segment_ids: Tensor,
+    num_segments: int | None = None,
+    metrics: Sequence[str] | None = None,
+) -> dict[int | str, dict[str, float]]:
+    """The mismatch of each segment of one batch: ``{segment: {metric: value}}``.
+
+    Args:
+        rollout_log_probs: ``[B, T]`` log-probs the rollout engine recorded.
+        old_log_probs: ``[B, T]`` log-probs the trainer recomputed.
+        response_mask: ``[B, T]``; a token counts where it is non-zero.
+        segment_ids: integer labels, ``[B]`` (a data source or task a sequence) or
+            ``[B, T]`` (a turn a token).
+        num_segments: labels ``0`` to ``num_segments - 1`` are segments (at most 256);
+            tokens of any other label are under ``"other"``. By default the largest
+            label plus one.
+        metrics: un-prefixed names of ``SEGMENT_METRIC_CHOICES`` (default
+            ``DEFAULT_SEGMENT_METRICS``).
+
+    Returns:
+        The segments with at least one counting token, each with its metrics, computed
+        as the window's are, over its tokens alone.
+
+    Example:
+        >>> import torch
+        >>> rollout = torch.log(torch.tensor([[0.5, 0.25, 0.9, 0.1]]))
+        >>> actor = torch.log(torch.tensor([[0.5, 0.20, 0.9, 0.1]]))
+        >>> turns = torch.tensor([[0, 0, 1, 1]])
+        >>> found = segment_metrics(rollout, actor, torch.ones(1, 4), turns,
+        ...                         metrics=["rollout_tokens", "rollout_probs_diff_max"])
+        >>> {turn: [round(v, 4) for v in values.values()] for turn, values in found.items()}
+        {0: [2.0, 0.05], 1: [2.0, 0.0]}
+    """
+    inputs = check_inputs(rollout_log_probs, old_log_probs, response_mask)
+    check_segment_ids(segment_ids, inputs.mask)
+    if num_segments is None:
+        largest = int(segment_ids.max()) if segment_ids.numel() else -1
+        num_segments = min(max(largest + 1, 1), MAX_SEGMENTS)
+    chosen = DEFAULT_SEGMENT_METRICS if metrics is None else metrics
+    problems = segment_problems(max_segments=num_segments, segment_metrics=list(chosen))
+    if problems:
+        raise ValueError("Invalid segment_metrics arguments:\n- " + "\n- ".join(problems))
+    window = SegmentWindow(num_segments)
+    add_batch(inputs, None, stats=None, extras=None, segments=(window, segment_ids))
+    found = segment_values(window.state, num_segments, tuple(chosen))
+    return {OTHER if key == num_segments else key: values for key, values in found.items()}
 
 
 def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:

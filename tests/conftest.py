@@ -96,6 +96,7 @@ SLOW_TESTS: dict[str, str] = {
 
 SLOW_FIXTURES: dict[str, str] = {
     "example": "trains examples/grpo_mismatch.py",
+    "multiturn_example": "trains examples/multiturn_mismatch.py",
     "inductor_only": "compiles with torch.compile",
     "torch_path": "traces or compiles with torch.compile",
 }

@@ -209,3 +209,41 @@ def test_numpy_numbers_are_bounds() -> None:
     assert ranges["rollout_probs_diff_mean"] == (0.5, 2.0)
     for bad in (np.float64("nan"), np.bool_(True)):
         assert alert_problems({"rollout_probs_diff_mean": (bad, None)}, "warn", GROUPS)
+
+
+def _turns(noises: list[float], late: float) -> list[dict[str, torch.Tensor]]:
+    """Batches of two turns: the second's log-probs carry ``late`` more noise."""
+    found = []
+    for batch in batches(noises):
+        turn = (torch.arange(16) >= 8).long().expand(8, 16).contiguous()
+        generator = torch.Generator().manual_seed(7)
+        extra = late * torch.randn(8, 16, generator=generator) * turn
+        batch = {**batch, "rollout_log_probs": batch["rollout_log_probs"] + extra}
+        found.append({**batch, "segment_ids": turn})
+    return found
+
+
+@pytest.mark.parametrize("segment_alerts", [True, False])
+def test_segment_alerts_name_the_segment(segment_alerts: bool) -> None:
+    """With ``segment_alerts`` a segment's value outside its range warns, its tag naming the
+    segment, while the window's mean stays inside; without, only the window's are checked."""
+    callback = RolloutDebugCallback(
+        alert_ranges={MEAN: (None, 0.05)},
+        drift_factors={},
+        segment_names=["first", "second"],
+        segment_alerts=segment_alerts,
+    )
+    module = RolloutModule(_turns([GOOD, GOOD, GOOD], late=0.15))
+    options = {**TRAINER_DEFAULTS, "max_steps": 3, "log_every_n_steps": 1}
+    trainer = pl.Trainer(**options, logger=False, callbacks=[callback])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module)
+    messages = alert_warnings(caught)
+    if not segment_alerts:
+        assert messages == []
+        return
+    assert len(messages) == 1, messages  # one episode, from the first logged step
+    assert f"`training/segments/second/{MEAN}` = " in messages[0]
+    assert "is outside [-inf, 0.05]" in messages[0]
+    assert "first" not in messages[0].split("=")[0]

@@ -5,9 +5,11 @@
 - the dashboard table of ``docs/tensorboard.md`` lists the charts of ``DASHBOARD``;
 - every constructor parameter of ``RolloutDebugCallback`` is in the argument table of
   ``docs/usage.md``, with the default the code has;
-- the code blocks of ``docs/usage.md`` marked ``<!-- test: run -->`` run, and the YAML
-  block marked ``<!-- test: lightningcli -->`` configures the callback through
-  LightningCLI;
+- the code blocks of ``docs/usage.md`` and ``docs/segments.md`` marked
+  ``<!-- test: run -->`` run, and the YAML block of ``docs/usage.md`` marked
+  ``<!-- test: lightningcli -->`` configures the callback through LightningCLI;
+- the table of the metrics a segment can log in ``docs/metrics.md`` lists
+  ``SEGMENT_METRIC_CHOICES`` and ``DEFAULT_SEGMENT_METRICS``;
 - every page in ``docs/`` is in the ``mkdocs.yml`` navigation;
 - the quick test subset the README documents (``pytest -m "not slow"``) exists: the
   marker is registered and the slow tables of ``tests/conftest.py`` name real tests.
@@ -142,6 +144,37 @@ def test_usage_block_runs(index: int, tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.chdir(tmp_path)  # the blocks may write logs to the working directory
     with torch.random.fork_rng():  # the blocks seed the global generator
         exec(compile(code, f"docs/usage.md (runnable block {index})", "exec"), {"__name__": "docs"})
+
+
+@pytest.mark.parametrize("index", range(len(marked_blocks("segments.md", "run"))))
+def test_segments_block_runs(index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    code = marked_blocks("segments.md", "run")[index]
+    monkeypatch.chdir(tmp_path)
+    with torch.random.fork_rng():
+        exec(
+            compile(code, f"docs/segments.md (runnable block {index})", "exec"),
+            {"__name__": "docs"},
+        )
+
+
+def test_the_per_segment_table_lists_the_choices() -> None:
+    """``docs/metrics.md``'s table of the metrics a segment can log, and of its defaults."""
+    from lightning_rollout_debug.metrics.segments import (
+        DEFAULT_SEGMENT_METRICS,
+        SEGMENT_METRIC_CHOICES,
+    )
+
+    text = read("metrics.md")
+    table = text[text.index("| group | metrics a segment can log |") :]
+    choices: list[str] = []
+    defaults: list[str] = []
+    for row in table[: table.index("\n\n")].splitlines()[2:]:
+        _, can, default = (cell.strip() for cell in row.strip("|").split("|"))
+        can = can.split("(not ")[0]  # what a segment cannot log is named after "not"
+        choices += re.findall(r"`(\w+)`", can)
+        defaults += re.findall(r"`(\w+)`", default)
+    assert sorted(choices) == sorted(SEGMENT_METRIC_CHOICES)
+    assert sorted(defaults) == sorted(DEFAULT_SEGMENT_METRICS)
 
 
 def test_lightningcli_yaml_configures_the_callback() -> None:

@@ -1,4 +1,5 @@
-"""Run examples/grpo_mismatch.py for a few steps and read its TensorBoard logs back.
+"""Run examples/grpo_mismatch.py and examples/multiturn_mismatch.py for a few steps and
+read their TensorBoard logs back.
 
 Also: ``--help`` answers before torch and Lightning are imported.
 """
@@ -19,6 +20,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_mismatch.py"
+MULTITURN = EXAMPLE.with_name("multiturn_mismatch.py")
 
 PROBS_DIFF = "training/rollout_probs_diff_mean"
 KL_K3 = "training/rollout_actor_kl_k3"
@@ -33,14 +35,24 @@ HEAVY_MODULES = (
 )
 
 
-@pytest.fixture(scope="module")
-def example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("grpo_mismatch", EXAMPLE)
+def load(path: Path) -> ModuleType:
+    """The example at ``path`` as a module (not run)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def example() -> ModuleType:
+    return load(EXAMPLE)
+
+
+@pytest.fixture(scope="module")
+def multiturn_example() -> ModuleType:
+    return load(MULTITURN)
 
 
 def read_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
@@ -201,3 +213,70 @@ def test_a_sync_that_stops_drifts_and_draws_the_profile(
     for kind in ("by_position", "by_probability", "joint"):
         (tag,) = [tag for tag in tags if kind in tag]
         assert [event.step for event in accumulator.Images(tag)] == [0, 10, 20]
+
+
+SEGMENT_TAG = "training/segments/{turn}/{metric}"
+
+
+def test_the_multiturn_run_logs_each_turn_and_later_turns_drift_more(
+    multiturn_example: ModuleType, tmp_path: Path
+) -> None:
+    """The agent's bfloat16 cache, reused across its turns: every turn has its tags, each
+    turn's mean mismatch over the run is above the one before, the last turn's KL
+    estimate several times the first's, and the window-wide values in between."""
+    steps, turns = 4, 4
+    flags = ["--max-steps", str(steps), "--turns", str(turns), "--logdir", str(tmp_path)]
+    log_dir = multiturn_example.main(flags)
+    scalars = read_scalars(log_dir)
+    names = multiturn_example.turn_names(turns)
+    assert names == ["turn_1", "turn_2", "turn_3", "turn_4"]
+    assert not [tag for tag in scalars if "/segments/other/" in tag]
+    tokens = multiturn_example.PROMPTS_PER_STEP * multiturn_example.GROUP_SIZE
+    tokens *= multiturn_example.ANSWER_LEN  # the mask leaves the tool's answers out
+    mean: dict[str, dict[str, float]] = {}
+    for name in names:
+        for metric in ("rollout_tokens", "rollout_probs_diff_mean", "rollout_actor_kl_k3"):
+            series = scalars.get(SEGMENT_TAG.format(turn=name, metric=metric))
+            assert series is not None, f"{name}/{metric} missing; logged: {sorted(scalars)}"
+            assert sorted(series) == list(range(steps)), (name, metric, series)
+            assert all(math.isfinite(value) and value > 0 for value in series.values())
+            mean.setdefault(metric, {})[name] = statistics.mean(series.values())
+        assert set(scalars[SEGMENT_TAG.format(turn=name, metric="rollout_tokens")].values()) == {
+            tokens
+        }
+    for metric in ("rollout_probs_diff_mean", "rollout_actor_kl_k3"):
+        by_turn = [mean[metric][name] for name in names]
+        assert by_turn == sorted(by_turn), mean[metric]
+        window = statistics.mean(scalars[f"training/{metric}"].values())
+        assert by_turn[0] < window < by_turn[-1], (window, mean[metric])
+    assert mean["rollout_actor_kl_k3"]["turn_4"] > 4 * mean["rollout_actor_kl_k3"]["turn_1"]
+    k3 = {n: scalars[SEGMENT_TAG.format(turn=n, metric="rollout_actor_kl_k3")] for n in names}
+    first, last = k3["turn_1"], k3["turn_4"]
+    assert all(last[step] > first[step] for step in range(steps)), (first, last)
+
+
+def test_a_float32_cache_has_no_turn_that_drifts(
+    multiturn_example: ModuleType, tmp_path: Path
+) -> None:
+    """Without the cache's rounding, every turn's mismatch is float32 noise."""
+    flags = ["--cache-dtype", "float32", "--max-steps", "2", "--turns", "2"]
+    scalars = read_scalars(multiturn_example.main([*flags, "--logdir", str(tmp_path)]))
+    for name in multiturn_example.turn_names(2):
+        series = scalars[SEGMENT_TAG.format(turn=name, metric="rollout_probs_diff_mean")]
+        assert max(series.values()) < 1e-6, (name, series)
+
+
+def test_the_multiturn_command_line_answers_before_the_heavy_imports() -> None:
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", str(MULTITURN), "--turns", "17"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "--turns must be from 1 to 16" in result.stderr
+    heavy = sorted(
+        name for name in imported_modules(result.stderr) if name.split(".")[0] in HEAVY_MODULES
+    )
+    assert not heavy, f"--turns 17 imported {heavy[:5]}"

@@ -54,8 +54,15 @@ class RecordingCallback(RolloutDebugCallback):
         self.records.append({"logs": logs, "syncs": host_syncs(recorder.calls), **counts})
 
 
-@pytest.mark.parametrize("extras", [True, False], ids=["with-extras", "scalars-only"])
-def test_only_logged_steps_copy_to_the_host_once(extras: bool) -> None:
+@pytest.mark.parametrize(
+    ("extras", "segments"),
+    [(True, False), (False, False), (True, True)],
+    ids=["with-extras", "scalars-only", "segments"],
+)
+def test_only_logged_steps_copy_to_the_host_once(extras: bool, segments: bool) -> None:
+    """No update waits for the device and a logged step copies to the host once: with the
+    extras, with the statistics alone, and with segment labels (a label a token, some
+    outside the segments)."""
     callback = RecordingCallback(
         log_every_n_steps=3,
         histograms=extras,
@@ -64,6 +71,11 @@ def test_only_logged_steps_copy_to_the_host_once(extras: bool) -> None:
         alert_ranges={},
     )
     batches = make_batches(9, batch_size=[3, 2, 4] * 3, width=[5, 7, 3] * 3, mask="random")
+    for i, batch in enumerate(batches if segments else []):
+        labels = torch.randint(
+            -1, 18, batch["response_mask"].shape, generator=torch.Generator().manual_seed(i)
+        )
+        batch["segment_ids"] = labels
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=9,

@@ -56,7 +56,6 @@ from lightning_rollout_debug.metrics.bins import (
 )
 from lightning_rollout_debug.metrics.catalog import DASHBOARD
 from lightning_rollout_debug.metrics.extras import ExtrasSummary, TokenExtras
-from lightning_rollout_debug.metrics.layout import STATE_SIZE
 from lightning_rollout_debug.metrics.tokens import LOG_PROB_FLOOR
 from lightning_rollout_debug.metrics.worst_tokens import WORST_FIELDS, WorstToken
 from lightning_rollout_debug.views.tensorboard import (
@@ -1031,12 +1030,13 @@ def test_all_ranks_sends_stats_and_extras_in_one_collective() -> None:
         sent.append(tensor)
         if len(sent) == 1:  # the settings: the same on both ranks
             return torch.stack([tensor, tensor])
-        other = torch.cat([monitors[1]._stats.state, monitors[1]._extras.state])
-        return torch.stack([tensor, other])
+        parts = monitors[1]._window.parts(torch.device("cpu"))
+        return torch.stack([tensor, torch.cat([part for part in parts if part is not None])])
 
     ranks = Ranks(world_size=2, is_global_zero=True, gather=all_gather)
-    stats, extras = monitors[0]._window.on_host(ranks)
-    assert [len(vector) for vector in sent] == [WIDTH, STATE_SIZE + monitors[0]._extras.size]
+    stats, extras, *_ = monitors[0]._window.on_host(ranks)
+    parts = monitors[0]._window.parts(torch.device("cpu"))
+    assert [len(vector) for vector in sent] == [WIDTH, sum(len(p) for p in parts if p is not None)]
     assert sent[1].dtype == torch.float64
     monitors[0]._window.on_host(ranks)  # the next merge compares nothing
     assert len(sent) == 3 and len(sent[2]) == len(sent[1])

@@ -43,6 +43,8 @@ SCALARS_ONLY: dict[str, Any] = {
 OPERATIONS = {
     "defaults": 86,
     "defaults, token ids": 89,
+    "defaults, segments": 106,
+    "defaults, segments by sequence": 108,
     "scalars only": 54,
     "seed only": 30,
 }
@@ -50,9 +52,12 @@ OPERATIONS = {
 batch, the worst tokens take their ids and the ids before them)."""
 
 
-def _batch(rows: int, width: int, seed: int = 0, ids: bool = False) -> dict[str, torch.Tensor]:
+def _batch(
+    rows: int, width: int, seed: int = 0, ids: bool = False, segments: str = ""
+) -> dict[str, torch.Tensor]:
     """Log-probs of sampled tokens, a small mismatch, rows padded to random lengths; with
-    ``ids``, the sampled tokens' ids (``responses``)."""
+    ``ids``, the sampled tokens' ids (``responses``); with ``segments``, 16 turns a row
+    (``"turns"``) or a data source a row (``"sequences"``) as ``segment_ids``."""
     generator = torch.Generator().manual_seed(seed)
     rollout = torch.empty(rows, width).uniform_(1e-6, 1.0, generator=generator).log_()
     old = (rollout + 0.01 * torch.randn(rows, width, generator=generator)).clamp_(max=0.0)
@@ -61,6 +66,11 @@ def _batch(rows: int, width: int, seed: int = 0, ids: bool = False) -> dict[str,
     batch = {"rollout_log_probs": rollout, "old_log_probs": old, "response_mask": mask}
     if ids:
         batch["responses"] = torch.randint(0, 50_000, (rows, width), generator=generator)
+    if segments == "turns":
+        batch["segment_ids"] = torch.arange(width).mul(16).div(width, rounding_mode="floor")
+        batch["segment_ids"] = batch["segment_ids"].expand(rows, width).contiguous()
+    elif segments == "sequences":
+        batch["segment_ids"] = torch.randint(0, 16, (rows,), generator=generator)
     return batch
 
 
@@ -76,6 +86,8 @@ def _operations(update: Callable[[], None]) -> list[str]:
 CONFIGURATIONS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "defaults, token ids": {},
+    "defaults, segments": {},
+    "defaults, segments by sequence": {},
     "scalars only": SCALARS_ONLY,
     "seed only": {**SCALARS_ONLY, "groups": ["seed"]},
 }
@@ -86,14 +98,18 @@ def test_an_eager_update_issues_the_same_few_operations_at_every_size(
     configuration: str,
 ) -> None:
     """Defaults (statistics, histograms, worst tokens, profile) 86 operations, 89 with
-    token ids, the statistics alone 54, the seed's group 30 (the seed's own algorithm:
-    39), the same number from 1,024 tokens to 4M: nothing loops over chunks or values."""
+    token ids, 106 with a segment label a token and 108 with one a sequence (at most 110:
+    the bound of 100 and 10 for the segments), the statistics alone 54, the seed's group
+    30 (the seed's own algorithm: 39), the same number from 1,024 tokens to 4M: nothing
+    loops over chunks or values."""
     counts = []
     for shape in SHAPES:
         monitor = RolloutDebugMonitor(
             alert_ranges={}, compile=False, **CONFIGURATIONS[configuration]
         )
-        batch = _batch(*shape, ids="token ids" in configuration)
+        segments = "" if "segments" not in configuration else "turns"
+        segments = "sequences" if "by sequence" in configuration else segments
+        batch = _batch(*shape, ids="token ids" in configuration, segments=segments)
         counts.append(len(_operations(functools.partial(monitor.update, batch))))
         del monitor, batch
     assert counts == [counts[0]] * len(SHAPES)
@@ -114,13 +130,17 @@ def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
 SIX_SHAPES = [(8, 512), (64, 200), (3, 1000), (17, 64), (1, 4096), (1, 300)]
 
 
-@pytest.mark.parametrize("ids", [False, True], ids=["", "token ids"])
+@pytest.mark.parametrize(
+    ("ids", "segments"),
+    [(False, ""), (True, ""), (True, "turns")],
+    ids=["", "token ids", "segments"],
+)
 def test_a_compiled_update_is_one_graph_traced_at_most_twice(
-    torch_path: None, monkeypatch: pytest.MonkeyPatch, ids: bool
+    torch_path: None, monkeypatch: pytest.MonkeyPatch, ids: bool, segments: str
 ) -> None:
     """The whole default update is one graph without a break (``fullgraph=True`` raises at
     one), traced at most twice over six batch shapes (one row specialises); with token ids
-    too (the worst tokens' ids and those before them)."""
+    too (the worst tokens' ids and those before them), and with segment labels."""
     graphs: list[torch.fx.GraphModule] = []
 
     def capture(graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
@@ -137,7 +157,7 @@ def test_a_compiled_update_is_one_graph_traced_at_most_twice(
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a failed compilation warns
         for shape in SIX_SHAPES:
-            monitor.update(_batch(*shape, ids=ids))
+            monitor.update(_batch(*shape, ids=ids, segments=segments))
     assert not backends._compiling["failed"]
     assert len(backends._compiling["functions"]) == 1  # statistics and extras: one pass
     assert 1 <= len(graphs) <= 2

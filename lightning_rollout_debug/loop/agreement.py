@@ -3,7 +3,8 @@
 The ranks merge their windows in one collective of one float64 vector
 (:class:`~.window.DeviceWindow`), whose length and meaning their settings give: the groups
 (and the ``is_threshold`` and ``seq_ratio_bounds`` their sums are counted with) and the
-layout of the extras (``histograms``, ``worst_tokens_k``, the profile). Ranks built with
+layout of the extras (``histograms``, ``worst_tokens_k``, the profile) and of the segments
+(``max_segments``). Ranks built with
 other settings would send vectors of other lengths, which gloo answers by aborting a
 rank, or of other meanings, merged into wrong metrics. So before the first merge every
 rank sends the same few float64 values that encode those settings (:func:`encoded`), in
@@ -44,6 +45,7 @@ SHAPING = (
     "histograms",
     "worst_tokens_k",
     "profile",
+    "max_segments",
     "state_size",
 )
 """The settings that shape a window's packed state, in the order they are encoded."""
@@ -64,7 +66,7 @@ def shaping_settings(
     """The settings that shape the packed window of ``stats`` and ``extras``, by name.
 
     ``beside``: what else travels in the window's vector (each with its ``size``, or
-    ``None``): the run's series and the shift sample.
+    ``None``): the run's series, the shift sample, the segments (with their ``segments``).
     """
     return {
         "groups": tuple(group for group in GROUPS if group in stats.groups),
@@ -73,6 +75,7 @@ def shaping_settings(
         "histograms": extras is not None and bool(extras.histograms),
         "worst_tokens_k": 0 if extras is None else int(extras.worst_tokens_k),
         "profile": extras is not None and bool(extras.profile),
+        "max_segments": max((getattr(part, "segments", 0) for part in beside), default=0),
         "state_size": STATE.size
         + (0 if extras is None else extras.size)
         + sum(part.size for part in beside if part is not None),
@@ -98,7 +101,8 @@ def decoded(row: Sequence[float]) -> dict[str, Any]:
         "histograms": bool(row[4]),
         "worst_tokens_k": int(row[5]),
         "profile": bool(row[6]),
-        "state_size": int(row[7]),
+        "max_segments": int(row[7]),
+        "state_size": int(row[8]),
     }
 
 

@@ -28,6 +28,7 @@ from lightning_rollout_debug.checks.drift import DEFAULT_DRIFT_BASELINE, drift_p
 from lightning_rollout_debug.metrics.backends import compile_problems
 from lightning_rollout_debug.metrics.catalog import GROUPS, METRIC_NAMES
 from lightning_rollout_debug.metrics.extras import extras_problems
+from lightning_rollout_debug.metrics.segments import segment_problems
 from lightning_rollout_debug.metrics.settings import (
     is_int_at_least,
     is_token_id,
@@ -63,8 +64,12 @@ def monitor_problems(
     profile_images: Any = True,
     profile_images_every_n_steps: Any = PROFILE_IMAGES_EVERY_N_STEPS,
     tokenizer: Any = None,
+    **segments: Any,
 ) -> list[str]:
-    """What is wrong with the monitor's arguments, one line per problem (empty if nothing)."""
+    """What is wrong with the monitor's arguments, one line per problem (empty if nothing).
+
+    ``segments``: the settings of the segments (``segment_key``, ``max_segments``, ...).
+    """
     problems = _key_problems(
         rollout_log_probs_key, old_log_probs_key, response_mask_key, token_ids_keys
     )
@@ -94,6 +99,7 @@ def monitor_problems(
     problems += alert_problems(alert_ranges, on_alert, enabled)
     problems += drift_problems(drift_factors, drift_baseline, enabled)
     problems += compile_problems(compile)
+    problems += segment_problems(**segments, groups=enabled)
     return problems + _pad_token_id_problems(pad_token_id) + tokenizer_problems(tokenizer)
 
 

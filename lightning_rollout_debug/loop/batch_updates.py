@@ -23,6 +23,7 @@ from lightning_rollout_debug.metrics.backends import add_batch
 from lightning_rollout_debug.metrics.batch import BatchRead, batch_type_error, read_batch
 from lightning_rollout_debug.metrics.extras import TokenExtras
 from lightning_rollout_debug.metrics.inputs import BatchError
+from lightning_rollout_debug.metrics.segments import SegmentWindow
 from lightning_rollout_debug.metrics.series import MismatchSeries
 from lightning_rollout_debug.metrics.shifts import ShiftSample
 from lightning_rollout_debug.metrics.stats import MismatchStats
@@ -90,6 +91,7 @@ class BatchUpdates:
     _extras: TokenExtras | None
     _series: MismatchSeries | None
     _shifts: ShiftSample | None
+    _segments: SegmentWindow
     _warned: set[str]
     skips: SkippedBatches
 
@@ -102,6 +104,7 @@ class BatchUpdates:
                 old_log_probs_key=self.config.old_log_probs_key,
                 response_mask_key=self.config.response_mask_key,
                 token_ids_keys=self.config.token_ids_keys,
+                segment_key=self.config.segment_key,
             )
             if read.mask_fallback is not None:
                 self._warn_once("mask-fallback", read.mask_fallback)
@@ -116,6 +119,7 @@ class BatchUpdates:
                 pad_token_id=self._pad_token_id(read),
                 series=self._series,
                 shifts=self._shifts,
+                segments=None if read.segment_ids is None else (self._segments, read.segment_ids),
             )
         except BatchError as error:
             # No local may hold the error (its traceback holds this frame, and with it the

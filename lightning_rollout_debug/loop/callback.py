@@ -125,6 +125,10 @@ class RolloutDebugCallback(Callback):
             shows each token's text and the text of the tokens before it in its row: a
             ``transformers`` tokenizer, a ``tokenizers.Tokenizer``, or anything with
             ``decode(ids)``, ``convert_ids_to_tokens(ids)`` or ``id_to_token(id)``.
+        segment_key, max_segments, segment_names, segment_metrics, segment_alerts: the
+            mismatch per segment (a turn, a data source, a task), logged as
+            ``<prefix>segments/<name>/<metric>``: as the monitor's
+            (:class:`~lightning_rollout_debug.RolloutDebugMonitor`); see ``docs/segments.md``.
 
     Every logged window is checked for the usual pipeline mistakes (misaligned
     log-probs, padding in the mask, truncated sampling, log-probs of another distribution
@@ -176,6 +180,11 @@ class RolloutDebugCallback(Callback):
         pad_token_id: int | None = None,
         warn_dropout: bool = True,
         tokenizer: Any | None = None,
+        segment_key: str = "segment_ids",
+        max_segments: int = 16,
+        segment_names: Sequence[str] | None = None,
+        segment_metrics: Sequence[str] | None = None,
+        segment_alerts: bool = False,
     ) -> None:
         given = dict(locals())  # the arguments as passed, before anything else is named
         problems = process_group_problems(process_group, trainer_callable=True)

@@ -26,6 +26,7 @@ from lightning_rollout_debug.loop.ranks import global_rank, rank_in
 from lightning_rollout_debug.metrics import caller
 from lightning_rollout_debug.metrics.extras import TokenExtras
 from lightning_rollout_debug.metrics.layout import state_problems
+from lightning_rollout_debug.metrics.segments import SegmentWindow
 from lightning_rollout_debug.metrics.series import MismatchSeries, series_problems
 from lightning_rollout_debug.metrics.stats import MismatchStats
 
@@ -93,6 +94,8 @@ class StateReader:
         category: the category of the warnings.
         series: the run's per-batch series, continued from the state on every rank (it is
             merged); ``None`` where the monitor keeps none.
+        segments: the window of each segment, loaded with the statistics where the state
+            keeps one of the same ``max_segments`` (``None``: none kept).
     """
 
     name: str
@@ -105,6 +108,7 @@ class StateReader:
     process_group: Any | None
     category: type[Warning]
     series: MismatchSeries | None = None
+    segments: SegmentWindow | None = None
 
     def read(self, state_dict: Any, config: Mapping[str, Any]) -> Restored | None:
         """Restore ``state_dict`` into an empty window; ``None`` if it was rejected.
@@ -130,6 +134,7 @@ class StateReader:
         if not carried:  # its tokens would count in every mean, not in those groups' sums
             return Restored(0, False)
         extras = self._extras(state_dict, window_tokens)
+        segments = self._segments(state_dict)
         profiled = self.extras is not None and self.extras.profile
         partial_profile = profiled and extras is None and window_tokens > 0
         if rank_in(self.process_group, global_rank()) == 0:
@@ -138,7 +143,25 @@ class StateReader:
             self.stats.load_state(state_dict["window"])
             if self.extras is not None and extras is not None:
                 self.extras.load_state(extras)
+            if self.segments is not None and segments is not None:
+                self.segments.load_state(segments)
         return Restored(batches_in_window, partial_profile)
+
+    def _segments(self, state_dict: Mapping[str, Any]) -> Tensor | None:
+        """The checkpoint's segments, if it keeps them with this window's ``max_segments``.
+
+        Others start empty (with the configuration's warning: ``max_segments`` is in it);
+        damaged ones are rejected.
+        """
+        saved = state_dict.get("segments_window")
+        if self.segments is None or saved is None:
+            return None
+        if _plain(state_dict.get("segments_settings")) != self.segments.settings():
+            return None
+        if problems := self.segments.state_problems(saved):
+            self._reject(problems, "the segments start empty")
+            return None
+        return saved
 
     def _compare_configuration(self, saved: Mapping[str, Any], config: Mapping[str, Any]) -> bool:
         """Warn where the saved configuration is not ``config``; whether the window carries on.

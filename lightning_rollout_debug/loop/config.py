@@ -32,6 +32,7 @@ from lightning_rollout_debug.checks.alerts import resolve_alert_ranges
 from lightning_rollout_debug.checks.drift import DEFAULT_DRIFT_BASELINE, resolve_drift_factors
 from lightning_rollout_debug.loop.arguments import enabled_groups, monitor_problems, once
 from lightning_rollout_debug.metrics.catalog import GROUPS
+from lightning_rollout_debug.metrics.segments import default_segment_metrics
 from lightning_rollout_debug.views.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS
 
 
@@ -77,6 +78,11 @@ class RolloutDebugConfig:
     compile: bool | None = None
     pad_token_id: int | None = None
     tokenizer: Any | None = field(default=None, compare=False)
+    segment_key: str = "segment_ids"
+    max_segments: int = 16
+    segment_names: Sequence[str] | None = None
+    segment_metrics: Sequence[str] | None = None
+    segment_alerts: bool = False
 
     def __post_init__(self) -> None:
         given = {field.name: once(getattr(self, field.name)) for field in settings()}
@@ -96,6 +102,13 @@ class RolloutDebugConfig:
             "drift_factors": resolve_drift_factors(given["drift_factors"], groups),
             "drift_baseline": int(given["drift_baseline"]),
             "pad_token_id": None if given["pad_token_id"] is None else int(given["pad_token_id"]),
+            "max_segments": int(given["max_segments"]),
+            "segment_names": None
+            if given["segment_names"] is None
+            else tuple(given["segment_names"]),
+            "segment_metrics": default_segment_metrics(groups)
+            if given["segment_metrics"] is None
+            else tuple(given["segment_metrics"]),
         }
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
@@ -110,7 +123,12 @@ class RolloutDebugConfig:
             "token_ids_keys": self.token_ids_keys,
             "groups": self.groups,
             "pad_token_id": self.pad_token_id,
+            "max_segments": self.max_segments,
         }
+
+
+def _tuple_or_none(values: Any) -> tuple[Any, ...] | None:
+    return None if values is None else tuple(values)
 
 
 def settings() -> tuple[dataclasses.Field[Any], ...]:

@@ -42,6 +42,7 @@ from lightning_rollout_debug.metrics import caller
 from lightning_rollout_debug.metrics.formulas import Window
 from lightning_rollout_debug.metrics.profile import Profile
 from lightning_rollout_debug.metrics.sawtooth import Series
+from lightning_rollout_debug.metrics.segments import OTHER, segment_metric_names, segment_values
 from lightning_rollout_debug.metrics.stats import MismatchStats
 
 POSITIVE_LOG_PROB_TOLERANCE = 1e-3
@@ -74,7 +75,7 @@ class LoggedStep:
         (:meth:`check_alerts`), as the callback does. Returns the logged scalars by
         prefixed name, and every metric by its own.
         """
-        stats, extras, window_series, shifts = self._window.on_host(ranks)
+        stats, extras, window_series, shifts, by_segment = self._window.on_host(ranks)
         # A window restored without its extras has a profile of only part of its tokens:
         # no quantiles and no pictures for it.
         partial = self._window.partial_profile
@@ -86,6 +87,7 @@ class LoggedStep:
         self.profile = None if extras is None or partial else extras.profile
         series = self._series_after(window_series)
         metrics = stats.compute(self.profile, series)
+        metrics |= self._segment_metrics(by_segment, ranks.is_global_zero)
         scalars = {
             f"{self.config.prefix}{name}": value
             for name, value in metrics.items()
@@ -99,6 +101,21 @@ class LoggedStep:
         window = Window(stats.state.tolist(), series=series, shifts=shifts)
         self._diagnose(window, metrics, ranks.is_global_zero)
         return scalars, metrics
+
+    def _segment_metrics(self, state: torch.Tensor | None, rank_zero: bool) -> dict[str, float]:
+        """The metrics of each segment with tokens, by ``segments/<name>/<metric>``."""
+        if state is None:
+            return {}
+        config = self.config
+        values = segment_values(state, config.max_segments, config.segment_metrics)
+        if config.max_segments in values and rank_zero:
+            self._warn_once(
+                "segments-other",
+                f"`{config.segment_key}` holds labels outside [0, {config.max_segments}) "
+                f"(max_segments={config.max_segments}): their tokens count in the segment "
+                f"`{OTHER}`. Raise max_segments, or map the labels into that range.",
+            )
+        return segment_metric_names(values, config.max_segments, config.segment_names)
 
     def _series_after(self, window: list[float] | None) -> Series | None:
         """The run's per-batch series once the merged ``window``'s are added (``None``: none)."""

@@ -40,11 +40,8 @@ from lightning_rollout_debug.loop.logged_step import LoggedStep
 from lightning_rollout_debug.loop.logs import WindowLogs
 from lightning_rollout_debug.loop.ranks import Ranks, loop_ranks
 from lightning_rollout_debug.loop.window import DeviceWindow
-from lightning_rollout_debug.metrics.extras import TokenExtras
 from lightning_rollout_debug.metrics.profile import Profile
-from lightning_rollout_debug.metrics.series import MismatchSeries
-from lightning_rollout_debug.metrics.shifts import ShiftSample
-from lightning_rollout_debug.metrics.stats import MismatchStats
+from lightning_rollout_debug.metrics.segments import for_each_segment
 from lightning_rollout_debug.views.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS
 from lightning_rollout_debug.views.token_text import TokenText
 
@@ -124,6 +121,16 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
             each token's text and the text of the tokens before it in its row: a
             ``transformers`` tokenizer, a ``tokenizers.Tokenizer``, or anything with
             ``decode(ids)``, ``convert_ids_to_tokens(ids)`` or ``id_to_token(id)``.
+        segment_key: key of the segment labels, integer ``[B]`` (a data source or task a
+            sequence) or ``[B, T]`` (a turn a token); a batch without it has none. Each
+            segment's metrics are logged as ``<prefix>segments/<name>/<metric>``.
+        max_segments: labels ``0`` to ``max_segments - 1`` (at most 256) name segments;
+            the tokens of every other label count in one more, ``other`` (warned once).
+        segment_names: a name for each label, in tags (default the number).
+        segment_metrics: the metrics logged per segment, of ``SEGMENT_METRIC_CHOICES``
+            (default ``DEFAULT_SEGMENT_METRICS``, those of the groups that are on).
+        segment_alerts: check each segment's values against the alert ranges and drift
+            factors too, naming the segment.
 
     Every logged window is also checked for the usual pipeline mistakes
     (:mod:`~lightning_rollout_debug.checks.diagnosis`: misaligned log-probs, padding in the mask,
@@ -178,6 +185,11 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
         compile: bool | None = None,
         pad_token_id: int | None = None,
         tokenizer: Any | None = None,
+        segment_key: str = "segment_ids",
+        max_segments: int = 16,
+        segment_names: Sequence[str] | None = None,
+        segment_metrics: Sequence[str] | None = None,
+        segment_alerts: bool = False,
     ) -> None:
         given = dict(locals())  # the arguments as passed, before anything else is named
         problems = process_group_problems(process_group)
@@ -212,31 +224,10 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
         """The window, the logs and the alerts of ``config``."""
         self.process_group = process_group
         self.should_stop = False
-        self._stats = MismatchStats(
-            is_threshold=config.is_threshold,
-            seq_ratio_bounds=config.seq_ratio_bounds,
-            groups=config.groups,
-            compile=config.compile,
-        )
-        # The profile gives the quantiles and the pictures.
-        profile = config.profile_images or "quantiles" in config.groups
-        self._extras = (
-            TokenExtras(
-                histograms=config.histograms,
-                worst_tokens_k=config.worst_tokens_k,
-                profile=profile,
-                compile=config.compile,
-            )
-            if config.histograms or config.worst_tokens_k or profile
-            else None
-        )
-        # The per-batch mean |r| the kernel writes with the log-space group; the sample of
-        # the shifts beside the health group's lag sums.
-        self._series = MismatchSeries() if "log_space" in config.groups else None
-        self._shifts = ShiftSample() if "health" in config.groups else None
-        self._window = DeviceWindow(
-            self._stats, self._extras, self._series, self._shifts, owner=self._door.name
-        )
+        self._window = DeviceWindow.of_config(config, owner=self._door.name)
+        window = self._window
+        self._stats, self._extras, self._series = window.stats, window.extras, window.series
+        self._shifts, self._segments = window.shifts, window.segments
         self.profile: Profile | None = None
         """The :class:`~lightning_rollout_debug.metrics.profile.Profile` of the last logged window
         (quantiles, by position, by probability, joint counts), if it is kept."""
@@ -250,8 +241,13 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
             warn_once=self._warn_once,
             token_text=None if config.tokenizer is None else TokenText(config.tokenizer),
         )
-        self._alerts = AlertMonitor(self.config.alert_ranges)
-        self._drift = DriftMonitor(self.config.drift_factors, self.config.drift_baseline)
+        ranges, factors = dict(config.alert_ranges), dict(config.drift_factors)
+        if config.segment_alerts:  # each segment's values alert as the window's do
+            every = (config.segment_metrics, config.max_segments, config.segment_names)
+            ranges |= for_each_segment(config.alert_ranges, *every)
+            factors |= for_each_segment(config.drift_factors, *every)
+        self._alerts = AlertMonitor(ranges)
+        self._drift = DriftMonitor(factors, config.drift_baseline)
         self.rank: int | None = None
         """The rank shown in the worst-tokens table (``None``: asked of torch.distributed)."""
         self._warned: set[str] = set()
@@ -397,8 +393,10 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
         if ranks is None:
             extras = None if self._extras is None else self._extras.state
             return self._window.saved(self._stats, extras, config, self._drift)
-        stats, merged, series, _ = self._window.merged(ranks)
-        return self._window.saved(stats, merged, config, self._drift, series=series)
+        stats, merged, series, _, segments = self._window.merged(ranks)
+        return self._window.saved(
+            stats, merged, config, self._drift, series=series, segments=segments
+        )
 
     def restore(self, state_dict: Any, extra: Mapping[str, Any] | None = None) -> bool:
         """Restore a saved window (see :meth:`load_state_dict`); whether it was.
@@ -432,4 +430,5 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
             process_group=self.process_group,
             category=RolloutDebugWarning,
             series=self._series,
+            segments=self._segments,
         )

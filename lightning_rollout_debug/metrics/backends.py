@@ -57,6 +57,7 @@ def add_batch(
     pad_token_id: int | None = None,
     series: Any | None = None,
     shifts: Any | None = None,
+    segments: tuple[Any, Tensor] | None = None,
 ) -> None:
     """Add a checked batch to ``stats`` and ``extras`` (either may be ``None``), in one read.
 
@@ -66,6 +67,8 @@ def add_batch(
     ``series`` (a :class:`~.series.MismatchSeries`, with ``stats``) keeps the batch's
     statistics as the pass left them: its packed state, or its passes' sums; ``shifts``
     (a :class:`~.shifts.ShiftSample`) the first rows of a window's first batch.
+    ``segments``: a :class:`~.segments.SegmentWindow` and the batch's labels (``[B]`` or
+    ``[B, T]``), which the pass reduces its tokens by too, on the torch road.
     """
     device = inputs.mask.device
     if shifts is not None:
@@ -76,18 +79,22 @@ def add_batch(
             add_states([(stats, [*_empty_statistics(inputs, stats.groups), *pads])], device)
         return
     more = [] if stats is None else check_states(inputs, stats.groups, token_ids, pad_token_id)
-    plan = pass_plan(stats, extras)
-    for road in roads(inputs, (stats if stats is not None else extras).compile, plan):
+    window, labels = (None, None) if segments is None else segments
+    plan = pass_plan(stats, extras, window)
+    owner = next(w for w in (stats, extras, window) if w is not None)
+    for road in roads(inputs, owner.compile, plan):
         if road == NATIVE:
             request = None if extras is None else extras.kernel_request(add_profile=True)
             finish = _kernel_pass(inputs, token_ids, stats, request, batch, rank)
             if add_pass(finish, stats, extras, device, more, series):
                 return
         else:
-            sums = _torch_sums(inputs, token_ids, plan, stats, extras, road, batch, rank)
+            sums = _torch_sums(
+                inputs, (token_ids, labels), plan, (stats, extras), road, batch, rank
+            )
             if series is not None and stats is not None:
                 series.add(sums)
-            add_states(((stats, [*sums, *more]), (extras, sums)), device)
+            add_states(((stats, [*sums, *more]), (extras, sums), (window, sums)), device)
             return
 
 
@@ -96,7 +103,8 @@ def roads(inputs: MismatchInputs, compile: bool | None, plan: PassPlan) -> tuple
 
     On a CPU the native kernel first, for log-probs of one dtype it reads, unless
     ``compile=False`` or ``plan`` asks for more worst tokens than it keeps (where it is
-    not there, or gives up, the next road takes the batch); then the torch road:
+    not there, or gives up, the next road takes the batch; nor a plan of segments); then
+    the torch road:
     compiled on accelerators unless ``compile=False``, on CPUs only with ``True``, and
     never a ``plan`` that failed to compile; else eager.
     """
@@ -110,24 +118,35 @@ def roads(inputs: MismatchInputs, compile: bool | None, plan: PassPlan) -> tuple
         and dtype == inputs.old_log_probs.dtype
         and dtype in native.LOG_PROB_DTYPES
         and plan.worst_tokens_k <= native.MAX_WORST_TOKENS
+        and not plan.segments
     )
     return (NATIVE, torch_road) if kernel else (torch_road,)
 
 
-def pass_plan(stats: Any | None, extras: Any | None) -> PassPlan:
-    """What one pass computes for ``stats`` and ``extras`` (made once per configuration)."""
+def pass_plan(stats: Any | None, extras: Any | None, segments: Any | None = None) -> PassPlan:
+    """What one pass computes for ``stats``, ``extras`` and ``segments`` (made once each).
+
+    The groups are the statistics' (a window of segments alone: its own).
+    """
+    settings = stats if stats is not None else segments
     return _plan(
-        frozenset() if stats is None else stats.groups,
-        2.0 if stats is None else stats.is_threshold,
+        frozenset() if settings is None else settings.groups,
+        2.0 if settings is None else settings.is_threshold,
         extras is not None and bool(extras.histograms),
         0 if extras is None else extras.worst_tokens_k,
         extras is not None and extras.profile,
+        0 if segments is None else segments.segments,
     )
 
 
 @functools.lru_cache(maxsize=64)
 def _plan(
-    groups: frozenset[str], is_threshold: float, histograms: bool, k: int, profile: bool
+    groups: frozenset[str],
+    is_threshold: float,
+    histograms: bool,
+    k: int,
+    profile: bool,
+    segments: int = 0,
 ) -> PassPlan:
     """The :class:`~.torch_pass.planes.PassPlan` of these settings, made once."""
     return PassPlan(
@@ -136,24 +155,27 @@ def _plan(
         histograms=histograms,
         worst_tokens_k=k,
         profile=profile,
+        segments=segments,
     )
 
 
 def _torch_sums(
     inputs: MismatchInputs,
-    token_ids: Tensor | None,
+    labels: tuple[Tensor | None, Tensor | None],
     plan: PassPlan,
-    stats: Any | None,
-    extras: Any | None,
+    windows: tuple[Any | None, Any | None],
     road: str,
     batch: int,
     rank: int,
 ) -> list[TokenSums]:
-    """The sums of a batch's torch passes, each of whole rows (at most one chunk's tokens)."""
+    """The sums of a batch's torch passes, each of whole rows (at most one chunk's tokens).
+
+    ``labels``: the token ids and segment labels; ``windows``: the statistics and extras.
+    """
     rows, width = inputs.mask.shape
-    chunks = [w.chunk_tokens for w in (stats, extras) if w is not None and w.chunk_tokens]
+    chunks = [w.chunk_tokens for w in windows if w is not None and w.chunk_tokens]
     step = max(1, min(chunks, default=CHUNK_TOKENS) // width)
-    tensors = (inputs.rollout_log_probs, inputs.old_log_probs, inputs.mask, token_ids)
+    tensors = (inputs.rollout_log_probs, inputs.old_log_probs, inputs.mask, *labels)
     sums = []
     for first in range(0, rows, step):
         part = (
@@ -173,6 +195,7 @@ def read_pass(
     old_log_probs: Tensor,
     mask: Tensor,
     token_ids: Tensor | None,
+    segment_ids: Tensor | None = None,
     *,
     compiled: bool,
     batch: int = 0,
@@ -183,7 +206,7 @@ def read_pass(
 
     Where compiling fails, eagerly, and the plan eagerly from then on, with one warning.
     """
-    tensors = (rollout_log_probs, old_log_probs, mask, token_ids)
+    tensors = (rollout_log_probs, old_log_probs, mask, token_ids, segment_ids)
     width = mask.shape[1]
     labels = {"batch": batch, "rank": rank, "first_row": first_row}
     if compiled and plan not in _compiling["failed"]:
@@ -192,7 +215,7 @@ def read_pass(
         constants(dtype, mask)  # made once, before the trace reads them
         try:  # torch.compile may raise when called, or at the first call of its result
             fields = _compiled(plan)(*tensors)
-            return read_sums(plan, width, fields, compiled=True, **labels)
+            return read_sums(plan, width, fields, **labels)
         except Exception as error:  # this plan stays eager from now on
             _compile_failed(plan, error)
     return read_sums(plan, width, token_sums(plan, *tensors), **labels)
@@ -265,15 +288,16 @@ def read_sums(
     width: int,
     fields: Sequence[Any],
     *,
-    compiled: bool = False,
     batch: int = 0,
     rank: int = 0,
     first_row: int = 0,
 ) -> TokenSums:
-    """:class:`TokenSums` from the fields of :func:`token_sums` (``compiled``: traced).
+    """:class:`TokenSums` from the fields of :func:`token_sums`, labelled with the batch's place.
 
-    Labelled with the batch's place in its window.
+    The last field says whether they were traced: a compiled function that dynamo runs
+    eagerly (past its recompile limit, say) returns an eager pass's fields, read as such.
     """
+    *fields, compiled = fields
     planes = POSITION_PLANES if compiled else plan.planes
     labels = {"batch": batch, "rank": rank, "first_row": first_row}
     mode = {"position_planes": planes, "uncounted": not compiled}

@@ -20,6 +20,7 @@ from lightning_rollout_debug.metrics.inputs import (
     BatchError,
     MismatchInputs,
     check_inputs,
+    check_segment_ids,
     token_ids_mismatch,
 )
 
@@ -38,13 +39,16 @@ class BatchRead:
     """Why there are no ``token_ids`` (``None`` when there are)."""
     mask_fallback: str | None
     """Why every position counts, when neither mask key is present (``None`` otherwise)."""
+    segment_ids: Tensor | None = None
+    """The segment labels, ``[B]`` or ``[B, T]`` (``None``: the batch has none)."""
 
 
-def read_batch(objects: Sequence[Any], **keys: Any) -> BatchRead:
+def read_batch(objects: Sequence[Any], segment_key: str | None = None, **keys: Any) -> BatchRead:
     """Find and check an update's tensors in ``objects`` (the batch last), once.
 
     ``keys``: the batch keys :func:`extract_inputs` takes (``rollout_log_probs_key``,
-    ``old_log_probs_key``, ``response_mask_key``, ``token_ids_keys``).
+    ``old_log_probs_key``, ``response_mask_key``, ``token_ids_keys``); ``segment_key``:
+    that of the segment labels, if any (checked where the batch has them).
 
     Raises:
         BatchError: as :func:`extract_inputs`.
@@ -58,16 +62,19 @@ def read_batch(objects: Sequence[Any], **keys: Any) -> BatchRead:
     """
     sources = tensor_sources(*objects)
     inputs, fallback = extract_inputs(sources, **keys)
+    segments = None if segment_key is None else lookup(sources, segment_key)
+    if segments is not None:
+        check_segment_ids(segments, inputs.mask, segment_key)  # type: ignore[arg-type]
     if inputs.rollout_token_ids is not None:
-        return BatchRead(inputs, inputs.rollout_token_ids, None, fallback)
+        return BatchRead(inputs, inputs.rollout_token_ids, None, fallback, segments)
     responses = lookup(sources, RESPONSES_KEY)
     if responses is None:
         problem = f" holds no token ids (`{RESPONSES_KEY}` or `token_ids_keys[0]`)"
-        return BatchRead(inputs, None, problem, fallback)
+        return BatchRead(inputs, None, problem, fallback, segments)
     mismatch = token_ids_mismatch(responses, inputs.mask)
     if mismatch is not None:
-        return BatchRead(inputs, None, f"'s `{RESPONSES_KEY}` {mismatch}", fallback)
-    return BatchRead(inputs, responses, None, fallback)
+        return BatchRead(inputs, None, f"'s `{RESPONSES_KEY}` {mismatch}", fallback, segments)
+    return BatchRead(inputs, responses, None, fallback, segments)
 
 
 def tensor_sources(*objects: Any) -> list[Any]:

@@ -26,12 +26,14 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
+from lightning_rollout_debug.metrics.layout import STATE
 from lightning_rollout_debug.metrics.tokens import LOG_RATIO_CLAMP
 from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
 
@@ -81,25 +83,29 @@ class RowSums:
     row's sum of ``r`` (``log_ratio``, ``None``: a plan that needs none), and the tokens
     that do not count that eager passes counted in their bins of 0 values
     (``uncounted``, ``None``: no eager pass).
+
+    With ``groups``, the rows are segment rows (:mod:`.torch_pass.segments`): row ``i``
+    of group ``i % groups``, and every reading is a ``[groups]`` vector, each group's.
     """
 
-    def __init__(self, batches: Sequence[TokenSums]) -> None:
+    def __init__(self, batches: Sequence[TokenSums], groups: int = 0) -> None:
         plan = batches[0].plan
         self.plan = plan
+        self.groups = groups
         self.at = at = plan.at
         first = _rows(batches, "first").squeeze(-1)  # [planes, rows]
         self.first = first
         self.n = first[at["one"]]
-        self.count = self.n.sum()
-        totals = first.sum(1)
+        self.count = self._over(self.n, torch.sum)
+        totals = self._over(first, torch.sum)
         self.row_top = _rows(batches, "top")
         self.total = dict(zip(plan.planes, totals.unbind(), strict=True))
-        largest = self.row_top.amax(1).unbind()  # every plane's but the last (``masked``)
+        largest = self._over(self.row_top, torch.amax).unbind()  # all but the last (``masked``)
         self.largest = dict(zip(plan.planes, largest, strict=False))
         self.smallest: dict[str, Tensor] = {}
         if plan.bottoms:
-            bottoms = _rows(batches, "bottom").amin(1).unbind()
-            self.smallest = dict(zip(plan.bottoms, bottoms, strict=True))
+            bottoms = self._over(_rows(batches, "bottom"), torch.amin).unbind()
+            self.smallest = dict(zip(plan.bottoms, bottoms, strict=not groups))  # groups: r
         centred = first[plan.centred]
         rows = self.n.clamp(min=1.0)
         shift = torch.cat(
@@ -114,13 +120,14 @@ class RowSums:
         offset = centred - self.n * shift  # each row's sum of its centred values, about 0
         row_means = centred / rows
         means = totals[plan.centred] / self.count.clamp(min=1.0)
-        deviation = row_means - means.unsqueeze(1)
+        deviation = row_means - self._per_row(means)
         second = _rows(batches, "second")
         squares = len(offset)
         # Chan: each row's own centred sums, plus its mean's deviation from the window's.
         within = second[:squares] - offset * offset / rows
         # M is a sum of squares: Chan's terms may round below zero, a sum of them cannot.
-        moments = (within + self.n * deviation * deviation).sum(1).clamp(min=0.0)
+        spread = within + self.n * deviation * deviation
+        moments = self._over(spread, torch.sum).clamp(min=0.0)
         names = plan.planes[plan.centred]
         self.mean = dict(zip(names, means.unbind(), strict=True))
         self.moment = dict(zip(names, moments.unbind(), strict=True))
@@ -130,12 +137,29 @@ class RowSums:
         for i, (left, right) in enumerate(plan.products):
             x, y = at[left] - plan.centred.start, at[right] - plan.centred.start
             within = second[squares + i] - offset[x] * offset[y] / rows
-            self.comoment[left, right] = (within + self.n * deviation[x] * deviation[y]).sum()
+            spread = within + self.n * deviation[x] * deviation[y]
+            self.comoment[left, right] = self._over(spread, torch.sum)
         self.shift = shift
         self.lag = _rows(batches, "lag") if batches[0].lag is not None else None  # [36, rows]
         self.log_ratio = _log_ratios(batches)
+        self.total_log_ratio = None
+        """The sum of ``r`` over every row (``None``: a plan that needs none)."""
+        if self.log_ratio is not None:
+            self.total_log_ratio = self._over(self.log_ratio, torch.sum)
         self.widths = [sums.width for sums in batches]
-        self.uncounted = _uncounted(batches, self.count, at["one"])
+        self.uncounted = None if groups else _uncounted(batches, self.count, at["one"])
+
+    def _over(self, values: Tensor, reduce: Callable[..., Tensor]) -> Tensor:
+        """``reduce`` of ``values`` over the rows (the last dimension), or of each group."""
+        if not self.groups:
+            return reduce(values, -1)
+        return reduce(values.unflatten(-1, (-1, self.groups)), -2)
+
+    def _per_row(self, values: Tensor) -> Tensor:
+        """Each row's value of ``values`` (``[..., groups]``: its group's)."""
+        if not self.groups:
+            return values.unsqueeze(-1)
+        return values.repeat(1, self.n.shape[-1] // self.groups)
 
 
 def _uncounted(batches: Sequence[TokenSums], count: Tensor, one: int) -> Tensor | None:
@@ -210,13 +234,15 @@ def finish_statistics(
             "max_log_diff": largest["l"],
         }
     if {"kl", "importance_ratio"} & groups:
-        assert rows.log_ratio is not None
-        slots["log_ratio"] = rows.log_ratio.sum()
+        assert rows.total_log_ratio is not None
+        slots["log_ratio"] = rows.total_log_ratio
     if "kl" in groups:
         slots["kl_k3"] = total["k3"]
         slots["mult_error_m1"] = total["mult"]
     if "importance_ratio" in groups:
         slots |= _importance_ratio(rows)
+    if rows.groups:  # segments: the token-level slots alone
+        return slots
     if "sequence" in groups or "health" in groups:
         slots |= _sequences(rows, seq_ratio_bounds, "sequence" in groups)
     if "health" in groups:
@@ -310,3 +336,37 @@ def _health(rows: RowSums) -> dict[str, Tensor]:
     lone_last = (code >= 0) & (torch.remainder(code, 4) >= 2) & (torch.remainder(code, 2) == 0)
     slots["zero_rollout_log_prob_run"] = g("zero", "zero") + lone_last.sum(dtype=torch.float64)
     return slots
+
+
+def finish_segments(batches: Sequence[TokenSums]) -> Tensor:
+    """The packed segments of the passes ``batches`` (:class:`~.segments.SegmentWindow`).
+
+    Their segment rows merged by segment, as their rows are into the statistics
+    (:func:`finish_statistics`, the token-level slots): ``[S + 1, STATE_SIZE]`` flattened,
+    every segment's statistics laid out as the window's.
+    """
+    per_row = batches[0].plan.segments + 1
+    rows = RowSums([_segment_rows(sums, per_row) for sums in batches], groups=per_row)
+    slots = finish_statistics(rows)
+    state = STATE.identity(rows.count.device).repeat(per_row, 1)
+    index = torch.tensor([STATE.at[name] for name in slots], device=state.device)
+    state.index_copy_(1, index, torch.stack(list(slots.values()), dim=1).to(state.dtype))
+    return state.flatten()
+
+
+def _segment_rows(sums: TokenSums, per_row: int) -> TokenSums:
+    """A pass's segment rows as the rows of a pass of their own."""
+    assert sums.segments is not None
+    first, top, low, second, log_ratio = sums.segments
+    shift = None if sums.shift is None else sums.shift.repeat_interleave(per_row, dim=1)
+    return dataclasses.replace(
+        sums,
+        first=first.unsqueeze(-1) if first.dim() == 2 else first,
+        top=top,
+        bottom=None if low is None else [low[0] if low.dim() == 2 else low],
+        shift=shift,
+        second=second,
+        log_ratio=log_ratio,
+        lag=None,
+        segments=None,
+    )

@@ -55,7 +55,7 @@ def finish_extras(batches: Sequence[TokenSums], rows: RowSums) -> tuple[Tensor, 
                 rows.count,
                 rows.smallest[value],
                 rows.largest[value],
-                rows.log_ratio.sum() if value == "r" else rows.total[value],
+                rows.total_log_ratio if value == "r" else rows.total[value],
                 rows.squares[square_root],
             ]
             pieces += [bins, torch.stack(moments)]

@@ -146,6 +146,37 @@ def check_token_ids(
     _check_readable(tensors)
 
 
+def check_segment_ids(segment_ids: Any, mask: Tensor, name: str = "segment_ids") -> None:
+    """Validate segment labels: an integer ``[batch]`` or ``[batch, response_length]`` tensor.
+
+    Raises:
+        BatchError: naming the key, the type, dtype, shape or device found and what was
+            expected.
+
+    Example:
+        >>> check_segment_ids(torch.zeros(2, 4), torch.ones(2, 3))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_rollout_debug.metrics.inputs.BatchError: `segment_ids` has dtype torch.float32;...
+    """
+    rows, width = mask.shape
+    expected = (
+        f"an integer tensor of shape [{rows}] (a label per sequence) or [{rows}, {width}] "
+        "(a label per token)"
+    )
+    if not isinstance(segment_ids, Tensor):
+        found = f"is a {type(segment_ids).__name__}"
+    elif segment_ids.dtype not in TOKEN_ID_DTYPES:
+        found = f"has dtype {segment_ids.dtype}"
+    elif tuple(segment_ids.shape) not in ((rows,), (rows, width)):
+        found = f"has shape {list(segment_ids.shape)}"
+    else:
+        _check_one_device({"response_mask": mask, name: segment_ids})
+        _check_readable({name: segment_ids})
+        return
+    raise BatchError(f"segments:{name}", f"`{name}` {found}; expected {expected}.")
+
+
 def token_ids_for(ids: Any, mask: Tensor) -> Tensor | None:
     """``ids`` if it is an integer ``[B, T]`` tensor matching ``mask``, else ``None``."""
     return ids if token_ids_mismatch(ids, mask) is None else None

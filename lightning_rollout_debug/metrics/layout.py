@@ -222,31 +222,28 @@ class Layout:
         """Merge states stacked as ``[n, size]`` into one, exactly, on their device.
 
         ``candidates``: more rows of the top block's fields, ranked with the states' own.
+        ``[n, m, size]`` merge into ``[m, size]``, each of the ``m`` on its own (no top).
         """
-        # One sum down the whole states serves every run of sums (its other columns are
-        # not read): a reduction of contiguous rows, not one per strided run.
+        # One sum down the whole states serves every run of sums: not one a strided run.
         total = states.sum(0) if self._has_sums else states.new_empty(0)
-        parts: list[tuple[int, Tensor]] = [
-            (where.start, total[where] if rule == "sum" else _EXTREME[rule](states[:, where], 0))
-            for rule, where in self._folds
-        ]
+        parts = [(where.start, _folded(rule, states, total, where)) for rule, where in self._folds]
         count = None
         for block, where in self.slices:
             if block.rule == "count":
-                count = states[:, where.start]
-                parts.append((where.start, count.sum().unsqueeze(0)))
+                count = states[..., where.start]
+                parts.append((where.start, count.sum(0).unsqueeze(-1)))
             elif block.rule == "mean":
                 mean_at = where
-                weights = count / count.sum().clamp(min=1.0)  # type: ignore[union-attr]
-                mean = (weights.unsqueeze(1) * states[:, where]).sum(0)
+                weights = count / count.sum(0).clamp(min=1.0)  # type: ignore[union-attr]
+                mean = (weights.unsqueeze(-1) * states[..., where]).sum(0)
                 parts.append((where.start, mean))
             elif block.rule == "comoment":
-                deviation = states[:, mean_at] - mean
+                deviation = states[..., mean_at] - mean
                 x, y = self._pair_index(states)
-                spread = count.unsqueeze(1) * (  # type: ignore[union-attr]
-                    deviation.index_select(1, x) * deviation.index_select(1, y)
+                spread = count.unsqueeze(-1) * (  # type: ignore[union-attr]
+                    deviation.index_select(-1, x) * deviation.index_select(-1, y)
                 )
-                parts.append((where.start, states[:, where].sum(0) + spread.sum(0)))
+                parts.append((where.start, states[..., where].sum(0) + spread.sum(0)))
             elif block.rule == "top":
                 rows = states[:, where].reshape(-1, len(block.names))
                 rows = rows if candidates is None else torch.cat([rows, candidates])
@@ -254,7 +251,7 @@ class Layout:
                 parts.append((where.start, rows.index_select(0, best[: block.k]).flatten()))
         if not parts:
             return torch.empty(0, dtype=torch.float64, device=states.device)
-        return torch.cat([part for _, part in sorted(parts, key=lambda item: item[0])])
+        return torch.cat([part for _, part in sorted(parts, key=lambda item: item[0])], dim=-1)
 
     def problems(self, state: Any, what: str = "the state") -> list[str]:
         """Why ``state`` cannot be a state of this layout built from real tokens (or ``[]``).
@@ -301,6 +298,10 @@ class Layout:
             if not block.whole
             for offset in range(where.start, where.stop)
         )
+
+
+def _folded(rule: str, states: Tensor, total: Tensor, where: slice) -> Tensor:
+    return total[..., where] if rule == "sum" else _EXTREME[rule](states[..., where], 0)
 
 
 def _whole(value: float) -> bool:

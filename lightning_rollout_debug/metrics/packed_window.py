@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_rollout_debug.metrics.finish import finish_rows
+from lightning_rollout_debug.metrics.finish import finish_rows, finish_segments
 from lightning_rollout_debug.metrics.finish_extras import finish_extras
 from lightning_rollout_debug.metrics.layout import Layout, merge_all
 from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
@@ -63,7 +63,9 @@ class ThreadSafeWindow:
     """How the packed state is laid out and merges."""
     statistics: ClassVar[bool] = False
     """Whether pass sums finish into the statistics (counting the sequences outside
-    ``seq_ratio_bounds``), else into the extras."""
+    ``seq_ratio_bounds``), else into the extras or the segments."""
+    segments_window: ClassVar[bool] = False
+    """Whether pass sums finish into the segments (:func:`~.finish.finish_segments`)."""
     seq_ratio_bounds: tuple[float, float]
 
     def merge_states(self, states: Tensor) -> Tensor:
@@ -329,7 +331,10 @@ def _finish(windows: Sequence[ThreadSafeWindow]) -> list[tuple[list[Any], Tensor
     The statistics' as slots by name, the extras' as a packed state (``[]``: no sums).
     """
     stats = next((window for window in windows if window.statistics), None)
-    extras = next((window for window in windows if not window.statistics), None)
+    extras = next(
+        (window for window in windows if not (window.statistics or window.segments_window)),
+        None,
+    )
     stats_sums, extras_sums = (
         [] if window is None else [part for part in window._pending if isinstance(part, TokenSums)]
         for window in (stats, extras)
@@ -343,6 +348,10 @@ def _finish(windows: Sequence[ThreadSafeWindow]) -> list[tuple[list[Any], Tensor
         if rows is not None:
             state, candidates = finish_extras(extras_sums, rows)
             finished[id(extras)] = ([state], candidates)
+    for window in windows:
+        sums = [part for part in window._pending if isinstance(part, TokenSums)]
+        if window.segments_window and sums:
+            finished[id(window)] = ([finish_segments(sums)], None)
     return [finished.get(id(window), ([], None)) for window in windows]
 
 

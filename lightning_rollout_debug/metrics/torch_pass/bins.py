@@ -28,6 +28,7 @@ from lightning_rollout_debug.metrics.torch_pass.constants import (
     part_starts,
 )
 from lightning_rollout_debug.metrics.torch_pass.planes import PassPlan, Planes
+from lightning_rollout_debug.metrics.torch_pass.segments import NoSegments, SegmentRows
 from lightning_rollout_debug.metrics.worst_tokens import CONTEXT_TOKENS, ids_before
 
 INF = math.inf
@@ -135,11 +136,13 @@ def worst_candidates(
     k: int,
     width: int,
     value: dict[str, Tensor] | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The ``k`` tokens of largest key: their keys, ``[a, b]`` and ids.
+    segments: SegmentRows | NoSegments | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """The ``k`` tokens of largest key: their keys, ``[a, b]``, ids and segments.
 
     Each row's best first (rows in parallel), then the best of those. The ids are
-    ``[1 + CONTEXT_TOKENS, k]``: each token's, then those before it (:func:`ids_before`).
+    ``[1 + CONTEXT_TOKENS, k]``: each token's, then those before it (:func:`ids_before`);
+    the segments ``[k]`` (``None``: no labels).
     """
     best = keys.topk(min(k, width), dim=-1).values
     found = best.flatten().topk(min(k, best.numel())).values
@@ -147,7 +150,7 @@ def worst_candidates(
     ab = p.run("a", "b") if value is None else torch.stack([value["a"], value["b"]])
     ab = ab.reshape(2, -1).index_select(1, flat)
     ids = None if token_ids is None else ids_before(token_ids, flat, _context_steps(flat))
-    return found, ab, ids
+    return found, ab, ids, None if segments is None else segments.of_places(flat, width)
 
 
 def _context_steps(like: Tensor) -> Tensor:

@@ -40,6 +40,8 @@ class PassPlan:
         histograms: count the two histograms' bins.
         worst_tokens_k: find this many worst-token candidates (0: none).
         profile: count the profile's bins and sum its buckets.
+        segments: reduce the planes by segment row too, for this many segments and the
+            other one (0: no segments; :mod:`.segments`).
 
     What follows from these (the planes, their layout, what the finishing reads) is made
     once, into plain fields.
@@ -50,6 +52,7 @@ class PassPlan:
     histograms: bool = False
     worst_tokens_k: int = 0
     profile: bool = False
+    segments: int = 0
     planes: tuple[str, ...] = field(init=False, compare=False, repr=False)
     """The planes of the pass, in pairs (one operation writes or reads a pair).
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,7 +33,6 @@ from lightning_rollout_debug.metrics.layout import compiling
 from lightning_rollout_debug.metrics.tokens import (
     LOG_PROB_FLOOR,
     LOG_RATIO_CLAMP,
-    PADDING_ACTOR_LOG_PROB,
     RATIO_MAX,
     RATIO_MIN,
     exp_tail,
@@ -48,16 +48,21 @@ from lightning_rollout_debug.metrics.torch_pass.bins import (
 )
 from lightning_rollout_debug.metrics.torch_pass.constants import (
     Constants,
-    by_shape,
     constants,
     on_device,
 )
+from lightning_rollout_debug.metrics.torch_pass.health import health_values, lag_products
 from lightning_rollout_debug.metrics.torch_pass.planes import (
     PassPlan,
     Planes,
     keeps,
     kept,
     planes_for,
+)
+from lightning_rollout_debug.metrics.torch_pass.segments import (
+    NO_SEGMENTS,
+    NoSegments,
+    SegmentRows,
 )
 
 INF = math.inf
@@ -102,12 +107,17 @@ class TokenSums:
     eagerly, ``one, d, k3`` compiled (:attr:`position_planes`)."""
     probability: Tensor | None = None
     """``[2, PROBABILITY_BUCKETS]``: ``|pa - pb|`` and ``|a - b|`` summed by bucket."""
-    worst: tuple[Tensor, Tensor, Tensor | None] | None = None
-    """The ``k`` worst candidates: their keys (:func:`places` finds them), ``[a, b]``, and their
-    ids with those before them (``[1 + CONTEXT_TOKENS, k]``)."""
+    worst: tuple[Tensor, Tensor, Tensor | None, Tensor | None] | None = None
+    """The ``k`` worst candidates: their keys (:func:`places` finds them), ``[a, b]``, their
+    ids with those before them (``[1 + CONTEXT_TOKENS, k]``) and their segments (``[k]``;
+    ``None``: no ids, no segment labels)."""
     log_ratio: Tensor | None = None
     """``[B]``: each row's sum of ``r`` from the float64 differences ``a - b`` (``None``: a
     plan that needs none, :attr:`PassPlan.log_ratio`)."""
+    segments: tuple[Tensor | None, ...] | None = None
+    """The same sums by segment row (:mod:`.segments`): ``first``, ``top``, the smallest ``r``,
+    ``second`` and the sums of ``r``, each over ``B (S + 1)`` segment rows (``None``: no
+    segment labels)."""
     position_planes: tuple[str, ...] = ()
     """The planes of :attr:`position`, in order."""
     uncounted: bool = False
@@ -131,13 +141,17 @@ def token_sums(
     old_log_probs: Tensor,
     mask: Tensor,
     token_ids: Tensor | None = None,
-) -> tuple[Tensor | None, ...]:
+    segment_ids: Tensor | None = None,
+) -> tuple[Any, ...]:
     """The sums of one checked ``[B, T]`` batch (``B * T > 0``), as :class:`TokenSums`'s fields.
 
-    Returns the tuple of the fields after ``plan`` and ``width`` (:func:`.backends.read_sums` makes
-    the dataclass): a fixed number of torch operations, none of which waits for the
-    device. The values of the tokens are the same eagerly and compiled; how they are
-    reduced is each one's own (:func:`_reduce_eagerly`, :func:`_reduce_compiled`).
+    With ``segment_ids`` (``[B]`` or ``[B, T]``) and a plan of segments, by segment row too.
+
+    Returns the tuple of the fields after ``plan`` and ``width``, then whether the pass was
+    traced (:func:`.backends.read_sums` makes the dataclass): a fixed number of torch
+    operations, none of which waits for the device. The values of the tokens are the same
+    eagerly and compiled; how they are reduced is each one's own (:func:`_reduce_eagerly`,
+    :func:`_reduce_compiled`).
     """
     f64 = torch.float64
     dtype = f64 if f64 in (rollout_log_probs.dtype, old_log_probs.dtype) else torch.float32
@@ -145,7 +159,11 @@ def token_sums(
     _token_values(plan, p, rollout_log_probs, old_log_probs, mask)
     edges = constants(dtype, mask)
     reduce = _reduce_compiled if p.traced else _reduce_eagerly
-    return reduce(plan, p, edges, token_ids)
+    segments: SegmentRows | NoSegments = NO_SEGMENTS
+    if plan.segments and segment_ids is not None:
+        segments = SegmentRows(segment_ids, plan.segments, mask.shape[1])
+    # Whether it was traced, last: a compiled function may run eagerly after all.
+    return (*reduce(plan, p, edges, token_ids, segments), p.traced)
 
 
 def _token_values(
@@ -190,7 +208,7 @@ def _token_values(
     if "r" in p.at:
         _ratio_values(plan, p)
     if "health" in on:
-        _health_values(p)
+        health_values(p)
 
 
 def _zero_where_uncounted(p: Planes) -> None:
@@ -220,29 +238,13 @@ def _ratio_values(plan: PassPlan, p: Planes) -> None:
         p.map(("hi", "hilo"), torch.gt, ("r", "l"), math.log(plan.is_threshold))
 
 
-def _health_values(p: Planes) -> None:
-    """The health group's values: rollout zeros as padding, the masked actor, the code."""
-    one = p["one"]
-    zb = p.write("zb", torch.eq, p["b"], 0.0)
-    p.write("zero", torch.lt, p["a"], PADDING_ACTOR_LOG_PROB)  # 0 where a token does not count
-    p.update("zero", "zero", lambda z: z.mul_(zb))
-    # The masked actor (a = -inf where b is neither -inf nor 0) counts ninf_a less the
-    # products ninf_a ninf_b and ninf_a zb (the two exclude each other).
-    p.update("ninf_b", "zb", lambda x: x.mul_(p["ninf_a"]))
-    # 4 t + 2 zero_t + zero_(t-1): its largest over a row's counting tokens tells whether
-    # the last one is a zero and whether the column before it is one too.
-    width = one.shape[-1]
-    steps = by_shape(
-        ("steps", p.dtype),
-        one,
-        lambda device: torch.arange(0, 4 * width, 4, dtype=p.dtype, device=device),
-    )
-    p.write("code", _zero_code, p["zero"], steps)
-
-
 def _reduce_eagerly(
-    plan: PassPlan, p: Planes, edges: Constants, token_ids: Tensor | None
-) -> tuple[Tensor | None, ...]:
+    plan: PassPlan,
+    p: Planes,
+    edges: Constants,
+    token_ids: Tensor | None,
+    by_segment: SegmentRows | NoSegments = NO_SEGMENTS,
+) -> tuple[Any, ...]:
     """The sums of the planes, eagerly: few operations, each in place on the planes.
 
     The values of tokens that do not count (finite, :func:`_zero_where_uncounted`) are
@@ -255,20 +257,21 @@ def _reduce_eagerly(
     width = one.shape[-1]
     missing = _missing(one)
     extremes: dict[str, Tensor] = {}
-    bottom = [torch.sub(p[n], missing).amin(-1) for n in plan.bottoms] or None
+    bottom = _smallest(plan, p, missing, by_segment)
 
     def clear(planes: Tensor) -> Tensor:  # their values are finite where a token does not count
         planes.add_(missing)
         if plan.worst_tokens_k:
             extremes["key"] = worst_keys(p["l"])
         extremes["top"] = planes.amax(-1)
+        by_segment.keep_largest(planes)
         return planes.nan_to_num_(nan=math.nan, posinf=INF, neginf=0.0)
 
     p.update(p.names[0], p.names[-2], clear)  # masked, last, counts masked tokens
     every = p.run(p.names[0], p.names[-1])
     first = every.sum(-1, keepdim=True)
-    # Sums of the float64 differences a - b: k1 keeps the digits of small log-ratios.
-    log_ratio = torch.sub(p["a"].double(), p["b"]).sum(-1) if plan.log_ratio else None
+    by_segment.keep_sums("first", every)
+    log_ratio = _log_ratios(plan, p, by_segment)
     position = probability = counts = worst = None
     if plan.parts:  # the tokens that do not count land in each part's bin of 0 values
         if plan.profile:
@@ -278,8 +281,9 @@ def _reduce_eagerly(
             probability = by_probability(p, indices["probability"])
         counts = count_bins(plan, indices)
     if plan.worst_tokens_k:
-        worst = worst_candidates(extremes["key"], p, token_ids, plan.worst_tokens_k, width)
-    lag = _lag_products(p) if "health" in plan.groups else None
+        key, k = extremes["key"], plan.worst_tokens_k
+        worst = worst_candidates(key, p, token_ids, k, width, None, by_segment)
+    lag = lag_products(p) if "health" in plan.groups else None
     # Centre each row's values at its mean, then sum their squares and products.
     start, stop = p.names[plan.centred.start], p.names[plan.centred.stop - 1]
     shift = first[plan.centred] / first[p.at["one"]].clamp(min=1.0)
@@ -288,10 +292,37 @@ def _reduce_eagerly(
     if "health" in plan.groups:
         p.write("ab", torch.mul, p["a"], p["b"])
     p.update(start, stop, torch.square_)
-    second = p.run(start, p.names[p.at[plan.tail] - 1]).sum(-1)
-    top = extremes["top"]
-    fields = (first, top, bottom, shift, second, lag, counts, position, probability, worst)
-    return (*fields, log_ratio)
+    squares = p.run(start, p.names[p.at[plan.tail] - 1])
+    by_segment.keep_sums("second", squares)
+    fields = (first, extremes["top"], bottom, shift, squares.sum(-1), lag, counts, position)
+    return (*fields, probability, worst, log_ratio, by_segment.fields())
+
+
+def _log_ratios(plan: PassPlan, p: Planes, segments: SegmentRows | NoSegments) -> Tensor | None:
+    """Each row's sum of the float64 differences ``a - b`` (``None``: a plan that needs none).
+
+    k1 keeps the digits of small log-ratios; the segment rows keep theirs.
+    """
+    differences = torch.sub(p["a"].double(), p["b"]) if plan.log_ratio else None
+    segments.keep_sums("log_ratio", differences)
+    return None if differences is None else differences.sum(-1)
+
+
+def _smallest(
+    plan: PassPlan, p: Planes, missing: Tensor, segments: SegmentRows | NoSegments
+) -> list[Tensor] | None:
+    """Each row's smallest value of the planes of :attr:`PassPlan.bottoms` (``None``: none).
+
+    Where a token does not count, ``missing`` (-inf) is taken off first; the segment rows
+    keep their smallest ``r``.
+    """
+    bottom = []
+    for name in plan.bottoms:
+        lowered = torch.sub(p[name], missing)
+        bottom.append(lowered.amin(-1))
+        if name == "r":
+            segments.keep_smallest(lowered)
+    return bottom or None
 
 
 def _missing(one: Tensor) -> Tensor:
@@ -304,8 +335,12 @@ def _missing(one: Tensor) -> Tensor:
 
 
 def _reduce_compiled(
-    plan: PassPlan, p: Planes, edges: Constants, token_ids: Tensor | None
-) -> tuple[Tensor | None, ...]:
+    plan: PassPlan,
+    p: Planes,
+    edges: Constants,
+    token_ids: Tensor | None,
+    segments: SegmentRows | NoSegments = NO_SEGMENTS,
+) -> tuple[Any, ...]:
     """The sums of the planes, traced by torch.compile: one loop over the rows, one scatter.
 
     Written as values, not updates, and each reduced on its own from ``[B, T]`` to ``[B]``:
@@ -347,10 +382,15 @@ def _reduce_compiled(
         counts, position, probability = scattered(plan, value, edges, width)
     if plan.worst_tokens_k:
         keys = worst_keys(torch.where(counted, raw["l"], -INF))
-        worst = worst_candidates(keys, p, token_ids, plan.worst_tokens_k, width, value)
+        worst = worst_candidates(keys, p, token_ids, plan.worst_tokens_k, width, value, segments)
     bottom = [torch.where(counted, raw[n], INF).amin(-1) for n in plan.bottoms] or None
     fields = (first, top, bottom, None, second, lag, counts, position, probability, worst)
-    return (*fields, sums[-1])
+    by_segment = None
+    if isinstance(segments, SegmentRows):  # float64 power sums, as the rows'
+        tops = torch.stack([torch.where(counted, raw[n], -INF) for n in names])
+        low = torch.where(counted, raw["r"], INF) if "r" in plan.bottoms else None
+        by_segment = segments.traced(rows, len(names) + 1, at - len(names) - 1, tops, low)
+    return (*fields, sums[-1], by_segment)
 
 
 def _expm1(x: Tensor, out: Tensor | None = None) -> Tensor:
@@ -377,34 +417,3 @@ def _kl_k3(r: Tensor, e: Tensor, out: Tensor | None = None) -> Tensor:
     wide = r.clone() if r.dtype == torch.float64 else r.double()
     wide.expm1_().clamp_(RATIO_MIN - 1.0, RATIO_MAX - 1.0)
     return torch.sub(wide, r, out=out)
-
-
-def _zero_code(zero: Tensor, steps: Tensor, out: Tensor | None = None) -> Tensor:
-    """``4 t + 2 zero_t + zero_(t-1)`` at column ``t`` (``zero_(-1)`` is 0)."""
-    code = torch.add(steps, zero, alpha=2.0, out=out)
-    return code.add_(torch.nn.functional.pad(zero, (1, -1)))  # zero_(t-1)
-
-
-def _lag_products(p: Planes) -> Tensor:
-    """``[6, 6, B]``: each row's sums of ``x_t y_(t+1)`` over ``zero, one, a, b, a^2, b^2``.
-
-    Eagerly; the planes are 0 where a token does not count, so a product counts a pair of
-    neighbours that both count. In float64: the log-probs' squares and products are exact,
-    and no TF32 rounds them. One batched matrix product.
-    """
-    one = p["one"]
-    rows, width = one.shape
-
-    def views(flat: Tensor) -> tuple[Tensor, ...]:
-        wide = flat.view(6, rows, width)
-        return wide[:4], wide[2:4], wide[4:], wide[..., :-1], wide[..., 1:]
-
-    size = 6 * rows * width
-    if keeps(one):
-        made = kept("lag", size, torch.float64, (rows, width), views)
-    else:
-        made = views(torch.empty(size, dtype=torch.float64, device=one.device))
-    plain, sides, squares, now, following = made
-    plain.copy_(p.run("zero", "b"))
-    torch.square(sides, out=squares)
-    return torch.einsum("ibt,jbt->ijb", now, following)

@@ -1,0 +1,148 @@
+"""The sums of a pass by segment: each row's tokens of one segment, as a row of their own.
+
+With segment labels (``[B]``: one a row, a data source or a task; ``[B, T]``: one a token,
+the turn of a multi-turn rollout), a pass reduces its planes by *segment row* as well: the
+tokens of row ``i`` labelled ``s`` make row ``i (S + 1) + s`` of ``B (S + 1)``, where ``S``
+is the number of segments and label ``S`` the last, *other* one (every label below 0 or
+above ``S - 1``). A segment row is a small window as a row is, its second moments centred
+at its row's mean, and the finishing merges the segment rows of each segment
+(:func:`~lightning_rollout_debug.metrics.finish.finish_segments`). Each reduction is one
+scatter, whatever the labels, and nothing waits for the device.
+
+Example:
+    >>> import torch
+    >>> rows = SegmentRows(torch.tensor([[0, 0, 1], [1, 7, -1]]), segments=2)
+    >>> rows.index.tolist()  # row i, segment s: i * 3 + s; 7 and -1 are "other" (2)
+    [[0, 0, 1, 4, 5, 5]]
+    >>> rows.sums(torch.ones(1, 2, 3)).tolist()
+    [[2.0, 1.0, 0.0, 0.0, 1.0, 2.0]]
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from lightning_rollout_debug.metrics.torch_pass.constants import by_shape
+
+
+class NoSegments:
+    """A batch without segment labels: an eager pass keeps nothing by segment row."""
+
+    def keep_smallest(self, r: Tensor) -> None:
+        """Nothing."""
+
+    def keep_largest(self, planes: Tensor) -> None:
+        """Nothing."""
+
+    def keep_sums(self, name: str, planes: Tensor | None) -> None:
+        """Nothing."""
+
+    def fields(self) -> None:
+        """No sums by segment row."""
+
+    def of_places(self, places: Tensor, width: int) -> None:
+        """No segments."""
+
+
+NO_SEGMENTS = NoSegments()
+
+
+class SegmentRows:
+    """The segment row of each token of a batch, and the reductions of planes by it.
+
+    Args:
+        labels: ``[B]`` or ``[B, T]`` integer segment labels (any integer dtype).
+        segments: ``S``, the number of named segments; the rows have ``S + 1`` each.
+        width: ``T`` (needed with ``[B]`` labels).
+    """
+
+    def __init__(self, labels: Tensor, segments: int, width: int | None = None) -> None:
+        self.segments = segments
+        self.per_row = segments + 1
+        rows = labels.shape[0]
+        width = labels.shape[1] if width is None else width
+        self.count = rows * self.per_row
+        """The segment rows: ``B (S + 1)``."""
+        signed = labels if labels.dtype.is_signed else labels.long()
+        # -1 and every label above S - 1 become S: the "other" segment.
+        label = signed.clamp(-1, segments).remainder_(self.per_row)
+
+        def offsets(device: torch.device) -> Tensor:
+            starts = torch.arange(rows, device=device) * self.per_row
+            return starts if labels.dim() == 1 else starts.unsqueeze(1)
+
+        index = label + by_shape(("segment offsets", segments), labels, offsets)
+        if index.dim() == 1:
+            index = index.unsqueeze(1).expand(rows, width)
+        self.index = index.reshape(1, -1)
+        """``[1, B T]``: the segment row of each token."""
+        self._kept: dict[str, Tensor | None] = {}
+
+    def sums(self, planes: Tensor) -> Tensor:
+        """``[n, B (S + 1)]``: the sums of ``planes`` (``[n, B, T]`` or ``[B, T]``)."""
+        flat = planes.reshape(-1, self.index.shape[1])
+        return _base(self, flat, 0.0).scatter_add(1, self._index(flat), flat)
+
+    def largest(self, planes: Tensor) -> Tensor:
+        """The largest value of ``planes`` in each segment row (``-inf``: none)."""
+        flat = planes.reshape(-1, self.index.shape[1])
+        return _base(self, flat, -math.inf).scatter_reduce(1, self._index(flat), flat, "amax")
+
+    def smallest(self, planes: Tensor) -> Tensor:
+        """The smallest value of ``planes`` in each segment row (``+inf``: none)."""
+        flat = planes.reshape(-1, self.index.shape[1])
+        return _base(self, flat, math.inf).scatter_reduce(1, self._index(flat), flat, "amin")
+
+    def of_places(self, places: Tensor, width: int) -> Tensor:
+        """The segment of the tokens at ``places`` (``row * T + t``) of the batch."""
+        return torch.take(self.index, places).remainder_(self.per_row)
+
+    # An eager pass keeps each reduction as it comes (:meth:`fields` gives them).
+    def keep_smallest(self, r: Tensor) -> None:
+        """Keep the smallest ``r`` of each segment row (``-inf`` added where not counting)."""
+        self._kept["low"] = self.smallest(r)
+
+    def keep_largest(self, planes: Tensor) -> None:
+        """Keep the largest value of each plane of each segment row."""
+        self._kept["top"] = self.largest(planes)
+
+    def keep_sums(self, name: str, planes: Tensor | None) -> None:
+        """Keep the sums of ``planes`` by segment row as ``name`` (``None``: nothing)."""
+        self._kept[name] = None if planes is None else self.sums(planes)
+
+    def fields(self) -> tuple[Tensor | None, ...]:
+        """What a pass keeps by segment row: ``first, top, low, second, log_ratio``."""
+        kept = self._kept
+        r = kept.get("log_ratio")
+        names = ("first", "top", "low", "second")
+        return (*(kept.get(name) for name in names), None if r is None else r[0])
+
+    def traced(
+        self, rows: list[Tensor], firsts: int, seconds: int, top: Tensor, low: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        """Traced: the same from the values a compiled pass sums along its rows.
+
+        ``rows``: its ``firsts`` values, then ``seconds`` squares and products, ..., and
+        ``r`` last, summed in float64 (nothing is centred); ``top``: the planes whose
+        largest values it takes; ``low``: ``r`` (``+inf`` where not counting) or ``None``.
+        """
+        first = self.sums(torch.stack(rows[:firsts]).double())
+        second = self.sums(torch.stack(rows[firsts : firsts + seconds]).double())
+        smallest = None if low is None else self.smallest(low.double())
+        return first, self.largest(top), smallest, second, self.sums(rows[-1])[0]
+
+    def _index(self, flat: Tensor) -> Tensor:
+        return self.index if flat.shape[0] == 1 else self.index.expand(flat.shape[0], -1)
+
+
+def _base(rows: SegmentRows, flat: Tensor, fill: float) -> Tensor:
+    """``[n, B (S + 1)]`` filled with ``fill``, made once a shape (what a scatter starts from)."""
+    shape = (flat.shape[0], rows.count)
+
+    def make(device: torch.device) -> Tensor:
+        return torch.full(shape, fill, dtype=flat.dtype, device=device)
+
+    return by_shape(("segment base", fill, shape, flat.dtype), flat, make)
