@@ -851,6 +851,56 @@ def test_the_layout_is_written_again_with_the_segments_at_their_first_window(
         assert found == {f"{ours}segments/{name}/{metric}" for name in ("0", "math", "other")}
 
 
+def labelled(seed: int) -> dict[str, torch.Tensor]:
+    """A batch of :func:`batch` whose tokens are labelled by turn: 0 for the first three
+    positions, 1 after; the label of row 1 (7, that of its floored token of large ``abs(r)``)
+    is outside ``max_segments=2``."""
+    data = batch(seed)
+    turns = (torch.arange(7) >= 3).long().repeat(4, 1)
+    turns[1] = 7
+    return {**data, "segment_ids": turns}
+
+
+def test_a_run_that_logs_segments_charts_them_and_names_its_worst_tokens(tmp_path: Path) -> None:
+    """A first window without labels, two with: the layout is written without the
+    segments' category, then once more with it, whose charts find the tags the run
+    logged; the worst-tokens tables name each labelled token's segment."""
+    batches = [batch(0), batch(1), *(labelled(seed) for seed in range(2, 6))]
+    names = {0: "first", 1: "second", 7: "other"}
+    callback = RolloutDebugCallback(
+        worst_tokens_k=6, max_segments=2, segment_names=["first", "second"]
+    )
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    with pytest.warns(UserWarning, match="holds labels outside"):
+        fit(batches, callback, logger)
+
+    ea = accumulator(logger.log_dir)
+    first, last = read_layouts(ea)
+    assert f"{PREFIX}segments" not in [category.title for category in first.category]
+    titles = [category.title for category in last.category]
+    assert titles == [*(c.title for c in first.category), f"{PREFIX}segments"]
+    assert served_layout(tmp_path / "tb") == titles
+    scalars = ea.Tags()["scalars"]
+    (segments,) = (c for c in last.category if c.title == f"{PREFIX}segments")
+    metrics = callback.config.segment_metrics
+    assert [chart.title for chart in segments.chart] == [f"{m} by segment" for m in metrics]
+    for chart, metric in zip(segments.chart, metrics, strict=True):
+        (pattern,) = chart.multiline.tag
+        found = {tag for tag in scalars if re.match(pattern, tag)}
+        assert found == {f"{PREFIX}segments/{name}/{metric}" for name in names.values()}
+
+    events = sorted(ea.Tensors(TEXT_TAG), key=lambda event: event.step)
+    tables = [parse_table(event.tensor_proto.string_val[0].decode()) for event in events]
+    assert len(tables) == 3 and "segment" not in tables[0][0]
+    shown = set()
+    for table, window in zip(tables[1:], [batches[2:4], batches[4:]], strict=True):
+        for row in table:
+            labels = window[int(row["batch"])]["segment_ids"]
+            assert row["segment"] == names[int(labels[int(row["row"]), int(row["position"])])]
+            shown.add(row["segment"])
+    assert shown == set(names.values())
+
+
 # ---------------------------------------------------------------------- loggers, flags
 def test_csv_logger_only_gets_scalars_and_nothing_fails(tmp_path: Path) -> None:
     batches = [batch(seed) for seed in range(4)]

@@ -70,8 +70,8 @@ class WindowLogs:
     strict: bool
     warn_once: Callable[[str, str], None]
     token_text: TokenText | None = None
-    segment_metrics: tuple[str, ...] = ()
-    segment_names: tuple[str, ...] = ()
+    segment_metrics: Sequence[str] = ()
+    segment_names: Sequence[str] = ()
     _layouts_written: dict[str, bool] = field(default_factory=dict)  # with segments' charts
     _pictures_span: int | None = None  # the span of steps last drawn in
 

@@ -41,7 +41,7 @@ from lightning_rollout_debug.loop.logs import WindowLogs
 from lightning_rollout_debug.loop.ranks import Ranks, loop_ranks
 from lightning_rollout_debug.loop.window import DeviceWindow
 from lightning_rollout_debug.metrics.profile import Profile
-from lightning_rollout_debug.metrics.segments import for_each_segment
+from lightning_rollout_debug.metrics.segments import for_each_segment, segment_name
 from lightning_rollout_debug.views.tensorboard import PROFILE_IMAGES_EVERY_N_STEPS
 from lightning_rollout_debug.views.token_text import TokenText
 
@@ -240,6 +240,11 @@ class RolloutDebugMonitor(BatchUpdates, LoggedStep):
             strict=config.strict,
             warn_once=self._warn_once,
             token_text=None if config.tokenizer is None else TokenText(config.tokenizer),
+            segment_metrics=config.segment_metrics,
+            segment_names=tuple(
+                segment_name(segment, config.max_segments, config.segment_names)
+                for segment in range(config.max_segments + 1)
+            ),
         )
         ranges, factors = dict(config.alert_ranges), dict(config.drift_factors)
         if config.segment_alerts:  # each segment's values alert as the window's do

@@ -178,7 +178,7 @@ def _candidates(batches: Sequence[TokenSums], placeholder: Tensor, device: torch
         position,
         ids[0],
         rank,
-        _segments([w[3] if len(w) > 3 else None for w in found], sizes, device),
+        _segments([w[3] for w in found], sizes, device),
     ]
     candidates = torch.cat([torch.stack(columns, dim=1), known_context(ids[1:].t(), position)], 1)
     counted = keys > -(1 << 32)  # a token that does not count has -inf's bits above
