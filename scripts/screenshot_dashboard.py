@@ -11,7 +11,13 @@
    headless Chromium (``apt-get install chromium``) at TensorBoard's default card sizes.
 4. Stops TensorBoard.
 
-    python scripts/screenshot_dashboard.py [--out docs/images] [--max-steps 30]
+With ``--segments``, the screenshot of ``docs/segments.md`` instead: trains
+``examples/multiturn_mismatch.py`` (a label a turn), copies the run's per-segment
+scalars to a run of their own beside the segments category of the layout the monitor
+writes (four of its charts, the other categories left out, so that the page shows them
+alone), and takes the custom-scalars page.
+
+    python scripts/screenshot_dashboard.py [--out docs/images] [--max-steps 30] [--segments]
 """
 
 from __future__ import annotations
@@ -149,6 +155,84 @@ def screenshot_pictures(
     raise RuntimeError(f"{out.name}: no two takes in {tries} showed the same pictures")
 
 
+MULTITURN = ROOT / "examples" / "multiturn_mismatch.py"
+SEGMENTS_PNG = "segments.png"
+SEGMENT_CHARTS = (
+    "rollout_actor_kl_k3",
+    "rollout_probs_diff_mean",
+    "rollout_log_probs_diff_mean",
+    "rollout_probs_diff_max",
+)
+"""The charts of the segments category the screenshot shows (four fit the window)."""
+
+
+def segments_only(logdir: Path, view: Path) -> None:
+    """The per-segment scalars of the run in ``logdir``, and the segments category alone.
+
+    Written to ``view`` with TensorBoard's own writer: the same values at the same steps,
+    and the category as :func:`~lightning_rollout_debug.views.tensorboard.dashboard_layout`
+    lays it out for the run's metrics.
+    """
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from lightning_rollout_debug.views.tensorboard import dashboard_layout
+
+    events = EventAccumulator(str(next(logdir.rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    tags = [tag for tag in events.Tags()["scalars"] if "/segments/" in tag]
+    prefix = tags[0].split("segments/")[0]
+    found = {tag.rsplit("/", 1)[1] for tag in tags}
+    metrics = [metric for metric in SEGMENT_CHARTS if metric in found]
+    writer = SummaryWriter(str(view / "multiturn"))
+    writer.add_custom_scalars(dashboard_layout(prefix, [], metrics))
+    for tag in tags:
+        for event in events.Scalars(tag):
+            writer.add_scalar(tag, event.value, event.step)
+    writer.close()
+
+
+def wait_for_layout(url: str, timeout: float = 120.0) -> None:
+    """Poll TensorBoard until it serves a custom-scalars layout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/data/plugin/custom_scalars/layout") as reply:
+                if json.load(reply).get("category"):
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"TensorBoard at {url} served no layout within {timeout} s")
+
+
+def segments_screenshot(chromium: str, tensorboard: str, args: argparse.Namespace) -> None:
+    """``segments.png``: the segments category of the multi-turn example's run."""
+    logdir = args.logdir or Path(tempfile.mkdtemp(prefix="rollout-debug-segments-"))
+    if not any(logdir.rglob("events.out.tfevents.*")):
+        command = [sys.executable, str(MULTITURN), "--max-steps", str(args.max_steps)]
+        print("+", " ".join(command), flush=True)
+        command += ["--logdir", str(logdir)]
+        subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    view = Path(tempfile.mkdtemp(prefix="rollout-debug-segments-view-"))
+    segments_only(logdir, view)
+    url = f"http://127.0.0.1:{args.port}"
+    server = subprocess.Popen(
+        [tensorboard, "--logdir", str(view), "--host", "127.0.0.1", "--port", str(args.port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+    try:
+        wait_for_layout(url)
+        size = f"{args.window_size.split(',')[0]},860"
+        screenshot(chromium, f"{url}/#custom_scalars", args.out / SEGMENTS_PNG, size, args.wait_ms)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    print(f"logs in {logdir}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Train, serve, screenshot, stop."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -158,12 +242,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=6006)
     parser.add_argument("--window-size", default="1400,1000")
     parser.add_argument("--wait-ms", type=int, default=15000, help="Chromium virtual time")
+    parser.add_argument("--segments", action="store_true", help="segments.png alone")
     args = parser.parse_args(argv)
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         parser.error("needs Chromium: apt-get install -y chromium")
     tensorboard = shutil.which("tensorboard") or str(Path(sys.executable).parent / "tensorboard")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.segments:
+        segments_screenshot(chromium, tensorboard, args)
+        return
     logdir = args.logdir or Path(tempfile.mkdtemp(prefix="rollout-debug-tb-"))
     if not any(logdir.rglob("events.out.tfevents.*")):
         train(logdir, args.max_steps)
