@@ -87,6 +87,7 @@ SLOW_TESTS: dict[str, str] = {
     ),
     "test_native.py::test_a_kernel_that_forgets_a_slot_is_not_loaded": "compiles a kernel",
     "test_stats.py::test_sixteen_ranks_merge_to_the_statistics_of_all_tokens": "16 ranks",
+    "test_segments.py::test_two_ranks_merge_segments_that_one_rank_holds": "two ranks",
     "test_tensorboard.py::test_two_ranks_histograms_and_worst_tokens_cover_both": "two ranks",
     "test_torch_path.py::test_triton_plans_a_handful_of_kernels_for_the_default_update": (
         "plans inductor's Triton code at four shapes"

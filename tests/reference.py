@@ -360,6 +360,79 @@ def reference_metrics(
     return out
 
 
+# ---------------------------------------------------------------------- segments
+OTHER = "other"
+"""The segment of the labels outside ``[0, num_segments)``."""
+
+SEGMENT_GROUPS = ("seed", "log_space", "kl", "importance_ratio")
+"""The groups whose metrics a segment has (but ``rollout_stale_period``), besides
+``rollout_tokens`` and ``rollout_nonfinite_tokens``."""
+
+SEGMENT_NAMES: tuple[str, ...] = (
+    *(name for group in SEGMENT_GROUPS for name in NAMES[group] if name != "rollout_stale_period"),
+    "rollout_tokens",
+    "rollout_nonfinite_tokens",
+)
+"""The token-level metrics of the catalog, copied from the segments' contract."""
+
+
+def token_labels(segment_ids: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """The ``[B, T]`` labels of a batch: a ``[B]`` label per row spread over its tokens."""
+    labels = _ids_numpy(segment_ids)
+    if labels.ndim == 1:
+        labels = np.repeat(labels[:, None], shape[1], axis=1)
+    assert labels.shape == tuple(shape), (labels.shape, shape)
+    return labels
+
+
+def reference_segments(
+    rollout_log_probs: Any,
+    old_log_probs: Any,
+    mask: Any,
+    segment_ids: Any,
+    num_segments: int | None = None,
+    **kwargs: Any,
+) -> dict[int | str, Reference]:
+    """:func:`reference_metrics` of each segment: the window with the mask cut to its tokens.
+
+    Arguments as :func:`reference_metrics` takes them, plus the labels of each batch
+    (``[B]`` or ``[B, T]``, ``None``: the batch's tokens are in no segment).
+    ``num_segments=None``: the largest label plus one. Labels outside
+    ``[0, num_segments)`` make the segment :data:`OTHER`. Only the segments with at least
+    one counting token are returned, by label.
+    """
+    rollouts = _as_list(rollout_log_probs)
+    olds = _as_list(old_log_probs)
+    masks = _as_list(mask)
+    labels = _as_list(segment_ids, len(rollouts))
+    assert len(rollouts) == len(olds) == len(masks) == len(labels)
+    spread = [
+        None if ids is None else token_labels(ids, tuple(m.shape))
+        for ids, m in zip(labels, masks, strict=True)
+    ]
+    if num_segments is None:
+        num_segments = 1 + max(
+            (int(x.max()) for x in spread if x is not None and x.size), default=-1
+        )
+    keys: list[int | str] = [*range(num_segments), OTHER]
+    out: dict[int | str, Reference] = {}
+    for key in keys:
+        cut = []
+        for m, ids in zip(masks, spread, strict=True):
+            masked = to_numpy(m) != 0
+            if ids is None:
+                here = np.zeros_like(masked)
+            elif key == OTHER:
+                here = (ids < 0) | (ids >= num_segments)
+            else:
+                here = ids == key
+            cut.append(masked & here)
+        want = reference_metrics(rollouts, olds, cut, **kwargs)
+        if want["rollout_tokens"] >= 1:
+            out[key] = want
+    return out
+
+
 def stale_period(means: Sequence[float], errors: Sequence[float]) -> float:
     """``rollout_stale_period`` of the per-batch mean ``|r|`` (docs/metrics.md), the last 64.
 
