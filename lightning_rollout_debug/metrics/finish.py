@@ -106,40 +106,10 @@ class RowSums:
         if plan.bottoms:
             bottoms = self._over(_rows(batches, "bottom"), torch.amin).unbind()
             self.smallest = dict(zip(plan.bottoms, bottoms, strict=not groups))  # groups: r
-        centred = first[plan.centred]
-        rows = self.n.clamp(min=1.0)
-        shift = torch.cat(
-            [  # a compiled pass leaves its values where they are
-                torch.zeros_like(centred[:, :1].expand(-1, len(stacked_rows(sums.top, "top")[0])))
-                if sums.shift is None
-                else sums.shift.squeeze(-1).to(torch.float64)
-                for sums in batches
-            ],
-            dim=1,
-        )
-        offset = centred - self.n * shift  # each row's sum of its centred values, about 0
-        row_means = centred / rows
         means = totals[plan.centred] / self.count.clamp(min=1.0)
-        deviation = row_means - self._per_row(means)
-        second = _rows(batches, "second")
-        squares = len(offset)
-        # Chan: each row's own centred sums, plus its mean's deviation from the window's.
-        within = second[:squares] - offset * offset / rows
-        # M is a sum of squares: Chan's terms may round below zero, a sum of them cannot.
-        spread = within + self.n * deviation * deviation
-        moments = self._over(spread, torch.sum).clamp(min=0.0)
-        names = plan.planes[plan.centred]
-        self.mean = dict(zip(names, means.unbind(), strict=True))
-        self.moment = dict(zip(names, moments.unbind(), strict=True))
-        plain = moments + totals[plan.centred] ** 2 / self.count.clamp(min=1.0)
-        self.squares = dict(zip(names, plain.unbind(), strict=True))
-        self.comoment: dict[tuple[str, str], Tensor] = {}
-        for i, (left, right) in enumerate(plan.products):
-            x, y = at[left] - plan.centred.start, at[right] - plan.centred.start
-            within = second[squares + i] - offset[x] * offset[y] / rows
-            spread = within + self.n * deviation[x] * deviation[y]
-            self.comoment[left, right] = self._over(spread, torch.sum)
-        self.shift = shift
+        self._moments([moment_rows(sums) for sums in batches], means)
+        plain = self._stacked_moments + totals[plan.centred] ** 2 / self.count.clamp(min=1.0)
+        self.squares = dict(zip(plan.planes[plan.centred], plain.unbind(), strict=True))
         self.lag = _rows(batches, "lag") if batches[0].lag is not None else None  # [36, rows]
         self.log_ratio = _log_ratios(batches)
         self.total_log_ratio = None
@@ -149,17 +119,67 @@ class RowSums:
         self.widths = [sums.width for sums in batches]
         self.uncounted = None if groups else _uncounted(batches, self.count, at["one"])
 
+    def _moments(self, batches: Sequence[TokenSums], means: Tensor) -> None:
+        """Each centred plane's ``moment`` and the ``comoment`` of each product.
+
+        ``batches``: rows whose second moments are about their ``shift`` (or plain sums);
+        ``means``: the window's (or each group's) means of the centred planes.
+        """
+        plan, at = self.plan, self.at
+        first = _rows(batches, "first").squeeze(-1)
+        n = first[at["one"]]
+        rows = n.clamp(min=1.0)
+        centred = first[plan.centred]
+        shift = torch.cat([_shift(sums, len(centred)) for sums in batches], dim=1)
+        offset = centred - n * shift  # each row's sum of its centred values, about 0
+        deviation = centred / rows - self._per_row(means, n.shape[-1])
+        second = _rows(batches, "second")
+        squares = len(offset)
+        # Chan: each row's own centred sums, plus its mean's deviation from the window's.
+        within = second[:squares] - offset * offset / rows
+        # M is a sum of squares: Chan's terms may round below zero, a sum of them cannot.
+        moments = self._over(within + n * deviation * deviation, torch.sum).clamp(min=0.0)
+        names = plan.planes[plan.centred]
+        self.mean = dict(zip(names, means.unbind(), strict=True))
+        self.moment = dict(zip(names, moments.unbind(), strict=True))
+        self._stacked_moments = moments
+        self.comoment: dict[tuple[str, str], Tensor] = {}
+        for i, (left, right) in enumerate(plan.products):
+            x, y = at[left] - plan.centred.start, at[right] - plan.centred.start
+            within = second[squares + i] - offset[x] * offset[y] / rows
+            spread = within + n * deviation[x] * deviation[y]
+            self.comoment[left, right] = self._over(spread, torch.sum)
+
     def _over(self, values: Tensor, reduce: Callable[..., Tensor]) -> Tensor:
         """``reduce`` of ``values`` over the rows (the last dimension), or of each group."""
         if not self.groups:
             return reduce(values, -1)
         return reduce(values.unflatten(-1, (-1, self.groups)), -2)
 
-    def _per_row(self, values: Tensor) -> Tensor:
-        """Each row's value of ``values`` (``[..., groups]``: its group's)."""
+    def _per_row(self, values: Tensor, rows: int) -> Tensor:
+        """Each of ``rows`` rows' value of ``values`` (``[..., groups]``: its group's)."""
         if not self.groups:
             return values.unsqueeze(-1)
-        return values.repeat(1, self.n.shape[-1] // self.groups)
+        return values.repeat(1, rows // self.groups)
+
+
+def _shift(sums: TokenSums, planes: int) -> Tensor:
+    """``[planes, rows]``: what the rows' centred values are centred at (a compiled pass: 0)."""
+    if sums.shift is not None:
+        return sums.shift.squeeze(-1).to(torch.float64)
+    rows = len(stacked_rows(sums.top, "top")[0])
+    return torch.zeros((planes, rows), dtype=torch.float64, device=sums.top[0].device)
+
+
+def moment_rows(sums: TokenSums) -> TokenSums:
+    """The rows of a pass whose second moments are about each one's ``shift``.
+
+    Its rows; or, where an eager pass centred them at each segment row's mean, its segment
+    rows (a compiled pass's, plain sums, serve alike).
+    """
+    if sums.segments is None:
+        return sums
+    return _segment_rows(sums, sums.plan.segments + 1)
 
 
 def _uncounted(batches: Sequence[TokenSums], count: Tensor, one: int) -> Tensor | None:
@@ -357,8 +377,7 @@ def finish_segments(batches: Sequence[TokenSums]) -> Tensor:
 def _segment_rows(sums: TokenSums, per_row: int) -> TokenSums:
     """A pass's segment rows as the rows of a pass of their own."""
     assert sums.segments is not None
-    first, top, low, second, log_ratio = sums.segments
-    shift = None if sums.shift is None else sums.shift.repeat_interleave(per_row, dim=1)
+    first, top, low, second, log_ratio, shift = sums.segments
     return dataclasses.replace(
         sums,
         first=first.unsqueeze(-1) if first.dim() == 2 else first,

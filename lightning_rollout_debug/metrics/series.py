@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_rollout_debug.metrics.finish import moment_rows
 from lightning_rollout_debug.metrics.layout import STATE, tensor_problems
 from lightning_rollout_debug.metrics.sawtooth import Series, sawtooth
 from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
@@ -168,6 +169,7 @@ def _batch_sums(parts: Sequence[Tensor | TokenSums], device: torch.device) -> Te
             tokens, mean = part[_COUNT], part[_MEAN]
             sums = torch.stack([mean * tokens, tokens, part[_SPREAD] + tokens * mean * mean])
         else:  # the row sums of a torch pass: |r|'s, and its centred squares
+            part = moment_rows(part)
             at, centred = part.plan.at, part.plan.centred.start
             rows = torch.stack(
                 [

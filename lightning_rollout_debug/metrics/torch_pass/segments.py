@@ -77,23 +77,25 @@ class SegmentRows:
         index = label + by_shape(("segment offsets", segments), labels, offsets)
         if index.dim() == 1:
             index = index.unsqueeze(1).expand(rows, width)
-        self.index = index.reshape(1, -1)
-        """``[1, B T]``: the segment row of each token."""
+        self.flat = index.reshape(-1)
+        """``[B T]``: the segment row of each token."""
+        self.index = self.flat.unsqueeze(0)
+        """``[1, B T]``: the same, as a scatter reads it."""
         self._kept: dict[str, Tensor | None] = {}
 
     def sums(self, planes: Tensor) -> Tensor:
         """``[n, B (S + 1)]``: the sums of ``planes`` (``[n, B, T]`` or ``[B, T]``)."""
-        flat = planes.reshape(-1, self.index.shape[1])
+        flat = self._flat(planes)
         return _base(self, flat, 0.0).scatter_add(1, self._index(flat), flat)
 
     def largest(self, planes: Tensor) -> Tensor:
         """The largest value of ``planes`` in each segment row (``-inf``: none)."""
-        flat = planes.reshape(-1, self.index.shape[1])
+        flat = self._flat(planes)
         return _base(self, flat, -math.inf).scatter_reduce(1, self._index(flat), flat, "amax")
 
     def smallest(self, planes: Tensor) -> Tensor:
         """The smallest value of ``planes`` in each segment row (``+inf``: none)."""
-        flat = planes.reshape(-1, self.index.shape[1])
+        flat = self._flat(planes)
         return _base(self, flat, math.inf).scatter_reduce(1, self._index(flat), flat, "amin")
 
     def of_places(self, places: Tensor, width: int) -> Tensor:
@@ -113,12 +115,26 @@ class SegmentRows:
         """Keep the sums of ``planes`` by segment row as ``name`` (``None``: nothing)."""
         self._kept[name] = None if planes is None else self.sums(planes)
 
+    def centre(self, centred: slice, one: int, shape: torch.Size) -> Tensor:
+        """Each token's mean of the planes ``centred``, ``[k, B, T]``: its segment row's.
+
+        From the kept sums (``first``; ``one``: the plane of the tokens): an eager pass
+        centres the values of each segment row at its own mean, so that another segment's
+        values in the same row (a ratio of ``e^20`` at the floor) cost it no digits.
+        """
+        first = self._kept["first"]
+        assert first is not None
+        shift = first[centred] / first[one].clamp(min=1.0)
+        self._kept["shift"] = shift
+        return shift.index_select(1, self.flat).view(-1, *shape)
+
     def fields(self) -> tuple[Tensor | None, ...]:
-        """What a pass keeps by segment row: ``first, top, low, second, log_ratio``."""
+        """What a pass keeps by segment row: ``first, top, low, second, log_ratio, shift``."""
         kept = self._kept
-        r = kept.get("log_ratio")
+        r, shift = kept.get("log_ratio"), kept.get("shift")
         names = ("first", "top", "low", "second")
-        return (*(kept.get(name) for name in names), None if r is None else r[0])
+        found = [kept.get(name) for name in names]
+        return (*found, None if r is None else r[0], None if shift is None else shift[..., None])
 
     def traced(
         self, rows: list[Tensor], firsts: int, seconds: int, top: Tensor, low: Tensor | None
@@ -132,7 +148,14 @@ class SegmentRows:
         first = self.sums(torch.stack(rows[:firsts]).double())
         second = self.sums(torch.stack(rows[firsts : firsts + seconds]).double())
         smallest = None if low is None else self.smallest(low.double())
-        return first, self.largest(top), smallest, second, self.sums(rows[-1])[0]
+        return first, self.largest(top), smallest, second, self.sums(rows[-1])[0], None
+
+    def _flat(self, planes: Tensor) -> Tensor:
+        """``planes`` as ``[n, B T]`` (given so, as they are: a kept view costs nothing)."""
+        tokens = self.index.shape[1]
+        if planes.dim() == 2 and planes.shape[1] == tokens:
+            return planes
+        return planes.reshape(-1, tokens)
 
     def _index(self, flat: Tensor) -> Tensor:
         return self.index if flat.shape[0] == 1 else self.index.expand(flat.shape[0], -1)

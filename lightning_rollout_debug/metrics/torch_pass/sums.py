@@ -91,7 +91,8 @@ class TokenSums:
     (``+inf``: no token; ``None``: no such plane)."""
     shift: Tensor | None
     """``[centred, B, 1]``: each row's mean of the centred planes, the values are centred at
-    (``None``: not centred, the sums of squares are plain ones)."""
+    (``None``: not centred, the sums of squares are plain ones; or, with :attr:`segments`,
+    centred at each segment row's mean, whose sums hold the second moments)."""
     second: Tensor
     """``[seconds, B]``: each row's sums of the squared centred values, then of the products
     ``pa pb`` and ``a b`` of centred values (:attr:`PassPlan.seconds`)."""
@@ -116,8 +117,9 @@ class TokenSums:
     plan that needs none, :attr:`PassPlan.log_ratio`)."""
     segments: tuple[Tensor | None, ...] | None = None
     """The same sums by segment row (:mod:`.segments`): ``first``, ``top``, the smallest ``r``,
-    ``second`` and the sums of ``r``, each over ``B (S + 1)`` segment rows (``None``: no
-    segment labels)."""
+    ``second``, the sums of ``r`` and ``shift``, each over ``B (S + 1)`` segment rows
+    (``None``: no segment labels). Eagerly the second moments are centred at each segment
+    row's mean (``shift``), and the rows' own (:attr:`shift` ``None``) are not kept."""
     position_planes: tuple[str, ...] = ()
     """The planes of :attr:`position`, in order."""
     uncounted: bool = False
@@ -264,13 +266,13 @@ def _reduce_eagerly(
         if plan.worst_tokens_k:
             extremes["key"] = worst_keys(p["l"])
         extremes["top"] = planes.amax(-1)
-        by_segment.keep_largest(planes)
+        by_segment.keep_largest(_flat(p, planes))
         return planes.nan_to_num_(nan=math.nan, posinf=INF, neginf=0.0)
 
     p.update(p.names[0], p.names[-2], clear)  # masked, last, counts masked tokens
     every = p.run(p.names[0], p.names[-1])
     first = every.sum(-1, keepdim=True)
-    by_segment.keep_sums("first", every)
+    by_segment.keep_sums("first", _flat(p, every))
     log_ratio = _log_ratios(plan, p, by_segment)
     position = probability = counts = worst = None
     if plan.parts:  # the tokens that do not count land in each part's bin of 0 values
@@ -284,18 +286,37 @@ def _reduce_eagerly(
         key, k = extremes["key"], plan.worst_tokens_k
         worst = worst_candidates(key, p, token_ids, k, width, None, by_segment)
     lag = lag_products(p) if "health" in plan.groups else None
-    # Centre each row's values at its mean, then sum their squares and products.
+    # Centre each row's (segment row's) values at its mean, then sum squares and products.
     start, stop = p.names[plan.centred.start], p.names[plan.centred.stop - 1]
-    shift = first[plan.centred] / first[p.at["one"]].clamp(min=1.0)
-    p.update(start, stop, lambda x: x.addcmul_(one, shift, value=-1.0))
+    shift, centre = _centres(plan, first, one, by_segment)
+    p.update(start, stop, lambda x: x.addcmul_(one, centre, value=-1.0))
     p.write("papb", torch.mul, p["pa"], p["pb"])
     if "health" in plan.groups:
         p.write("ab", torch.mul, p["a"], p["b"])
     p.update(start, stop, torch.square_)
     squares = p.run(start, p.names[p.at[plan.tail] - 1])
-    by_segment.keep_sums("second", squares)
+    by_segment.keep_sums("second", _flat(p, squares))
     fields = (first, extremes["top"], bottom, shift, squares.sum(-1), lag, counts, position)
     return (*fields, probability, worst, log_ratio, by_segment.fields())
+
+
+def _flat(p: Planes, run: Tensor) -> Tensor:
+    """A run of planes as ``[n, B T]``: a view made once for a set of planes."""
+    return p.derived(("flat", run.data_ptr(), len(run)), lambda: run.view(len(run), -1))
+
+
+def _centres(
+    plan: PassPlan, first: Tensor, one: Tensor, segments: SegmentRows | NoSegments
+) -> tuple[Tensor | None, Tensor]:
+    """The rows' means the centred planes are centred at, and each token's.
+
+    With segment rows, each token's segment row's mean (:meth:`.SegmentRows.centre`): no
+    row-wide one (``None``).
+    """
+    if isinstance(segments, SegmentRows):
+        return None, segments.centre(plan.centred, plan.at["one"], one.shape)
+    shift = first[plan.centred] / first[plan.at["one"]].clamp(min=1.0)
+    return shift, shift
 
 
 def _log_ratios(plan: PassPlan, p: Planes, segments: SegmentRows | NoSegments) -> Tensor | None:
