@@ -279,21 +279,25 @@ def test_kernel_segments_do_not_depend_on_the_thread_count(monkeypatch: pytest.M
     batch = make_batch(rng, (100, 700), regime="mixed", mask_kind="counts", special_rate=0.01)
     labels = labels_of("runs", rng, (100, 700))
     inputs = check_inputs(batch.rollout, batch.old, batch.mask)
-    stats, extras, window = MismatchStats(groups=ALL), TokenExtras(profile=True), SegmentWindow(5)
+    stats, window = MismatchStats(groups=ALL), SegmentWindow(5)
     threads = torch.get_num_threads()
-    found = []
-    try:
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)
-            found.append(
-                backends.kernel_states(
-                    inputs, stats=stats, extras=extras, segments=(window, labels)
+    for extras in (TokenExtras(profile=True), None):  # blocks of the profile, or their own
+        found = []
+        try:
+            for count in (1, 2, 3):
+                torch.set_num_threads(count)
+                found.append(
+                    backends.kernel_states(
+                        inputs, stats=stats, extras=extras, segments=(window, labels)
+                    )
                 )
+        finally:
+            torch.set_num_threads(threads)
+        for states in found[1:]:
+            assert all(
+                mine is theirs or torch.equal(mine, theirs)
+                for mine, theirs in zip(states, found[0], strict=True)
             )
-    finally:
-        torch.set_num_threads(threads)
-    for states in found[1:]:
-        assert all(torch.equal(mine, theirs) for mine, theirs in zip(states, found[0], strict=True))
 
 
 def test_segments_leave_the_statistics_and_the_extras_as_they_were() -> None:
