@@ -1,0 +1,101 @@
+"""The cost of segment labels: a monitor's default update with and without them.
+
+For each shape, a ``RolloutDebugMonitor(alert_ranges={})`` with its defaults updates the
+same float32 batch (a small mismatch, right-padded rows) without labels and with each
+kind of labels, interleaved in one process:
+
+- ``none``: no ``segment_ids``;
+- ``turns``: ``[B, T]`` labels of 16 turn-like runs a row (16 equal spans);
+- ``uneven``: 16 turns a row of random lengths (their ends anywhere in a vector);
+- ``random``: ``[B, T]`` labels, one of 16 drawn at random for every token;
+- ``rows``: ``[B]`` labels, one of 16 a sequence.
+
+Each round times ``--updates`` consecutive updates of each (their folds included); printed
+per kind: the median over the rounds of the mean update, and the median and range of the
+per-round ratios to ``none``.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_segments.py [--rounds 7] [--updates 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_metrics import kernel_width, make_batch
+
+from lightning_rollout_debug import RolloutDebugMonitor
+
+SHAPES = ((64, 2048), (256, 4096))
+SEGMENTS = 16
+
+
+def labels(kind: str, rows: int, width: int) -> torch.Tensor | None:
+    """The ``segment_ids`` of ``kind`` for a ``[rows, width]`` batch (``None``: none)."""
+    generator = torch.Generator().manual_seed(1)
+    if kind == "turns":
+        turns = torch.arange(width).mul(SEGMENTS).div(width, rounding_mode="floor")
+        return turns.expand(rows, width).contiguous()
+    if kind == "uneven":
+        ends = torch.rand(rows, SEGMENTS - 1, generator=generator).mul(width).long().sort(1)[0]
+        return torch.searchsorted(ends, torch.arange(width).expand(rows, width), right=True)
+    if kind == "random":
+        return torch.randint(0, SEGMENTS, (rows, width), generator=generator)
+    if kind == "rows":
+        return torch.randint(0, SEGMENTS, (rows,), generator=generator)
+    return None
+
+
+def seconds_per_update(monitor: RolloutDebugMonitor, batch: dict, updates: int) -> float:
+    """The mean time of ``updates`` consecutive updates of ``batch``, then a fresh window."""
+    start = time.perf_counter()
+    for _ in range(updates):
+        monitor.update(batch)
+    elapsed = (time.perf_counter() - start) / updates
+    monitor.reset()
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--updates", type=int, default=32)
+    parser.add_argument("--kinds", default="none,turns,uneven,random,rows")
+    args = parser.parse_args()
+    kinds = args.kinds.split(",")
+    warnings.simplefilter("ignore")
+    print(f"torch threads: {torch.get_num_threads()}, {kernel_width()}")
+    for rows, width in SHAPES:
+        base = make_batch((rows, width), torch.float32, "cpu")
+        batches = {}
+        for kind in kinds:
+            found = labels(kind, rows, width)
+            batches[kind] = base if found is None else {**base, "segment_ids": found}
+        monitors = {kind: RolloutDebugMonitor(alert_ranges={}) for kind in kinds}
+        for kind in kinds:  # warm up: the kernel loaded, the workspaces made
+            seconds_per_update(monitors[kind], batches[kind], 2)
+        times: dict[str, list[float]] = {kind: [] for kind in kinds}
+        for _ in range(args.rounds):
+            for kind in kinds:
+                times[kind].append(seconds_per_update(monitors[kind], batches[kind], args.updates))
+        for kind in kinds:
+            median = statistics.median(times[kind]) * 1e3
+            ratio = ""
+            if "none" in times:
+                pairs = zip(times[kind], times["none"], strict=True)
+                ratios = [mine / base for mine, base in pairs]
+                low, high = min(ratios), max(ratios)
+                ratio = f"  {statistics.median(ratios):6.2f}x ({low:.2f} to {high:.2f})"
+            print(f"{rows}x{width} {kind:>7}: {median:9.3f} ms{ratio}")
+
+
+if __name__ == "__main__":
+    main()
