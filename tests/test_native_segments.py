@@ -236,6 +236,27 @@ def test_kernel_segments_match_the_torch_road(
                 assert_same_segments(got, want)
 
 
+@pytest.mark.parametrize("lanes", native.VECTOR_LANES)
+def test_every_width_sums_the_segments_as_the_reference(
+    lanes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each build (16, 8 and 4 lanes) splits its vectors at the runs' ends alike: runs
+    ending anywhere in a vector, runs shorter than one, rows shorter than one."""
+    if lanes > native.loader.cpu_lanes():
+        pytest.skip(f"this CPU runs the kernel at up to {native.loader.cpu_lanes()} lanes")
+    monkeypatch.setattr(native.kernel, "_kernel", {"kernel": None, "problem": None})
+    native.load(lanes)
+    rng = np.random.default_rng(66 + lanes)
+    for shape in ((7, 100), (3, 37), (5, 3), (2, 1), (3, 1100)):
+        batch = make_batch(rng, shape, regime="mixed", mask_kind="counts", special_rate=0.03)
+        for kind in ("rows", "turns", "runs"):
+            labels = labels_of(kind, rng, shape)
+            for stats in (None, MismatchStats(groups=ALL)):
+                got = kernel_segments(batch, labels, stats=stats)
+                assert got is not None
+                assert_segments_match_the_reference(got, batch, labels)
+
+
 def test_labels_out_of_range_count_as_other_and_empty_segments_stay_empty() -> None:
     """Labels below 0 or from S on are ``other``'s; a segment without a token is the empty
     window, as the torch road leaves it."""
