@@ -61,7 +61,11 @@ def package_flags(lanes: int) -> list[str]:
 
 
 def build(source: bytes, folder: Path, name: str, lanes: int) -> tuple[Any, float]:
-    """Build ``source`` into ``folder``; the bound row-sums entry and the build's seconds."""
+    """Build ``source`` into ``folder``; the bound row-sums entry and the build's seconds.
+
+    A build from before the segments, whose row function takes none of their arguments, is
+    bound alone and called without them (:func:`without_segments`).
+    """
     output = folder / f"{name}.so"
     compiler = os.environ.get("CXX") or "c++"
     command = [compiler, *package_flags(lanes), "-x", "c++", "-", "-o", str(output)]
@@ -70,8 +74,24 @@ def build(source: bytes, folder: Path, name: str, lanes: int) -> tuple[Any, floa
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"the {name} build failed:\n{done.stderr.decode()}")
-    function, _, _ = loader.bind(ctypes.CDLL(str(output)), output, tuple(ROW_FIELDS))
+    library = ctypes.CDLL(str(output))
+    if not hasattr(library, "rollout_finish_segments"):
+        return without_segments(library.rollout_row_sums), seconds
+    function, _, _ = loader.bind(library, output, tuple(ROW_FIELDS))
     return function, seconds
+
+
+def without_segments(function: Any) -> Callable[..., int]:
+    """The row function of a build from before the segments, called as a later one is."""
+    int64, pointer = ctypes.c_int64, ctypes.c_void_p
+    function.restype = ctypes.c_int
+    function.argtypes = [*(pointer,) * 3, *(ctypes.c_int,) * 2, int64, int64, ctypes.c_int,
+                         ctypes.c_float, ctypes.c_float, ctypes.c_int, *(pointer,) * 4]  # fmt: skip
+
+    def call(*arguments: Any) -> int:
+        return function(*arguments[: len(function.argtypes)])
+
+    return call
 
 
 def case(
@@ -113,7 +133,7 @@ def case(
             return function(
                 rollout.data_ptr(), old.data_ptr(), flags.data_ptr(), kind,
                 passes._MASK_KINDS[flags.dtype], rows, width, LEVELS[what], 1.0, -0.5, threads,
-                table.data_ptr(), *pointers,
+                table.data_ptr(), *pointers, None, 0, 0, 0, 0, None,
             )  # fmt: skip
 
         calls[name], outputs[name] = call, kept

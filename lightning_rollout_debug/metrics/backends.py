@@ -68,7 +68,9 @@ def add_batch(
     statistics as the pass left them: its packed state, or its passes' sums; ``shifts``
     (a :class:`~.shifts.ShiftSample`) the first rows of a window's first batch.
     ``segments``: a :class:`~.segments.SegmentWindow` and the batch's labels (``[B]`` or
-    ``[B, T]``), which the pass reduces its tokens by too, on the torch road.
+    ``[B, T]``), which the pass reduces its tokens by too (on the kernel's road, each row's
+    runs of equal label summed apart in the same loop; where the kernel leaves them to the
+    torch road, their runs too short, a torch pass of the segments alone).
     """
     device = inputs.mask.device
     if shifts is not None:
@@ -82,12 +84,19 @@ def add_batch(
     window, labels = (None, None) if segments is None else segments
     plan = pass_plan(stats, extras, window)
     owner = next(w for w in (stats, extras, window) if w is not None)
-    for road in roads(inputs, owner.compile, plan):
+    chosen = roads(inputs, owner.compile, plan)
+    for road in chosen:
         if road == NATIVE:
             request = None if extras is None else extras.kernel_request(add_profile=True)
-            finish = _kernel_pass(inputs, token_ids, stats, request, batch, rank)
-            if add_pass(finish, stats, extras, device, more, series):
-                return
+            finish = _kernel_pass(inputs, token_ids, stats, request, batch, rank, segments)
+            found = add_pass(finish, (stats, extras, window), device, more, series)
+            if found is None:
+                continue
+            if window is not None and found[2] is None:  # the runs are the torch road's
+                alone = _torch_sums(inputs, (None, labels), pass_plan(None, None, window),
+                                    (window, None), chosen[-1], batch, rank)  # fmt: skip
+                add_states(((window, alone),), device)
+            return
         else:
             sums = _torch_sums(
                 inputs, (token_ids, labels), plan, (stats, extras), road, batch, rank
@@ -103,8 +112,7 @@ def roads(inputs: MismatchInputs, compile: bool | None, plan: PassPlan) -> tuple
 
     On a CPU the native kernel first, for log-probs of one dtype it reads, unless
     ``compile=False`` or ``plan`` asks for more worst tokens than it keeps (where it is
-    not there, or gives up, the next road takes the batch; nor a plan of segments); then
-    the torch road:
+    not there, or gives up, the next road takes the batch); then the torch road:
     compiled on accelerators unless ``compile=False``, on CPUs only with ``True``, and
     never a ``plan`` that failed to compile; else eager.
     """
@@ -118,7 +126,6 @@ def roads(inputs: MismatchInputs, compile: bool | None, plan: PassPlan) -> tuple
         and dtype == inputs.old_log_probs.dtype
         and dtype in native.LOG_PROB_DTYPES
         and plan.worst_tokens_k <= native.MAX_WORST_TOKENS
-        and not plan.segments
     )
     return (NATIVE, torch_road) if kernel else (torch_road,)
 
@@ -230,20 +237,22 @@ def kernel_states(
     batch: int = 0,
     rank: int = 0,
     into: Tensor | None = None,
-) -> tuple[Tensor | None, Tensor | None] | None:
-    """One pass of the kernel over a CPU batch: ``(statistics state, extras state)``.
+    segments: tuple[Any, Tensor] | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None] | None:
+    """One pass of the kernel over a CPU batch: ``(statistics, extras, segments)``.
 
-    The packed states of ``stats`` and ``extras`` (``None``: not computed), added to no
-    window. ``None`` where the kernel does not apply (off the CPU, an empty batch, ``k``
-    above :data:`~.native.MAX_WORST_TOKENS`, other dtypes). ``into``: with the profile,
-    a packed extras state the batch's is finished into, its profile block added to (the
-    extras' state returned).
+    The packed states of ``stats``, ``extras`` and ``segments`` (a
+    :class:`~.segments.SegmentWindow` and the labels; ``None``: not computed, or, for the
+    segments, left to the torch road), added to no window. ``None`` where the kernel does
+    not apply (off the CPU, an empty batch, ``k`` above :data:`~.native.MAX_WORST_TOKENS`,
+    other dtypes). ``into``: with the profile, a packed extras state the batch's is
+    finished into, its profile block added to (the extras' state returned).
     """
     request = None if extras is None else extras.kernel_request(add_profile=into is not None)
     cpu = inputs.mask.device.type == "cpu"
     if not (cpu and inputs.mask.numel() > 0 and (extras is None or request is not None)):
         return None
-    return _kernel_pass(inputs, token_ids, stats, request, batch, rank)(into=into)
+    return _kernel_pass(inputs, token_ids, stats, request, batch, rank, segments)(into=into)
 
 
 def _kernel_pass(
@@ -253,24 +262,33 @@ def _kernel_pass(
     request: native.ExtrasRequest | None,
     batch: int,
     rank: int,
+    segments: tuple[Any, Tensor] | None = None,
 ) -> Finish:
-    """The kernel's pass over a batch, finished into the packed states of both windows.
+    """The kernel's pass over a batch, finished into the packed states of the windows.
 
-    Those of ``stats`` and of the extras ``request`` asks for; call it with ``into`` (see
-    :func:`.native.states`).
+    Those of ``stats``, of the extras ``request`` asks for and of ``segments`` (a window
+    and the labels); call it with ``into`` (see :func:`.native.states`). Without
+    statistics, the pass computes the row quantities of the segments' groups.
     """
+    window, labels = (None, None) if segments is None else segments
+    settings = stats if stats is not None else window
+    by_segment = None
+    if window is not None:
+        groups = stats.groups if stats is not None else window.groups
+        by_segment = native.SegmentRequest(labels, window.segments, groups)
     return functools.partial(
         native.states,
         inputs.rollout_log_probs,
         inputs.old_log_probs,
         inputs.mask,
-        frozenset() if stats is None else _rows_for(stats.groups),
-        2.0 if stats is None else stats.is_threshold,
+        frozenset() if settings is None else _rows_for(settings.groups),
+        2.0 if settings is None else settings.is_threshold,
         ROW_FIELDS,
         statistics=None
         if stats is None
         else native.StateRequest(stats.groups, stats.seq_ratio_bounds),
         extras=request,
+        segments=by_segment,
         token_ids=token_ids,
         batch_index=batch,
         rank=rank,

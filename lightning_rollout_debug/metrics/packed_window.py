@@ -228,9 +228,10 @@ class InPlaceBlock:
         return copied
 
 
-Finish = Callable[..., tuple[Tensor | None, Tensor | None] | None]
+Finish = Callable[..., tuple[Tensor | None, Tensor | None, Tensor | None] | None]
 """A pass finishing a batch into packed states: ``finish(into=...)`` gives ``(statistics,
-extras)`` (``None``: the pass does not apply, and has added nothing into ``into``)."""
+extras, segments)`` (``None``: the pass does not apply, and has added nothing into
+``into``)."""
 
 
 def add_states(
@@ -256,39 +257,42 @@ def add_states(
 
 def add_pass(
     finish: Finish,
-    stats: ThreadSafeWindow | None,
-    extras: ThreadSafeWindow | None,
+    windows: tuple[ThreadSafeWindow | None, ThreadSafeWindow | None, ThreadSafeWindow | None],
     device: torch.device,
     more: Sequence[Part] = (),
     series: Any | None = None,
-) -> bool:
-    """Add a batch that one pass finishes into packed states; whether the pass applied.
+) -> tuple[Tensor | None, Tensor | None, Tensor | None] | None:
+    """Add a batch that one pass finishes into packed states; what it finished.
 
-    With an in-place block, the extras' lock is held through the pass: ``into`` is the
-    block's state, which the pass adds its block into and writes the rest of (kept as a
-    head). Otherwise ``into`` is ``None`` and the extras' state waits whole. The
-    statistics get their state and the states ``more``; ``series`` (a
-    :class:`~.series.MismatchSeries`) keeps their state too.
+    ``windows``: the statistics, the extras and the segments (each may be ``None``), each
+    given its state (``None``: the pass does not apply, and nothing is added). With an
+    in-place block, the extras' lock is held through the pass: ``into`` is the block's
+    state, which the pass adds its block into and writes the rest of (kept as a head).
+    Otherwise ``into`` is ``None`` and the extras' state waits whole. The statistics get
+    their state and the states ``more``; ``series`` (a :class:`~.series.MismatchSeries`)
+    keeps their state too.
     """
+    stats, extras, segments = windows
     if extras is not None and extras._in_place is not None:
         with extras._lock:
             extras._move(device)
             block = extras._in_place
             found = finish(into=block.into(device))
             if found is None:
-                return False
+                return None
             block.keep()
         extras_parts: list[Part] = []
     else:
         found = finish(into=None)
         if found is None:
-            return False
+            return None
         extras_parts = [] if found[1] is None else [found[1]]
     statistics = [] if found[0] is None else [found[0], *more]
     if series is not None and found[0] is not None:
         series.add([found[0]])
-    add_states(((stats, statistics), (extras, extras_parts)), device)
-    return True
+    by_segment = [] if found[2] is None else [found[2]]
+    add_states(((stats, statistics), (extras, extras_parts), (segments, by_segment)), device)
+    return found
 
 
 def fold(windows: Sequence[ThreadSafeWindow], *, whole: bool = False) -> None:
@@ -351,7 +355,13 @@ def _finish(windows: Sequence[ThreadSafeWindow]) -> list[tuple[list[Any], Tensor
     for window in windows:
         sums = [part for part in window._pending if isinstance(part, TokenSums)]
         if window.segments_window and sums:
-            finished[id(window)] = ([finish_segments(sums)], None)
+            # The passes of one plan together: the kernel leaves a batch's segments to a
+            # pass of their own (`backends.add_batch`).
+            plans = {id(part.plan): part.plan for part in sums}.values()
+            finished[id(window)] = (
+                [finish_segments([s for s in sums if s.plan is plan]) for plan in plans],
+                None,
+            )
     return [finished.get(id(window), ([], None)) for window in windows]
 
 

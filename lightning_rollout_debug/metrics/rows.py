@@ -129,6 +129,10 @@ ROWS_OF_GROUP: dict[str, tuple[str, ...]] = {
 """The row quantities (of :data:`ROW_FIELDS`) each metric group needs, besides the token
 counts and the largest log-probs that every update keeps."""
 
+SEGMENT_GROUPS = ("seed", "log_space", "kl", "importance_ratio")
+"""The groups whose metrics are token-level: those a segment has (:mod:`.segments`), the
+slots of which the kernel's segment states write."""
+
 
 def rows_for(groups: frozenset[str]) -> frozenset[str]:
     """The row quantities an update of ``groups`` computes."""

@@ -37,15 +37,13 @@ from lightning_rollout_debug.metrics.catalog import CATALOG, metrics_from_state
 from lightning_rollout_debug.metrics.inputs import check_inputs, check_segment_ids
 from lightning_rollout_debug.metrics.layout import STATE, Layout, tensor_problems
 from lightning_rollout_debug.metrics.packed_window import Part, ThreadSafeWindow
+from lightning_rollout_debug.metrics.rows import SEGMENT_GROUPS
 
 MAX_SEGMENTS = 256
 """The most segments a window keeps (besides ``other``)."""
 
 OTHER = "other"
 """The name of the last segment: the tokens whose label is outside ``[0, S)``."""
-
-SEGMENT_GROUPS = ("seed", "log_space", "kl", "importance_ratio")
-"""The groups whose metrics are token-level: a segment has them all."""
 
 SEGMENT_METRIC_CHOICES: tuple[str, ...] = (
     "rollout_tokens",
@@ -114,8 +112,7 @@ class SegmentWindow(ThreadSafeWindow):
         groups: the metric groups whose slots are filled (a segment's are those of
             :data:`SEGMENT_GROUPS`; by default all of them).
         is_threshold: ``C`` of the importance-ratio fractions.
-        compile: as :class:`~lightning_rollout_debug.MismatchStats`'s, on the torch road
-            (a batch with segments does not take the native kernel).
+        compile: as :class:`~lightning_rollout_debug.MismatchStats`'s.
     """
 
     segments_window: ClassVar[bool] = True

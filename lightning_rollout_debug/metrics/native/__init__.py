@@ -11,9 +11,10 @@ it finishes, and lays out the profile block with the sizes and constants of
 updates use ``torch.compile`` or eager arithmetic instead, with the same results.
 
 :mod:`.kernel` keeps the build this process runs (or why there is none), :mod:`.passes`
-runs it over a batch and finishes the packed states. ``LIGHTNING_ROLLOUT_DEBUG_NATIVE=0``
-turns the kernel off. ``python -m lightning_rollout_debug.metrics.native`` prints the
-build this CPU runs, or why there is none.
+runs it over a batch and finishes the packed states, the segments' too (:mod:`.segments`:
+the labels a pass reads). ``LIGHTNING_ROLLOUT_DEBUG_NATIVE=0`` turns the kernel off.
+``python -m lightning_rollout_debug.metrics.native`` prints the build this CPU runs, or
+why there is none.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from lightning_rollout_debug.metrics.native.loader import (
 from lightning_rollout_debug.metrics.native.passes import (
     LOG_PROB_DTYPES,
     ExtrasRequest,
+    SegmentRequest,
     StateRequest,
     row_sums,
     states,
@@ -47,6 +49,7 @@ __all__ = [
     "WORST_FIELDS",
     "ExtrasRequest",
     "KernelUnavailable",
+    "SegmentRequest",
     "StateRequest",
     "available",
     "builds",

@@ -5,8 +5,8 @@ The first CPU batch (or :func:`prepare`, which the callback calls at the Trainer
 process under a lock; :func:`load` replaces it with another build. Where it cannot be
 loaded, or a pass later fails (:func:`give_up`), one ``RuntimeWarning`` says why and
 updates take the torch path. A pass asks for the build with one call, :func:`loaded`:
-one :class:`Kernel`, its row function, its finishing steps and the columns it was
-checked against.
+one :class:`Kernel`, its row function, its finishing steps (the segments' too) and the
+columns it was checked against.
 """
 
 from __future__ import annotations
@@ -31,13 +31,15 @@ class Kernel:
 
     ``rows`` is the row function (the pass over a batch), ``finish_state`` and
     ``finish_extras`` the finishing steps into the statistics' and the extras' packed
-    states, ``columns`` the row quantities it names (``rows.ROW_FIELDS`` by default) and
+    states, ``finish_segments`` the step that finishes a pass's segments into theirs,
+    ``columns`` the row quantities it names (``rows.ROW_FIELDS`` by default) and
     ``lanes`` its vector width.
     """
 
     rows: Any
     finish_state: Any
     finish_extras: Any
+    finish_segments: Any
     columns: tuple[str, ...]
     lanes: int
 
@@ -144,10 +146,10 @@ def _load(kernel: dict[str, Any], fields: Sequence[str] | None) -> None:
         kernel["kernel"], kernel["problem"], kernel["unsaid"] = None, str(error), str(error)
 
 
-def _kernel_of(entries: tuple[Any, tuple[Any, Any], int], columns: tuple[str, ...]) -> Kernel:
+def _kernel_of(entries: tuple[Any, tuple[Any, Any, Any], int], columns: tuple[str, ...]) -> Kernel:
     """The :class:`Kernel` of the loader's checked entry points, checked against ``columns``."""
-    function, (finish_state, finish_extras), lanes = entries
-    return Kernel(function, finish_state, finish_extras, columns, lanes)
+    function, (finish_state, finish_extras, finish_segments), lanes = entries
+    return Kernel(function, finish_state, finish_extras, finish_segments, columns, lanes)
 
 
 def give_up(problem: str) -> None:

@@ -6,8 +6,9 @@ package's ``setup.py``). :func:`load_checked` loads the widest build the CPU sup
 4-lane build, which every CPU of its architecture runs, says which: ``rollout_cpu_lanes``)
 with :mod:`ctypes`, and :func:`bind` checks it: it must name its output columns, state
 slots, groups and worst-token fields exactly as the Python side does, lay out its profile
-block with the sizes and constants of :mod:`..profile` (:func:`profile_constants`), and its
-finishing step must write every slot of the state. Anything else raises
+block with the sizes and constants of :mod:`..profile` (:func:`profile_constants`), its
+finishing step must write every slot of the state, and that of the segments those of the
+token-level groups in each copy. Anything else raises
 :class:`KernelUnavailable`, naming what differs. Nothing is compiled or written.
 
 Example:
@@ -37,7 +38,7 @@ from lightning_rollout_debug.metrics.profile import (
     profile_blocks,
     profile_parts,
 )
-from lightning_rollout_debug.metrics.rows import CHECK_SLOTS
+from lightning_rollout_debug.metrics.rows import CHECK_SLOTS, SEGMENT_GROUPS
 from lightning_rollout_debug.metrics.worst_tokens import WORST_FIELDS
 
 VECTOR_LANES = (4, 8, 16)
@@ -151,8 +152,9 @@ def _library(path: Path) -> ctypes.CDLL:
 def bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[Any, Any, int]:
     """The entry points of a loaded kernel whose columns are exactly ``fields``.
 
-    They are the pass, and the two steps that finish its rows into packed states; then
-    the kernel's vector width in float32 lanes.
+    They are the pass, and the three steps that finish it into packed states (the
+    statistics', the extras', the segments'); then the kernel's vector width in float32
+    lanes.
 
     The statistics' state slots, the groups and the worst-token fields must be named as
     on the Python side too, and the profile block laid out as :mod:`..profile` lays it
@@ -177,10 +179,11 @@ def bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[Any
     if lanes is None or lanes() not in VECTOR_LANES:
         raise KernelUnavailable(f"{path} names no vector width of {list(VECTOR_LANES)} lanes")
     try:
-        name, finish_state, finish_extras = (
+        name, finish_state, finish_extras, finish_segments = (
             library.rollout_name,
             library.rollout_finish_state,
             library.rollout_finish_extras,
+            library.rollout_finish_segments,
         )
     except AttributeError as error:
         raise KernelUnavailable(f"{path} lacks the kernel's entry points ({error})") from error
@@ -190,15 +193,18 @@ def bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[Any
     int64, pointer = ctypes.c_int64, ctypes.c_void_p
     for entry, arguments in (
         (function, [*(pointer,) * 3, *(ctypes.c_int,) * 2, int64, int64, ctypes.c_int,
-                    ctypes.c_float, ctypes.c_float, ctypes.c_int, *(pointer,) * 4]),
+                    ctypes.c_float, ctypes.c_float, ctypes.c_int, *(pointer,) * 5,
+                    *(ctypes.c_int,) * 3, int64, pointer]),
         (finish_state, [pointer, int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_double,
                         ctypes.c_double, pointer]),
         (finish_extras, [pointer, pointer, ctypes.c_int, pointer, ctypes.c_int, int64, int64,
                          *(pointer,) * 3, ctypes.c_double, ctypes.c_double, pointer]),
+        (finish_segments, [pointer, ctypes.c_int, ctypes.c_uint64, ctypes.c_int, pointer]),
     ):  # fmt: skip
         entry.restype, entry.argtypes = ctypes.c_int, arguments
     _check_finishing(finish_state, path, fields)
-    return function, (finish_state, finish_extras), lanes()
+    _check_segments((function, finish_state, finish_segments), path, fields)
+    return function, (finish_state, finish_extras, finish_segments), lanes()
 
 
 def _check_names(name: Any, path: Path, parts: dict[str, int], constants: dict[str, float]) -> None:
@@ -243,6 +249,36 @@ def _check_finishing(finish_state: Any, path: Path, fields: tuple[str, ...]) -> 
             f"{path} finishes the state otherwise than this package: its `StateOf::write` "
             f"leaves the slots {forgotten} unwritten and writes {taken}; it should write "
             f"every slot but {list(CHECK_SLOTS)}"
+        )
+
+
+def _check_segments(entries: tuple[Any, Any, Any], path: Path, fields: tuple[str, ...]) -> None:
+    """Raise unless the pass's segments are finished as copies of its rows' state.
+
+    A pass over one token of segment 0 of 1, finished with every column and every group
+    asked for: each of the two copies holds exactly the slots the finishing step writes
+    for the token-level groups (:data:`~lightning_rollout_debug.metrics.rows.SEGMENT_GROUPS`),
+    the first with the values it writes from the pass's row.
+    """
+    function, finish_state, finish_segments = entries
+    everything, groups = (1 << len(fields)) - 1, (1 << len(GROUP_ORDER)) - 1
+    token_level = sum(1 << GROUP_ORDER.index(group) for group in SEGMENT_GROUPS)
+    log_probs, mask = torch.full((1, 1), -0.5), torch.ones(1, 1, dtype=torch.bool)
+    labels = torch.zeros(1, dtype=torch.int64)
+    table, rows = (torch.zeros(n, len(fields), dtype=torch.float64) for n in (1, 2))
+    pointers = (t.data_ptr() for t in (log_probs, log_probs, mask))
+    status = function(*pointers, 0, 0, 1, 1, 3, 1.0, -0.5, 1, table.data_ptr(), None, None,
+                      None, labels.data_ptr(), 2, 0, 1, 1, rows.data_ptr())  # fmt: skip
+    want = torch.full((STATE.size,), float("nan"), dtype=torch.float64)
+    finish_state(table.data_ptr(), 1, everything, token_level, 0.5, 2.0, want.data_ptr())
+    got = torch.full((2, STATE.size), float("nan"), dtype=torch.float64)
+    status = status or finish_segments(rows.data_ptr(), 1, everything, groups, got.data_ptr())
+    same = status == 0 and all(torch.equal(copy.isnan(), want.isnan()) for copy in got)
+    if not same or not torch.equal(got[0].nan_to_num(), want.nan_to_num()):
+        raise KernelUnavailable(
+            f"{path} finishes the segments otherwise than this package (status {status}): "
+            "each copy should hold the slots of the token-level groups alone, the first "
+            "those of the pass's one row"
         )
 
 

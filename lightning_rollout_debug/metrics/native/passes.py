@@ -3,8 +3,10 @@
 :func:`row_sums` runs the kernel's loop over a batch into the ``[B]`` row reductions of
 ``rows.ROW_FIELDS`` (and, with an :class:`ExtrasRequest`, the extras' rows and bins in
 the same read); :func:`states` finishes a pass into the statistics' packed state
-(:class:`StateRequest`) and the extras', as the torch pass would. Either gives ``None``
-where the kernel does not apply, and the caller takes the torch path.
+(:class:`StateRequest`) and the extras', as the torch pass would, and with a
+:class:`SegmentRequest` the batch's segments too (each row's runs of equal label summed
+apart in the same pass). Either gives ``None`` where the kernel does not apply, and the
+caller takes the torch path.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ from lightning_rollout_debug.metrics.native.loader import (
     HISTOGRAM_MOMENTS,
     MAX_WORST_TOKENS,
 )
+from lightning_rollout_debug.metrics.native.segments import (
+    DECLINED,
+    SegmentRequest,
+    pass_labels,
+    segment_rows_for,
+)
 from lightning_rollout_debug.metrics.profile import PROFILE_SIZE
 from lightning_rollout_debug.metrics.rows import ROWS_OF_GROUP
 from lightning_rollout_debug.metrics.worst_tokens import WORST_FIELDS
@@ -39,7 +47,7 @@ _CATALOG_COLUMNS = frozenset().union(
     *(ROWS_OF_GROUP[group] for group in ("log_space", "kl", "importance_ratio"))
 ) - {"log_ratio"}
 _TOKENS_PER_THREAD = 1 << 16
-_identity: dict[str, Tensor | None] = {"state": None}
+_identity: dict[int, Tensor] = {}
 
 
 @dataclass(frozen=True)
@@ -139,18 +147,22 @@ def states(
     *,
     statistics: StateRequest | None = None,
     extras: ExtrasRequest | None = None,
+    segments: SegmentRequest | None = None,
     token_ids: Tensor | None = None,
     batch_index: int = 0,
     rank: int = 0,
     into: Tensor | None = None,
-) -> tuple[Tensor | None, Tensor | None] | None:
-    """One pass over a CPU batch, finished into packed states: ``(statistics, extras)``.
+) -> tuple[Tensor | None, Tensor | None, Tensor | None] | None:
+    """One pass over a CPU batch, finished into packed states: ``(statistics, extras, segments)``.
 
     The statistics' state is the packed state of ``statistics.groups`` that the torch
     pass would make of the batch (the token-id slots stay empty); the extras' that of
     ``TokenExtras``, the worst tokens labelled with ``batch_index``, ``rank`` and
-    ``token_ids`` (``[B, T]`` integers, or ``None``). Either is ``None`` when not asked
-    for; the whole result is ``None`` where :func:`row_sums` would be.
+    ``token_ids`` (``[B, T]`` integers, or ``None``); the segments' that of
+    ``SegmentWindow``. Each is ``None`` when not asked for, the segments' also where the
+    kernel leaves them to the torch road (runs shorter than
+    :data:`~.segments.MIN_RUN_TOKENS` on average, labels it cannot read); the whole
+    result is ``None`` where :func:`row_sums` would be.
 
     ``into``: with ``extras.add_profile``, the packed extras (a contiguous float64 CPU
     tensor) the extras are finished into: its profile block, a window's, gets the pass's
@@ -162,11 +174,14 @@ def states(
             "`into` must be a contiguous float64 CPU tensor of the packed extras "
             f"({extras.state_size()} values) when the profile is added into it"
         )
-    done = _pass(rollout_log_probs, old_log_probs, mask, needed, is_threshold, fields, extras)
+    done = _pass(
+        rollout_log_probs, old_log_probs, mask, needed, is_threshold, fields, extras, segments
+    )
     if done is None:
         return None
     try:
-        return _finish(done, needed, fields, statistics, extras, token_ids, batch_index, rank, into)
+        requests = (statistics, extras, segments)
+        return _finish(done, needed, fields, requests, token_ids, batch_index, rank, into)
     except Exception as error:  # ctypes refusing the arguments: the torch path takes over
         give_up(f"the kernel's finishing step failed ({error!r})")
         return None
@@ -188,14 +203,17 @@ def _finish(
     done: _Pass,
     needed: frozenset[str],
     fields: tuple[str, ...],
-    statistics: StateRequest | None,
-    extras: ExtrasRequest | None,
+    requests: tuple[StateRequest | None, ExtrasRequest | None, SegmentRequest | None],
     token_ids: Tensor | None,
     batch_index: int,
     rank: int,
     into: Tensor | None = None,
-) -> tuple[Tensor | None, Tensor | None] | None:
-    """The packed states of a pass (see :func:`states`); ``None`` if the kernel refused."""
+) -> tuple[Tensor | None, Tensor | None, Tensor | None] | None:
+    """The packed states of a pass (see :func:`states`); ``None`` if the kernel refused.
+
+    The segments are finished before the extras, which may add into ``into``.
+    """
+    statistics, extras, segments = requests
     rows, width = done.mask.shape
     statistics_state = extras_state = None
     if statistics is not None:
@@ -204,6 +222,7 @@ def _finish(
         low, high = statistics.seq_ratio_bounds
         done.kernel.finish_state(done.table.data_ptr(), rows, bits, groups, low, high,
                                  statistics_state.data_ptr())  # fmt: skip
+    segments_state = None if segments is None else _segments(done, fields, segments)
     if extras is not None:
         extras_state = (
             into
@@ -233,7 +252,24 @@ def _finish(
         if status != 0:
             give_up(f"the kernel rejected the extras (status {status})")
             return None
-    return statistics_state, extras_state
+    return statistics_state, extras_state, segments_state
+
+
+def _segments(done: _Pass, fields: tuple[str, ...], request: SegmentRequest) -> Tensor | None:
+    """The packed segments of a pass (:func:`states`); ``None``: left to the torch road.
+
+    Raises:
+        RuntimeError: the kernel rejected its arguments.
+    """
+    if done.segment_rows is None:
+        return None
+    columns, groups = _state_bits(tuple(fields), segment_rows_for(request.groups), request.groups)
+    state = _identity_state(request.segments + 1)
+    rows = done.segment_rows.data_ptr()
+    status = done.kernel.finish_segments(rows, request.segments, columns, groups, state.data_ptr())
+    if status != 0:
+        raise RuntimeError(f"the kernel rejected the segments (status {status})")
+    return state
 
 
 @dataclass
@@ -249,6 +285,8 @@ class _Pass:
     settings: Tensor | None = None
     extras_rows: Tensor | None = None
     bins: Tensor | None = None
+    segment_rows: Tensor | None = None
+    """The segments' rows, ``None`` where the pass left them to the torch road."""
 
 
 def _pass(
@@ -259,6 +297,7 @@ def _pass(
     is_threshold: float,
     fields: tuple[str, ...],
     extras: ExtrasRequest | None,
+    segments: SegmentRequest | None = None,
 ) -> _Pass | None:
     kind = _LOG_PROB_KINDS.get(rollout_log_probs.dtype)
     if kind is None or not _plain_cpu(rollout_log_probs, old_log_probs, mask):
@@ -272,7 +311,7 @@ def _pass(
     rows, width = mask.shape
     table = torch.empty(rows, len(fields), dtype=torch.float64)
     done = _Pass(kernel, rollout, old, mask, kind, table)
-    level = bool(needed & _CATALOG_COLUMNS) | (2 if "sum_actor_log_prob" in needed else 0)
+    labels = pass_labels(segments, rows, width, len(fields))
     pointers: list[int | None] = [None, None, None]
     if extras is not None:
         if not 0 <= extras.k <= MAX_WORST_TOKENS:
@@ -291,18 +330,20 @@ def _pass(
             _MASK_KINDS[mask.dtype],
             rows,
             width,
-            level,
+            _level(needed | labels.needed),
             is_threshold - 1.0,
             1.0 / is_threshold - 1.0,
             _threads(rows * width, profile=extras is not None and extras.profile),
             done.table.data_ptr(),
             *pointers,
+            *labels.arguments,
         )
     except Exception as error:  # ctypes refusing the arguments: the torch path takes over
         status = repr(error)
-    if status != 0:
+    if status not in (0, DECLINED):
         give_up(f"the kernel rejected its arguments (status {status})")
         return None
+    done.segment_rows = labels.segment_rows if status == 0 else None
     return done
 
 
@@ -316,6 +357,11 @@ def _plain_cpu(rollout_log_probs: Tensor, old_log_probs: Tensor, mask: Tensor) -
         all(type(t) is Tensor and t.device.type == "cpu" for t in tensors)
         and old_log_probs.dtype == rollout_log_probs.dtype
     )
+
+
+def _level(needed: frozenset[str]) -> int:
+    """What the kernel's loop computes for ``needed``: bit 0 the catalog, bit 1 the inputs' sums."""
+    return bool(needed & _CATALOG_COLUMNS) | (2 if "sum_actor_log_prob" in needed else 0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -347,8 +393,8 @@ def _threads(tokens: int, *, profile: bool = False) -> int:
     return max(1, min(torch.get_num_threads(), wanted))
 
 
-def _identity_state() -> Tensor:
-    """A new empty window of the statistics, on the CPU."""
-    if _identity.get("state") is None:
-        _identity["state"] = STATE.identity()
-    return _identity["state"].clone()
+def _identity_state(copies: int = 1) -> Tensor:
+    """A new empty window of the statistics (``copies`` side by side), on the CPU."""
+    if copies not in _identity:
+        _identity[copies] = STATE.identity().repeat(copies)
+    return _identity[copies].clone()

@@ -221,6 +221,7 @@ struct Sum {
   void add_product(f32 x, f32 y) { value += lower(x) * lower(y) + upper(x) * upper(y); }
   // So are their differences, at log-probs' magnitudes.
   void add_difference(f32 x, f32 y) { value += (lower(x) - lower(y)) + (upper(x) - upper(y)); }
+  void merge(const Sum& other) { value += other.value; }
   double total() const {
     double out = 0;
     for (int k = 0; k < kLanes / 2; ++k) out += value[k];
@@ -231,6 +232,7 @@ struct Sum {
 struct Max {
   f32 value = splat<f32>(-kInf);
   void add(f32 x) { value = x > value ? x : value; }
+  void merge(const Max& other) { add(other.value); }
   double total() const {
     float out = -kInf;
     for (int k = 0; k < kLanes; ++k) out = value[k] > out ? value[k] : out;
@@ -241,6 +243,7 @@ struct Max {
 struct Count {
   i32 value{};
   void add(i32 flags) { value -= flags; }  // flags are -1 or 0
+  void merge(const Count& other) { value += other.value; }
   double total() const {
     int64_t out = 0;
     for (int k = 0; k < kLanes; ++k) out += value[k];
@@ -418,7 +421,9 @@ struct RowSums {
   // The last vector's values, for the extras.
   Last last;
 
-  template <bool kCatalog, int kInputs, bool kProfile>
+  // kWithInputs: false for a vector's lanes of one run (`add_runs`), whose inputs' sums
+  // are taken once for all its lanes.
+  template <bool kCatalog, int kInputs, bool kProfile, bool kWithInputs = true>
   __attribute__((always_inline)) void add(f32 a_in, f32 b_in, i32 masked,
                                           const Options& options) {
     const f32 minus_inf = splat<f32>(-kInf);
@@ -451,7 +456,7 @@ struct RowSums {
     max_a.add(select(counting, a, minus_inf));
     max_b.add(select(counting, b, minus_inf));
     max_diff.add(select(counting, diff_, minus_inf));
-    if constexpr (kInputs == kInline) add_inputs(t);
+    if constexpr (kInputs == kInline && kWithInputs) add_inputs(t);
     const f32 wide_pa = select(counting, pa_, zero);
     const f32 wide_pb = select(counting, pb_, zero);
     const f32 wide_diff = select(counting, diff_, zero);
@@ -1231,16 +1236,246 @@ void mask_bytes(const void* mask, int64_t count, uint8_t* bytes) {
   for (int64_t j = 0; j < count; ++j) bytes[j] = values[j] != 0;
 }
 
-// One row, a block of tokens at a time. A mask of another dtype than bool is first
-// turned into bytes for the block, and bfloat16 log-probs into float32 (in L1), which
-// keeps the arithmetic the same for all.
-// kProfile: `extras` (not null) keeps the profile too.
+// ------------------------------------------------------------------ the segments
+// A batch's segment labels (`SegmentWindow` in segments.py: [rows] or [rows, width], int32
+// or int64) split each row into runs of equal label. The pass keeps the running sums of
+// the token-level columns for the run it is in rather than for the whole row: at the end
+// of a run they are added into its segment's sums and, before the row's last run, into the
+// row's own, and start again; a vector across the end of a run is added once for the lanes
+// of each run. A row's sums are then its runs' added up, in float64. At the end of each
+// block of rows, each segment's sums become its row of the block; the blocks' rows of each
+// segment are added up in their order, so the result does not depend on the threads.
+constexpr int kMaxSegments = 1 << 16;  // the most segments served here (the package's: 256)
+
+struct SegmentLabels {
+  const void* values;
+  int kind;        // 1: int32, 2: int64
+  bool per_token;  // [rows, width], else [rows]
+  int segments;    // S: a label outside [0, S) is segment S, the other one
+  int64_t width;
+
+  int segment_of(int64_t label) const {
+    return label >= 0 && label < segments ? static_cast<int>(label) : segments;
+  }
+};
+
+// The end of the run of equal labels that starts at `from`: 32 labels compared at a time
+// (one vector loop), the last few one by one.
+template <typename T>
+inline int64_t run_end(const T* labels, int64_t from, int64_t width) {
+  constexpr int64_t kStep = 32;
+  const T value = labels[from];
+  int64_t t = from + 1;
+  for (; t + kStep <= width; t += kStep) {
+    T differs = 0;
+    for (int64_t k = 0; k < kStep; ++k) differs |= labels[t + k] ^ value;
+    if (differs) break;
+  }
+  while (t < width && labels[t] == value) ++t;
+  return t;
+}
+
+// The places where a row's label changes (its runs less one), counted in one vector loop.
+template <typename T>
+inline int64_t label_changes(const T* labels, int64_t width) {
+  int64_t changes = 0;
+  for (int64_t t = 1; t < width; ++t) changes += labels[t] != labels[t - 1];
+  return changes;
+}
+
+// A run of a row: where it ends, and its segment.
+struct Run {
+  int64_t end;
+  int segment;
+};
+
+// The running sums of the token-level columns (those of `kSegmentGroups` and the counts
+// and largest log-probs): a segment's, or a row's runs' so far.
+#define ROLLOUT_SEGMENT_SUMS(X)                                                              \
+  X(count) X(nonfinite) X(high) X(low) X(max_a) X(max_b) X(max_diff) X(max_r) X(max_neg_r)   \
+  X(pa) X(pb) X(diff) X(pa2) X(pb2) X(papb) X(diff2) X(abs_r) X(r2) X(r) X(k3) X(mult) X(rm1) \
+  X(rsqm1) X(ratio) X(ratio2)
+
+struct SegmentSums {
+#define ROLLOUT_MEMBER(member) decltype(RowSums::member) member;
+  ROLLOUT_SEGMENT_SUMS(ROLLOUT_MEMBER)
+#undef ROLLOUT_MEMBER
+
+  void add(const RowSums& sums) {
+#define ROLLOUT_MERGE(member) member.merge(sums.member);
+    ROLLOUT_SEGMENT_SUMS(ROLLOUT_MERGE)
+#undef ROLLOUT_MERGE
+  }
+  void keep(const RowSums& sums) {
+#define ROLLOUT_COPY(member) member = sums.member;
+    ROLLOUT_SEGMENT_SUMS(ROLLOUT_COPY)
+#undef ROLLOUT_COPY
+  }
+  void add_to(RowSums& sums) const {
+#define ROLLOUT_MERGE(member) sums.member.merge(member);
+    ROLLOUT_SEGMENT_SUMS(ROLLOUT_MERGE)
+#undef ROLLOUT_MERGE
+  }
+  void add(const SegmentSums& other) {
+#define ROLLOUT_MERGE(member) member.merge(other.member);
+    ROLLOUT_SEGMENT_SUMS(ROLLOUT_MERGE)
+#undef ROLLOUT_MERGE
+  }
+  static void clear(RowSums& sums) {
+#define ROLLOUT_CLEAR(member) sums.member = decltype(RowSums::member){};
+    ROLLOUT_SEGMENT_SUMS(ROLLOUT_CLEAR)
+#undef ROLLOUT_CLEAR
+  }
+};
+
+// Each block's sums of each segment, as they were kept: memory for every block and segment
+// (only those kept are written, and touched), which each segment adds up in the order of
+// the blocks at the end.
+struct BlockSums {
+  int64_t blocks;
+  int per_block;
+  SegmentSums* sums;  // [blocks][per_block], uninitialised
+  std::vector<char> kept;
+
+  BlockSums(int64_t blocks_, int per_block_)
+      : blocks(blocks_), per_block(per_block_),
+        sums(static_cast<SegmentSums*>(::operator new(
+            sizeof(SegmentSums) * blocks_ * per_block_, std::align_val_t{alignof(SegmentSums)}))),
+        kept(blocks_ * per_block_, 0) {}
+  ~BlockSums() { ::operator delete(sums, std::align_val_t{alignof(SegmentSums)}); }
+  BlockSums(const BlockSums&) = delete;
+  BlockSums& operator=(const BlockSums&) = delete;
+
+  void keep(int64_t block, int segment, const SegmentSums& found) {
+    new (sums + block * per_block + segment) SegmentSums(found);
+    kept[block * per_block + segment] = 1;
+  }
+
+  // Each segment's rows of sums ([per_block][kSlots]): its blocks' added up in their order.
+  void write(double* rows) const {
+    for (int segment = 0; segment < per_block; ++segment) {
+      SegmentSums total;
+      for (int64_t block = 0; block < blocks; ++block) {
+        if (kept[block * per_block + segment]) total.add(sums[block * per_block + segment]);
+      }
+      RowSums row;
+      total.add_to(row);
+      row.write(rows + segment * kSlots);
+    }
+  }
+};
+
+// What a part of the pass keeps of the segments: the runs of the row it is in, the
+// running sums of each segment over the current block of rows (`seen`: whether a run
+// added into them) and the sums of the current row's runs before the one it is in.
+struct SegmentTables {
+  const SegmentLabels& labels;
+  std::vector<Run> runs;
+  std::unique_ptr<SegmentSums[]> sums;
+  std::vector<char> seen;
+  SegmentSums before;
+  bool split = false;  // whether `before` holds a run of the row
+
+  explicit SegmentTables(const SegmentLabels& labels_)
+      : labels(labels_), sums(new SegmentSums[labels_.segments + 1]),
+        seen(labels_.segments + 1, 0) {}
+
+  // Row `row`'s runs, in order.
+  void start_row(int64_t row) {
+    runs.clear();
+    split = false;
+    if (!labels.per_token) {
+      const int64_t label = labels.kind == 1 ? static_cast<const int32_t*>(labels.values)[row]
+                                             : static_cast<const int64_t*>(labels.values)[row];
+      runs.push_back({labels.width, labels.segment_of(label)});
+    } else if (labels.kind == 1) {
+      add_runs(static_cast<const int32_t*>(labels.values) + row * labels.width);
+    } else {
+      add_runs(static_cast<const int64_t*>(labels.values) + row * labels.width);
+    }
+  }
+
+  template <typename T>
+  void add_runs(const T* row) {
+    for (int64_t begin = 0; begin < labels.width;) {
+      const int64_t end = run_end(row, begin, labels.width);
+      runs.push_back({end, labels.segment_of(row[begin])});
+      begin = end;
+    }
+  }
+
+  // The end of `run`, whose sums `sums` hold: added into its segment's; unless it is the
+  // row's last, kept in `before` and cleared, else the runs before it added back.
+  void end_run(RowSums& sums, const Run* run) {
+    const int segment = run->segment;
+    if (seen[segment]) {
+      this->sums[segment].add(sums);
+    } else {
+      this->sums[segment].keep(sums);
+      seen[segment] = 1;
+    }
+    if (run == &runs.back()) {
+      if (split) before.add_to(sums);
+      return;
+    }
+    if (split) {
+      before.add(sums);
+    } else {
+      before.keep(sums);
+    }
+    SegmentSums::clear(sums);
+    split = true;
+  }
+
+  // The end of block `block`: each segment's sums kept as the block's (`kept`: where it
+  // has them).
+  void end_block(int64_t block, BlockSums& kept) {
+    for (int segment = 0; segment <= labels.segments; ++segment) {
+      if (!seen[segment]) continue;
+      kept.keep(block, segment, sums[segment]);
+      seen[segment] = 0;
+    }
+  }
+};
+
+// A vector across the end of a run (`segments` not null): added once for the lanes of each
+// run it holds, from `position` to `end` (the row's end for its last, padded vector), the
+// inputs' sums once for all lanes. `run` and `run_end` follow the runs.
 template <bool kCatalog, int kInputs, bool kProfile>
-void reduce_row_blocks(const char* b_row, const char* a_row, int log_prob_kind,
-                       const char* m_row, int mask_kind, int64_t width, const Options& options,
-                       double* out, RowExtras* extras) {
-  RowSums sums;
+__attribute__((always_inline)) inline void add_runs(
+    RowSums& sums, PendingExtras<kCatalog, kProfile>& pending, f32 a, f32 b, i32 masked,
+    int64_t position, int64_t end, const Options& options, SegmentTables& segments,
+    const Run*& run, int64_t& run_end, RowExtras* extras) {
+  const i32 lanes = lane_numbers();
+  for (int64_t begin = position; begin < end;) {
+    const int64_t stop = std::min(run_end, end);
+    const i32 own = (lanes >= static_cast<int32_t>(begin - position)) &
+                    (lanes < static_cast<int32_t>(stop - position));
+    sums.add<kCatalog, kInputs, kProfile, false>(a, b, masked & own, options);
+    if (extras) pending.add(sums.last, position);
+    if (stop == run_end) {
+      segments.end_run(sums, run);
+      run_end = run == &segments.runs.back() ? INT64_MAX : (++run)->end;
+    }
+    begin = stop;
+  }
+  if constexpr (kInputs == kInline) sums.add_inputs(tokens_of(a, b, masked));
+}
+
+// One row's tokens added into `sums`, a block of tokens at a time. A mask of another dtype
+// than bool is first turned into bytes for the block, and bfloat16 log-probs into float32
+// (in L1), which keeps the arithmetic the same for all.
+// kProfile: `extras` (not null) keeps the profile too.
+// `segments`: null, or the row's runs (`SegmentTables`), whose sums it keeps apart.
+template <bool kCatalog, int kInputs, bool kProfile>
+__attribute__((always_inline)) inline void add_row_blocks(
+    RowSums& sums, const char* b_row, const char* a_row, int log_prob_kind, const char* m_row,
+    int mask_kind, int64_t width, const Options& options, RowExtras* extras,
+    SegmentTables* segments) {
   PendingExtras<kCatalog, kProfile> pending{extras};
+  // The run the pass is in and where it ends (never, without segments or tokens).
+  const Run* run = segments ? segments->runs.data() : nullptr;
+  int64_t run_end = segments && !segments->runs.empty() ? run->end : INT64_MAX;
   uint8_t bytes[kBlock];
   alignas(64) float a_block[kBlock], b_block[kBlock];  // bfloat16 log-probs, widened
   const int64_t mask_size = kMaskBytes[mask_kind];
@@ -1273,20 +1508,35 @@ void reduce_row_blocks(const char* b_row, const char* a_row, int log_prob_kind,
       std::memcpy(b_tail, b + whole, rest * sizeof(float));
       std::memcpy(m_tail, flags + whole, rest);
     }
-    for (int64_t j = 0; j < whole; j += kLanes) {
-      // The next kilobytes of the row on their way: its streams otherwise outrun the
-      // hardware prefetcher (for a block of bfloat16 rows, a harmless hint).
-      prefetch_ahead(a + j, 4096);
-      prefetch_ahead(b + j, 4096);
-      const char* mask_ahead = mask + (j + 1024) * mask_size;
-      for (int64_t line = 0; line < mask_size * kLanes; line += 64) {
-        __builtin_prefetch(mask_ahead + line);
+    for (int64_t j = 0; j < whole;) {
+      // The vectors before the one where the current run ends (all of them, without
+      // segments), then that one.
+      const int64_t inside = std::min(whole, run_end - start - kLanes);
+      for (; j < inside; j += kLanes) {
+        // The next kilobytes of the row on their way: its streams otherwise outrun the
+        // hardware prefetcher (for a block of bfloat16 rows, a harmless hint).
+        prefetch_ahead(a + j, 4096);
+        prefetch_ahead(b + j, 4096);
+        const char* mask_ahead = mask + (j + 1024) * mask_size;
+        for (int64_t line = 0; line < mask_size * kLanes; line += 64) {
+          __builtin_prefetch(mask_ahead + line);
+        }
+        sums.add<kCatalog, kInputs, kProfile>(floats_of(a + j), floats_of(b + j),
+                                              nonzero(flags + j), options);
+        if (extras) pending.add(sums.last, start + j);
       }
-      sums.add<kCatalog, kInputs, kProfile>(floats_of(a + j), floats_of(b + j),
-                                            nonzero(flags + j), options);
-      if (extras) pending.add(sums.last, start + j);
+      if (j < whole) {
+        add_runs<kCatalog, kInputs, kProfile>(sums, pending, floats_of(a + j), floats_of(b + j),
+                                              nonzero(flags + j), start + j, start + j + kLanes,
+                                              options, *segments, run, run_end, extras);
+        j += kLanes;
+      }
     }
-    if (whole < count) {
+    if (whole < count && start + count >= run_end) {  // the row's last run ends here
+      add_runs<kCatalog, kInputs, kProfile>(sums, pending, floats_of(a_tail), floats_of(b_tail),
+                                            nonzero(m_tail), start + whole, start + count,
+                                            options, *segments, run, run_end, extras);
+    } else if (whole < count) {
       sums.add<kCatalog, kInputs, kProfile>(floats_of(a_tail), floats_of(b_tail),
                                             nonzero(m_tail), options);
       if (extras) pending.add(sums.last, start + whole);
@@ -1301,6 +1551,16 @@ void reduce_row_blocks(const char* b_row, const char* a_row, int log_prob_kind,
     }
   }
   if (extras) pending.flush();
+}
+
+// One row into its sums (`out`).
+template <bool kCatalog, int kInputs, bool kProfile>
+void reduce_row_blocks(const char* b_row, const char* a_row, int log_prob_kind,
+                       const char* m_row, int mask_kind, int64_t width, const Options& options,
+                       double* out, RowExtras* extras, SegmentTables* segments) {
+  RowSums sums;
+  add_row_blocks<kCatalog, kInputs, kProfile>(sums, b_row, a_row, log_prob_kind, m_row,
+                                              mask_kind, width, options, extras, segments);
   sums.write(out);
 }
 
@@ -1312,19 +1572,21 @@ void reduce_row_blocks(const char* b_row, const char* a_row, int log_prob_kind,
 template <bool kCatalog, bool kInputSums, bool kProfile>
 void reduce_row(const char* b_row, const char* a_row, int log_prob_kind, const char* m_row,
                 int mask_kind, int64_t width, const Options& options, double* out,
-                RowExtras* extras) {
+                RowExtras* extras, SegmentTables* segments) {
   constexpr bool kApartFits = kLanes == 16 && !kProfile;
   constexpr int kInputs = !kInputSums ? kNoInputs : kApartFits ? kApart : kInline;
   reduce_row_blocks<kCatalog, kInputs, kProfile>(b_row, a_row, log_prob_kind, m_row, mask_kind,
-                                                 width, options, out, extras);
+                                                 width, options, out, extras, segments);
 }
 
 void reduce_rows(const char* rollout, const char* old, int log_prob_kind, const char* mask,
                  int mask_kind, int64_t width, int64_t begin, int64_t end, int level,
                  const Options& options, double* out, const ExtrasRequest* request,
-                 int32_t* counts, ProfileTables* profile, WorstSoFar* worst) {
+                 int32_t* counts, ProfileTables* profile, WorstSoFar* worst,
+                 SegmentTables* segments) {
   const int64_t row_bytes = width * log_prob_size(log_prob_kind);
   for (int64_t row = begin; row < end; ++row) {
+    if (segments) segments->start_row(row);
     const char* b = rollout + row * row_bytes;
     const char* a = old + row * row_bytes;
     const char* m = mask + row * width * kMaskBytes[mask_kind];
@@ -1336,7 +1598,7 @@ void reduce_rows(const char* rollout, const char* old, int log_prob_kind, const 
     // both); bit 2: the profile.
     const int kind = (level >= 0 && level < 3 ? level : 3) | (profile ? 4 : 0);
     const auto row_with = [&](auto reduce) {
-      reduce(b, a, log_prob_kind, m, mask_kind, width, options, slots, extras);
+      reduce(b, a, log_prob_kind, m, mask_kind, width, options, slots, extras, segments);
     };
     switch (kind) {
       case 0: row_with(reduce_row<false, false, false>); break;
@@ -1422,13 +1684,29 @@ void write_profile(const int64_t* part_totals, int64_t parts, const double* bloc
   out[part_at(p_width)] = static_cast<double>(width);
 }
 
+// Blocks of at least 2^15 tokens, at most 64, whose segments' sums are kept apart (the
+// profile's blocks where there is the profile): each segment's sums are written once a
+// block, whatever its runs.
+constexpr int64_t kTokensPerSegmentBlock = int64_t{1} << 15;
+
+inline int64_t segment_blocks(int64_t rows, int64_t width) {
+  const int64_t by_tokens = rows * width / kTokensPerSegmentBlock;
+  return std::max<int64_t>(1, std::min({rows, by_tokens, int64_t{64}}));
+}
+
+// `labels`: null, or the segments', whose rows of sums go into `segment_rows` ([segments +
+// 1][kSlots]).
 void run(const void* rollout, const void* old, int log_prob_kind, const void* mask,
          int mask_kind, int64_t rows, int64_t width, int level, Options options, int threads,
-         double* out, const ExtrasRequest* request) {
+         double* out, const ExtrasRequest* request, const SegmentLabels* labels,
+         double* segment_rows) {
   const bool profile = request && request->profile;
-  // Threads take whole blocks of rows: the profile's float64 sums are kept per block
-  // (one block per row without the profile).
-  const int64_t blocks = profile ? profile_blocks(rows, width) : rows;
+  // Threads take whole blocks of rows: the profile's float64 sums are kept per block, and
+  // the segments' (one block per row without either).
+  const int64_t blocks = profile  ? profile_blocks(rows, width)
+                         : labels ? segment_blocks(rows, width)
+                                  : rows;
+  BlockSums block_sums_of_segments(labels ? blocks : 0, labels ? labels->segments + 1 : 0);
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, blocks));
   // Each part counts into bins of its own (kCopies copies of them); summed at the end,
   // in a fixed order, so the result does not depend on the threads.
@@ -1456,11 +1734,23 @@ void run(const void* rollout, const void* old, int log_prob_kind, const void* ma
     const auto* m = static_cast<const char*>(mask);
     int32_t* own = counts.empty() ? nullptr : counts.data() + index * kCopies * stride;
     WorstSoFar worst{request ? request->k : 0};
-    if (!profile) {
-      reduce_rows(b, a, log_prob_kind, m, mask_kind, width, rows * first / blocks,
-                  rows * last / blocks, level, options, out, request, own, nullptr, &worst);
+    if (labels && !profile) {
+      SegmentTables segments(*labels);
+      for (int64_t block = first; block < last; ++block) {
+        reduce_rows(b, a, log_prob_kind, m, mask_kind, width, rows * block / blocks,
+                    rows * (block + 1) / blocks, level, options, out, request, own, nullptr,
+                    &worst, &segments);
+        segments.end_block(block, block_sums_of_segments);
+      }
       return;
     }
+    if (!profile) {
+      reduce_rows(b, a, log_prob_kind, m, mask_kind, width, rows * first / blocks,
+                  rows * last / blocks, level, options, out, request, own, nullptr, &worst,
+                  nullptr);
+      return;
+    }
+    std::unique_ptr<SegmentTables> segments(labels ? new SegmentTables(*labels) : nullptr);
     int32_t* own_counts = profile_counts.get() + index * counted_size;
     double* own_lanes = lane_sums.get() + index * kLaneSums;
     std::fill(own_counts, own_counts + counted_size, 0);
@@ -1472,8 +1762,9 @@ void run(const void* rollout, const void* old, int log_prob_kind, const void* ma
       std::fill(tables.block, tables.block + kBlockSlots, 0.0);
       reduce_rows(b, a, log_prob_kind, m, mask_kind, width, rows * block / blocks,
                   rows * (block + 1) / blocks, level, options, out, request, own, &tables,
-                  &worst);
+                  &worst, segments.get());
       tables.end_block();
+      if (segments) segments->end_block(block, block_sums_of_segments);
     }
     add_copies(own_counts, copy_bits, part_totals.get() + index * kCounted);
     maxima[2 * index] = tables.diff_max;
@@ -1509,6 +1800,19 @@ void run(const void* rollout, const void* old, int log_prob_kind, const void* ma
                   idle_tokens, *request, fine_only ? request->bins : nullptr,
                   profile_block(*request));
   }
+  if (labels) block_sums_of_segments.write(segment_rows);
+}
+
+// Whether the rows' labels change at more than `most` places (a row of [rows] labels: none).
+bool too_many_changes(const SegmentLabels& labels, int64_t rows, int64_t most) {
+  int64_t changes = 0;
+  for (int64_t row = 0; labels.per_token && row < rows && changes <= most; ++row) {
+    const int64_t at = row * labels.width;
+    changes += labels.kind == 1
+                   ? label_changes(static_cast<const int32_t*>(labels.values) + at, labels.width)
+                   : label_changes(static_cast<const int64_t*>(labels.values) + at, labels.width);
+  }
+  return changes > most;
 }
 
 // ------------------------------------------------------------ the packed states
@@ -1670,6 +1974,19 @@ struct StateOf {
     state[s_min_seq] = min_r;
   }
 };
+
+// The packed segments (`SegmentWindow` in segments.py) from each segment's row of sums:
+// each segment's statistics of the token-level groups, finished as a pass's rows are, into
+// its copy of the state.
+constexpr int kSegmentGroups = (1 << g_seed) | (1 << g_log_space) | (1 << g_kl) | (1 << g_ratio);
+
+void write_segments(const double* rows, int segments, uint64_t needed, int groups,
+                    double* state) {
+  for (int segment = 0; segment <= segments; ++segment) {
+    const StateOf of{rows + segment * kSlots, 1, needed, groups & kSegmentGroups};
+    of.write(0.0, 0.0, state + segment * kStateSlots);
+  }
+}
 
 inline double log_prob_at(const void* values, int kind, int64_t index) {
   float x;
@@ -1851,6 +2168,18 @@ extern "C" int rollout_finish_extras(const void* rollout, const void* old, int l
   return 0;
 }
 
+// The packed segments (`SegmentWindow` in segments.py: `segments` + 1 copies of the
+// statistics' state, the last for every label outside [0, segments)) from the segments'
+// rows of `rollout_row_sums` (`needed`, `groups` as `rollout_finish_state`'s): each copy
+// gets the slots of the token-level groups among `groups`, the others keep what the
+// caller put there (the empty window).
+extern "C" int rollout_finish_segments(const double* rows, int segments, uint64_t needed,
+                                       int groups, double* state) {
+  if (segments < 1 || segments > kMaxSegments) return 3;
+  write_segments(rows, segments, needed, groups, state);
+  return 0;
+}
+
 // The name of output column `index`, or null past the last column.
 extern "C" const char* rollout_row_column(int index) {
   return index >= 0 && index < kSlots ? kColumns[index] : nullptr;
@@ -1860,12 +2189,18 @@ extern "C" const char* rollout_row_column(int index) {
 // 3 float32. `extras`: null, or what the extras take: the histograms' bins (`ints`:
 // ratio low, ratio octaves, diff low, diff octaves, histograms on, k, profile: 0, 1 or 2) and
 // where they go (`rows`: [rows, 8 + 2 k], `bins`: the histograms' bins, then the profile
-// block). Returns 0, or non-zero for arguments it does not know.
+// block). `labels`: null, or the segments' labels, [rows] (`per_token` 0) or [rows, width]
+// (1), int32 (`label_kind` 1) or int64 (2), whose `segments` + 1 rows of sums (the last for
+// every label outside [0, segments)) go into `segment_rows` ([segments + 1, kSlots]), where
+// the rows' labels change at `max_changes` places at most. Returns 0; 4 where they change
+// at more (the rest is done, `segment_rows` is not written); other values for arguments it
+// does not know.
 extern "C" int rollout_row_sums(const void* rollout, const void* old, const void* mask,
                                 int log_prob_kind, int mask_kind, int64_t rows, int64_t width,
                                 int level, float ratio_high_m1, float ratio_low_m1,
                                 int threads, double* out, const int* ints, double* extras_rows,
-                                double* bins) {
+                                double* bins, const void* labels, int label_kind, int per_token,
+                                int segments, int64_t max_changes, double* segment_rows) {
   const Options options{ratio_high_m1, ratio_low_m1};
   ExtrasRequest request{};
   const ExtrasRequest* x = nullptr;
@@ -1882,8 +2217,14 @@ extern "C" int rollout_row_sums(const void* rollout, const void* old, const void
   }
   if (log_prob_kind != 0 && log_prob_kind != 1) return 1;
   if (mask_kind < 0 || mask_kind > 3) return 2;
-  run(rollout, old, log_prob_kind, mask, mask_kind, rows, width, level, options, threads, out, x);
-  return 0;
+  const SegmentLabels by_segment{labels, label_kind, per_token != 0, segments, width};
+  const bool segments_known = segments >= 1 && segments <= kMaxSegments && segment_rows;
+  if (labels && ((label_kind != 1 && label_kind != 2) || !segments_known)) return 3;
+  const bool declined = labels && too_many_changes(by_segment, rows, max_changes);
+  const SegmentLabels* chosen = labels && !declined ? &by_segment : nullptr;
+  run(rollout, old, log_prob_kind, mask, mask_kind, rows, width, level, options, threads, out, x,
+      chosen, segment_rows);
+  return declined ? 4 : 0;
 }
 
 // The shape of the extras' rows: `kMoments` moments, then up to `kMaxWorst` pairs.
