@@ -39,6 +39,7 @@ from lightning_rollout_debug.metrics.segments import (
     segment_values,
 )
 from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
+from lightning_rollout_debug.metrics.worst_tokens import FIELDS
 
 KERNEL_SKIP = kernel_skip_reason()
 pytestmark = pytest.mark.skipif(KERNEL_SKIP is not None, reason=str(KERNEL_SKIP))
@@ -323,7 +324,8 @@ def test_kernel_segments_do_not_depend_on_the_thread_count(monkeypatch: pytest.M
 
 def test_segments_leave_the_statistics_and_the_extras_as_they_were() -> None:
     """A row's sums are its runs' added up: the statistics and the extras of a pass with
-    segments are those without, to float64 rounding."""
+    segments are those without, to float64 rounding, but for the worst tokens' segments,
+    each the label at the token's place."""
     rng = np.random.default_rng(63)
     batch = make_batch(rng, (9, 333), regime="mixed", mask_kind="counts", special_rate=0.01)
     inputs = check_inputs(batch.rollout, batch.old, batch.mask)
@@ -336,7 +338,17 @@ def test_segments_leave_the_statistics_and_the_extras_as_they_were() -> None:
             inputs, stats=stats, extras=extras, segments=(SegmentWindow(5), labels)
         )
         assert found is not None and alone is not None and found[2] is not None
-        for mine, theirs in zip(found[:2], alone[:2], strict=True):
+        worst = extras.summary(found[1]).worst_tokens
+        assert len(worst) == 5
+        for token in worst:
+            label = int(
+                labels[token.row] if labels.dim() == 1 else labels[token.row, token.position]
+            )
+            assert token.segment == (label if 0 <= label < 5 else 5)
+        segment = extras.layout.at["segment"]
+        relabelled = found[1].clone()
+        relabelled[segment : segment + 5 * FIELDS : FIELDS] = -1.0
+        for mine, theirs in zip((found[0], relabelled), alone[:2], strict=True):
             torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12, equal_nan=True)
 
 

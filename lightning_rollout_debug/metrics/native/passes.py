@@ -33,7 +33,7 @@ from lightning_rollout_debug.metrics.native.segments import (
 )
 from lightning_rollout_debug.metrics.profile import PROFILE_SIZE
 from lightning_rollout_debug.metrics.rows import ROWS_OF_GROUP
-from lightning_rollout_debug.metrics.worst_tokens import WORST_FIELDS
+from lightning_rollout_debug.metrics.worst_tokens import WORST_FIELDS, label_candidates
 
 _LOG_PROB_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 LOG_PROB_DTYPES = frozenset(_LOG_PROB_KINDS)
@@ -252,6 +252,11 @@ def _finish(
         if status != 0:
             give_up(f"the kernel rejected the extras (status {status})")
             return None
+        if segments is not None and extras.k:  # the candidates' segments, from the labels
+            at = extras.state_size() - extras.k * len(WORST_FIELDS)
+            at -= PROFILE_SIZE if extras.profile else 0
+            block = extras_state[at : at + extras.k * len(WORST_FIELDS)]
+            label_candidates(block, segments.labels, segments.segments)
     return statistics_state, extras_state, segments_state
 
 
