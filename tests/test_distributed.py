@@ -767,7 +767,9 @@ def test_the_settings_are_compared_once_before_the_first_merge(strict: bool) -> 
         sent.append(vector)
         return torch.stack([vector, *(others if len(sent) == 1 else [vector] * 2)])
 
-    mine = shaping_settings(window.stats, window.extras, window.series, window.shifts)
+    mine = shaping_settings(
+        window.stats, window.extras, window.series, window.shifts, window.segments
+    )
     theirs = {**mine, "histograms": False, "profile": False, "is_threshold": 3.0}
     others[:] = [encoded(theirs), encoded(mine)]
     ranks = Ranks(3, True, gather)
@@ -888,15 +890,20 @@ def test_docs_state_the_size_of_the_collective() -> None:
     from lightning_rollout_debug.metrics.extras import TokenExtras
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
+    text = " ".join(text.split())  # as a reader reads it, whatever the line breaks
     extras = TokenExtras(histograms=True, worst_tokens_k=10, profile=True).size
     assert f"`STATE_SIZE = {STATE_SIZE}` values, **{STATE_SIZE * 8} bytes per rank**" in text
-    assert f"{STATE_SIZE + extras:,} values or {(STATE_SIZE + extras) * 8:,} bytes" in text
+    window = RolloutDebugCallback().monitor._window
+    sizes = [part.numel() for part in window.parts(torch.device("cpu")) if part is not None]
+    assert sizes[1] == extras and f"pictures: {sizes[1]:,} values)" in text
+    total = sum(sizes)
+    assert f"{total:,} values or {total * 8:,} bytes" in text
+    without = total - extras + TokenExtras(histograms=True, worst_tokens_k=10).size
+    assert f"{without:,} values or {without * 8:,} bytes" in text
+    assert f"all_gather` of {WIDTH} float64 values** ({WIDTH * 8} bytes" in text
     # ... for the defaults: histograms on, the 10 worst tokens and the profile.
     parameters = inspect.signature(RolloutDebugCallback).parameters
     assert parameters["histograms"].default is True
     assert parameters["worst_tokens_k"].default == 10
     assert parameters["profile_images"].default is True
     assert RolloutDebugCallback().monitor._extras.size == extras  # type: ignore[union-attr]
-    # ... and without the profile.
-    extras = TokenExtras(histograms=True, worst_tokens_k=10).size
-    assert f"{STATE_SIZE + extras} values or {(STATE_SIZE + extras) * 8:,} bytes" in text
