@@ -33,7 +33,7 @@ from lightning_rollout_debug.checks.findings import Diagnosis
 from lightning_rollout_debug.metrics.formulas import Window, pair_agreement
 from lightning_rollout_debug.metrics.shifts import lag_sums
 
-MIN_SHIFT_PAIRS = 64
+MIN_SHIFT_PAIRS = 48
 """Pairs a lag of the sample needs before it is judged."""
 SHIFTED_CORRELATION = 0.5
 """The correlation a shifted lag must reach, as for a shift by one position."""
