@@ -23,6 +23,7 @@ alone), and takes the custom-scalars page.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -206,6 +208,26 @@ def wait_for_layout(url: str, timeout: float = 120.0) -> None:
     raise TimeoutError(f"TensorBoard at {url} served no layout within {timeout} s")
 
 
+@contextlib.contextmanager
+def serving(tensorboard: str, logdir: Path, port: int) -> Iterator[str]:
+    """TensorBoard serving ``logdir`` on ``port`` for the block; its URL."""
+    server = subprocess.Popen(
+        [tensorboard, "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
 def segments_screenshot(chromium: str, tensorboard: str, args: argparse.Namespace) -> None:
     """``segments.png``: the segments category of the multi-turn example's run."""
     logdir = args.logdir or Path(tempfile.mkdtemp(prefix="rollout-debug-segments-"))
@@ -216,20 +238,10 @@ def segments_screenshot(chromium: str, tensorboard: str, args: argparse.Namespac
         subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     view = Path(tempfile.mkdtemp(prefix="rollout-debug-segments-view-"))
     segments_only(logdir, view)
-    url = f"http://127.0.0.1:{args.port}"
-    server = subprocess.Popen(
-        [tensorboard, "--logdir", str(view), "--host", "127.0.0.1", "--port", str(args.port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
-    )
-    try:
+    with serving(tensorboard, view, args.port) as url:
         wait_for_layout(url)
         size = f"{args.window_size.split(',')[0]},860"
         screenshot(chromium, f"{url}/#custom_scalars", args.out / SEGMENTS_PNG, size, args.wait_ms)
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
     print(f"logs in {logdir}")
 
 
@@ -256,16 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     logdir = args.logdir or Path(tempfile.mkdtemp(prefix="rollout-debug-tb-"))
     if not any(logdir.rglob("events.out.tfevents.*")):
         train(logdir, args.max_steps)
-    args.out.mkdir(parents=True, exist_ok=True)
-
-    url = f"http://127.0.0.1:{args.port}"
-    server = subprocess.Popen(
-        [tensorboard, "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(args.port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
-    )
-    try:
+    with serving(tensorboard, logdir, args.port) as url:
         wait_for_tensorboard(url, runs=len(RUNS))
         for name, page in PAGES.items():
             size = args.window_size
@@ -274,13 +277,6 @@ def main(argv: list[str] | None = None) -> None:
             wait_ms = round(args.wait_ms * SLOW_PAGES.get(name, 1.0))
             take = screenshot_pictures if name in PICTURE_PAGES else screenshot
             take(chromium, f"{url}/{page}", args.out / name, size, wait_ms)
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
     print(f"logs in {logdir}")
 
 

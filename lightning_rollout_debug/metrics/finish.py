@@ -107,8 +107,8 @@ class RowSums:
             bottoms = self._over(_rows(batches, "bottom"), torch.amin).unbind()
             self.smallest = dict(zip(plan.bottoms, bottoms, strict=not groups))  # groups: r
         means = totals[plan.centred] / self.count.clamp(min=1.0)
-        self._moments([moment_rows(sums) for sums in batches], means)
-        plain = self._stacked_moments + totals[plan.centred] ** 2 / self.count.clamp(min=1.0)
+        moments = self._moments([moment_rows(sums) for sums in batches], means)
+        plain = moments + totals[plan.centred] ** 2 / self.count.clamp(min=1.0)
         self.squares = dict(zip(plan.planes[plan.centred], plain.unbind(), strict=True))
         self.lag = _rows(batches, "lag") if batches[0].lag is not None else None  # [36, rows]
         self.log_ratio = _log_ratios(batches)
@@ -119,8 +119,8 @@ class RowSums:
         self.widths = [sums.width for sums in batches]
         self.uncounted = None if groups else _uncounted(batches, self.count, at["one"])
 
-    def _moments(self, batches: Sequence[TokenSums], means: Tensor) -> None:
-        """Each centred plane's ``moment`` and the ``comoment`` of each product.
+    def _moments(self, batches: Sequence[TokenSums], means: Tensor) -> Tensor:
+        """Each centred plane's ``moment`` and the ``comoment`` of each product; the moments.
 
         ``batches``: rows whose second moments are about their ``shift`` (or plain sums);
         ``means``: the window's (or each group's) means of the centred planes.
@@ -142,13 +142,13 @@ class RowSums:
         names = plan.planes[plan.centred]
         self.mean = dict(zip(names, means.unbind(), strict=True))
         self.moment = dict(zip(names, moments.unbind(), strict=True))
-        self._stacked_moments = moments
         self.comoment: dict[tuple[str, str], Tensor] = {}
         for i, (left, right) in enumerate(plan.products):
             x, y = at[left] - plan.centred.start, at[right] - plan.centred.start
             within = second[squares + i] - offset[x] * offset[y] / rows
             spread = within + n * deviation[x] * deviation[y]
             self.comoment[left, right] = self._over(spread, torch.sum)
+        return moments
 
     def _over(self, values: Tensor, reduce: Callable[..., Tensor]) -> Tensor:
         """``reduce`` of ``values`` over the rows (the last dimension), or of each group."""

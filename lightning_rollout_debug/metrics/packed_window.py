@@ -40,7 +40,25 @@ PENDING = 32
 one of two does, so a step's fixed cost stays small."""
 
 
-class ThreadSafeWindow:
+class Locked:
+    """What holds a lock around its changes: copies and pickles get a lock of their own.
+
+    A subclass sets ``_lock`` (a lock itself cannot be pickled).
+    """
+
+    _lock: threading.Lock
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_lock", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+class ThreadSafeWindow(Locked):
     """A packed window that merges batches lazily and whose changes hold a lock.
 
     Added batches wait in a list (:data:`Part`: packed states, slots to pack, or the sums
@@ -153,16 +171,11 @@ class ThreadSafeWindow:
         fold([self], whole=True)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.pop("_lock", None)
+        state = super().__getstate__()
         state["_pending"] = list(self._pending)
         if self._in_place is not None:  # added into in place: a copy holds its own
             state["_in_place"] = copy.copy(self._in_place)
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
 
 class InPlaceBlock:

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from lightning_rollout_debug.metrics.finish import moment_rows
 from lightning_rollout_debug.metrics.layout import STATE, tensor_problems
+from lightning_rollout_debug.metrics.packed_window import Locked
 from lightning_rollout_debug.metrics.sawtooth import Series, sawtooth
 from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
 
@@ -48,7 +49,7 @@ _COUNT, _MEAN = STATE.at["count"], STATE.at["log_diff"]
 _SPREAD = STATE.at["log_diff*log_diff"]
 
 
-class MismatchSeries:
+class MismatchSeries(Locked):
     """The sums of ``|r|``, ``r^2`` and tokens of each of the run's last batches.
 
     :meth:`add` keeps a batch of the open window as its pass left it, on its device;
@@ -67,15 +68,6 @@ class MismatchSeries:
         self._lock = threading.Lock()
         self.history: list[tuple[float, float, float]] = []
         """The run's last batches, oldest first: ``(sum |r|, tokens, sum r^2)``, merged."""
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.pop("_lock", None)  # a lock cannot be pickled: a copy gets its own
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     def add(self, parts: Sequence[Tensor | TokenSums]) -> None:
         """Keep a batch: its packed statistics state, or the sums of its torch passes."""

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_rollout_debug.metrics.inputs import MismatchInputs
+from lightning_rollout_debug.metrics.packed_window import Locked
 from lightning_rollout_debug.metrics.tokens import LOG_PROB_FLOOR
 
 SAMPLE_ROWS = 8
@@ -46,7 +46,7 @@ SUMS = ("pairs", "actor", "rollout", "actor_sq", "rollout_sq", "actor_x_rollout"
 """The sums of each lag, over its pairs ``(a_t, b_(t+L))``."""
 
 
-class ShiftSample:
+class ShiftSample(Locked):
     """The first rows of a window's first batch, and their pairs' sums at every lag.
 
     :meth:`add` copies them from the window's first batch (later batches add nothing);
@@ -59,15 +59,6 @@ class ShiftSample:
 
     def __init__(self) -> None:
         self._sample: Tensor | None = None
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.pop("_lock", None)  # a lock cannot be pickled: a copy gets its own
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
         self._lock = threading.Lock()
 
     def add(self, inputs: MismatchInputs) -> None:
