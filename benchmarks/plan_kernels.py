@@ -9,14 +9,15 @@ compiling or running any of them. It needs the ``triton`` package, not a GPU:
 
     pip install triton
     python benchmarks/plan_kernels.py [--shapes 8x512,64x2048,256x4096,1x65536] [--names]
-        [--defaults-only]
+        [--defaults-only] [--segments]
 
 Each Triton kernel is one launch; an operation inductor leaves to ATen (``aten.topk``,
-listed by name) launches one or more. It counts the compiled graph, planned afresh at each
-shape: the update is that one graph (statistics and extras together), and the window's
-fold, every 32 updates, is outside it; ``bench_launches.py --device cuda`` counts
-everything where a GPU is lent. Written against torch 2.13's inductor, whose internals it
-patches: other versions may need other patches.
+listed by name) launches one or more. With ``--segments`` the batches carry ``segment_ids``,
+16 turns a row, and a column counts the defaults with them. It counts the compiled graph,
+planned afresh at each shape: the update is that one graph (statistics and extras
+together), and the window's fold, every 32 updates, is outside it; ``bench_launches.py
+--device cuda`` counts everything where a GPU is lent. Written against torch 2.13's
+inductor, whose internals it patches: other versions may need other patches.
 """
 
 from __future__ import annotations
@@ -111,10 +112,15 @@ def kernels(plan: PassPlan, *tensors: torch.Tensor) -> list[str]:
 
 
 def planned(options: dict[str, Any], batch: dict[str, torch.Tensor]) -> list[str]:
-    """The kernels of one compiled update of a callback built with ``options``, planned afresh."""
+    """The kernels of one compiled update of a callback built with ``options``, planned afresh
+    (with the batch's ``segment_ids``, if any, as its segments)."""
     monitor = RolloutDebugCallback(alert_ranges={}, **options).monitor
-    plan = backends.pass_plan(monitor._stats, monitor._extras)
+    labels = batch.get("segment_ids")
+    segments = None if labels is None else monitor._segments
+    plan = backends.pass_plan(monitor._stats, monitor._extras, segments)
     tensors = (batch["rollout_log_probs"], batch["old_log_probs"], batch["response_mask"])
+    if labels is not None:
+        tensors += (None, labels)
     constants(torch.float32, batch["response_mask"])  # made before the trace, as an update does
     torch._dynamo.reset()
     backends._compiling["functions"].clear()
@@ -127,17 +133,23 @@ def main() -> None:
     parser.add_argument("--shapes", default="8x512,64x2048,256x4096,1x65536")
     parser.add_argument("--names", action="store_true", help="list the defaults' kernels")
     parser.add_argument("--defaults-only", action="store_true", help="skip scalars only")
+    parser.add_argument("--segments", action="store_true", help="the defaults with segments too")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     plan_for_a_gpu()
     print(f"torch {torch.__version__}: Triton kernels planned per compiled update")
-    print(f"{'shape':>11} {'scalars only':>13} {'defaults':>9}")
+    print(f"{'shape':>11} {'scalars only':>13} {'defaults':>9}" + " segments" * args.segments)
     for text in args.shapes.split(","):
         shape = tuple(int(n) for n in text.split("x"))
         batch = make_batch(shape, torch.float32, "cpu")
         scalars = [] if args.defaults_only else planned(SCALARS_ONLY, batch)
         defaults = planned({}, batch)
-        print(f"{text:>11} {len(scalars):>13} {len(defaults):>9}", flush=True)
+        line = f"{text:>11} {len(scalars):>13} {len(defaults):>9}"
+        if args.segments:
+            turns = torch.arange(shape[1]).mul(16).div(shape[1], rounding_mode="floor")
+            labelled = {**batch, "segment_ids": turns.expand(shape).contiguous()}
+            line += f" {len(planned({}, labelled)):>8}"
+        print(line, flush=True)
         if args.names:
             for name in defaults:
                 print(f"{'':>13}{name}")

@@ -31,14 +31,12 @@ from lightning_rollout_debug.metrics.extras import TokenExtras
 from lightning_rollout_debug.metrics.inputs import check_inputs
 from lightning_rollout_debug.metrics.layout import STATE
 from lightning_rollout_debug.metrics.native import passes
-from lightning_rollout_debug.metrics.native import segments as native_segments
 from lightning_rollout_debug.metrics.rows import ROW_FIELDS
 from lightning_rollout_debug.metrics.segments import (
     SEGMENT_METRIC_CHOICES,
     SegmentWindow,
     segment_values,
 )
-from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
 from lightning_rollout_debug.metrics.worst_tokens import FIELDS
 
 KERNEL_SKIP = kernel_skip_reason()
@@ -187,7 +185,7 @@ def conditioned(rng: np.random.Generator, shape: tuple[int, int], **kwargs: obje
     return batch
 
 
-@pytest.mark.parametrize("kind", ["rows", "turns", "runs"])
+@pytest.mark.parametrize("kind", ["rows", "turns", "runs", "tokens"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "mask_dtype", [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32, torch.float16]
@@ -214,7 +212,7 @@ def test_kernel_segments_match_the_reference(
                 assert_segments_match_the_reference(got, batch, labels)
 
 
-@pytest.mark.parametrize("kind", ["rows", "turns", "runs"])
+@pytest.mark.parametrize("kind", ["rows", "turns", "runs", "tokens"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "mask_dtype", [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32, torch.float16]
@@ -250,7 +248,7 @@ def test_every_width_sums_the_segments_as_the_reference(
     rng = np.random.default_rng(66 + lanes)
     for shape in ((7, 100), (3, 37), (5, 3), (2, 1), (3, 1100)):
         batch = make_batch(rng, shape, regime="mixed", mask_kind="counts", special_rate=0.03)
-        for kind in ("rows", "turns", "runs"):
+        for kind in ("rows", "turns", "runs", "tokens"):
             labels = labels_of(kind, rng, shape)
             for stats in (None, MismatchStats(groups=ALL)):
                 got = kernel_segments(batch, labels, stats=stats)
@@ -300,6 +298,7 @@ def test_kernel_segments_do_not_depend_on_the_thread_count(monkeypatch: pytest.M
     rng = np.random.default_rng(62)
     batch = make_batch(rng, (100, 700), regime="mixed", mask_kind="counts", special_rate=0.01)
     labels = labels_of("runs", rng, (100, 700))
+    labels[::2] = labels_of("tokens", rng, (50, 700))  # rows sorted by segment
     inputs = check_inputs(batch.rollout, batch.old, batch.mask)
     stats, window = MismatchStats(groups=ALL), SegmentWindow(5)
     threads = torch.get_num_threads()
@@ -332,7 +331,7 @@ def test_segments_leave_the_statistics_and_the_extras_as_they_were() -> None:
     stats = MismatchStats(groups=ALL)
     extras = TokenExtras(histograms=True, worst_tokens_k=5, profile=True)
     alone = backends.kernel_states(inputs, stats=stats, extras=extras)
-    for kind in ("rows", "turns", "runs"):
+    for kind in ("rows", "turns", "runs", "tokens"):
         labels = labels_of(kind, rng, (9, 333))
         found = backends.kernel_states(
             inputs, stats=stats, extras=extras, segments=(SegmentWindow(5), labels)
@@ -352,22 +351,23 @@ def test_segments_leave_the_statistics_and_the_extras_as_they_were() -> None:
             torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12, equal_nan=True)
 
 
-def test_labels_of_runs_too_short_take_the_torch_road(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A label drawn for each token (runs of about one token): the pass leaves the segments
-    to a torch pass of their own, and the window holds the torch road's; from
-    ``MIN_RUN_TOKENS`` = 1 on, the kernel takes them, as the reference has them."""
+def test_rows_of_short_runs_are_sorted_by_segment_on_either_side_of_the_threshold() -> None:
+    """Rows whose runs average 1 to 40 tokens, on both sides of the 20 from which the pass
+    follows the runs rather than sorting the row's tokens by segment, in one batch: each
+    segment's metrics are the float64 reference's, with the statistics and the extras."""
     rng = np.random.default_rng(64)
-    batch = conditioned(rng, (6, 200))
-    labels = labels_of("tokens", rng, (6, 200))
-    assert kernel_segments(batch, labels) is None
-    window = SegmentWindow(SEGMENTS)
-    window.update(batch.rollout, batch.old, batch.mask, labels)
-    assert any(isinstance(part, TokenSums) for part in window._pending)
-    assert torch.equal(window.state, torch_segments(batch, labels))
-    monkeypatch.setattr(native_segments, "MIN_RUN_TOKENS", 1)
-    got = kernel_segments(batch, labels)
-    assert got is not None
-    assert_segments_match_the_reference(got, batch, labels)
+    rows, width = 40, 160
+    batch = make_batch(rng, (rows, width), regime="mixed", mask_kind="counts", special_rate=0.03)
+    labels = np.empty((rows, width), dtype=np.int64)
+    for row in range(rows):
+        run = 1 + row  # tokens a run
+        values = rng.integers(-1, SEGMENTS + 1, width // run + 1)
+        labels[row] = np.repeat(values, run)[:width]
+    labels = torch.from_numpy(labels)
+    for stats in (None, MismatchStats(groups=ALL)):
+        got = kernel_segments(batch, labels, stats=stats)
+        assert got is not None
+        assert_segments_match_the_reference(got, batch, labels)
 
 
 @pytest.fixture
@@ -387,9 +387,9 @@ def native_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
 def test_a_monitor_logs_the_torch_roads_segments_on_the_kernels(native_calls: list[bool]) -> None:
     """A default monitor on a CPU (the kernel's road) logs the values of each segment that
-    a ``compile=False`` one logs: labels of turns, of sequences, of runs too short for the
-    kernel (a torch pass of their own), and a float64 batch, which takes the torch road
-    whole; the window then folds passes of two plans. Past 32 batches, the window folds."""
+    a ``compile=False`` one logs: labels of turns, of sequences, of runs, a label a token,
+    and a float64 batch, which takes the torch road whole; the window then folds passes of
+    two plans. Past 32 batches, the window folds."""
     rng = np.random.default_rng(65)
     batches = []
     for index in range(36):
@@ -412,7 +412,7 @@ def test_a_monitor_logs_the_torch_roads_segments_on_the_kernels(native_calls: li
             for item in batches:
                 monitor.update(item)
             logged.append(monitor.log(0))
-    assert native_calls.count(True) == 26 and native_calls.count(False) == 9
+    assert native_calls.count(True) == 35 and native_calls.count(False) == 0
     got, want = ({k: v for k, v in found.items() if "segments/" in k} for found in logged)
     assert sorted(got) == sorted(want) and "training/segments/other/rollout_tokens" in got
     for name, value in want.items():

@@ -43,8 +43,8 @@ SCALARS_ONLY: dict[str, Any] = {
 OPERATIONS = {
     "defaults": 86,
     "defaults, token ids": 89,
-    "defaults, segments": 107,
-    "defaults, segments by sequence": 109,
+    "defaults, segments": 106,
+    "defaults, segments by sequence": 107,
     "scalars only": 54,
     "seed only": 30,
 }
@@ -98,7 +98,7 @@ def test_an_eager_update_issues_the_same_few_operations_at_every_size(
     configuration: str,
 ) -> None:
     """Defaults (statistics, histograms, worst tokens, profile) 86 operations, 89 with
-    token ids, 107 with a segment label a token and 109 with one a sequence (at most 110:
+    token ids, 106 with a segment label a token and 107 with one a sequence (at most 110:
     the bound of 100 and 10 for the segments), the statistics alone 54, the seed's group
     30 (the seed's own algorithm: 39), the same number from 1,024 tokens to 4M: nothing
     loops over chunks or values."""
@@ -236,26 +236,34 @@ TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].spli
 PLANNED_AT_MOST = {(2, 6): 9, (2, 15): 9}
 """The releases found to plan more than 8 kernels for it (torch 2.13 plans 7)."""
 
+PLANNED_WITH_SEGMENTS = {(2, 13): 18}
+"""The kernels planned for a default update with segment labels, by release: the segment
+rows' bases filled, their scatters, two ATen ``scatter_reduce`` (the largest and
+smallest values by segment row)."""
+
+
+def _plans(*arguments: str) -> list[tuple[str, ...]]:
+    """The rows ``benchmarks/plan_kernels.py`` prints: each shape and its counts."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "plan_kernels.py"), *arguments]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=True)
+    return re.findall(r"^\s*(\d+x\d+)((?:\s+\d+)+)$", done.stdout, re.MULTILINE)
+
 
 def test_triton_plans_a_handful_of_kernels_for_the_default_update() -> None:
     """``benchmarks/plan_kernels.py``: the Triton kernels inductor plans for one compiled
     default update (planned for an sm_90 GPU, on the CPU: Triton, no GPU) at four shapes,
-    at most 8 each (:data:`PLANNED_AT_MOST`: the releases that plan more)."""
+    at most 8 each (:data:`PLANNED_AT_MOST`: the releases that plan more); with segment
+    labels, 16 turns a row, those of :data:`PLANNED_WITH_SEGMENTS`."""
     if TORCH_RELEASE < (2, 6):
         pytest.skip("inductor writes Triton code for CPU tensors from torch 2.6 on")
     pytest.importorskip("triton", reason="planning Triton kernels needs the triton package")
     shapes = "8x512,64x2048,256x4096,1x65536"
-    command = [sys.executable, str(ROOT / "benchmarks" / "plan_kernels.py")]
-    done = subprocess.run(
-        [*command, "--shapes", shapes, "--defaults-only"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=True,
-        cwd=ROOT,
-    )
-    rows = re.findall(r"^\s*(\d+x\d+)\s+(\d+)\s+(\d+)$", done.stdout, re.MULTILINE)
-    assert [shape for shape, _, _ in rows] == shapes.split(",")
-    planned = [int(defaults) for _, _, defaults in rows]
+    rows = _plans("--shapes", shapes, "--defaults-only")
+    assert [shape for shape, _ in rows] == shapes.split(",")
+    planned = [int(counts.split()[-1]) for _, counts in rows]
     bound = PLANNED_AT_MOST.get(TORCH_RELEASE, 8)
-    assert all(1 <= count <= bound for count in planned), done.stdout
+    assert all(1 <= count <= bound for count in planned), rows
+    [(_, counts)] = _plans("--shapes", "8x512", "--defaults-only", "--segments")
+    defaults, segments = (int(count) for count in counts.split()[-2:])
+    assert defaults == planned[0]
+    assert segments == PLANNED_WITH_SEGMENTS.get(TORCH_RELEASE, segments) > defaults

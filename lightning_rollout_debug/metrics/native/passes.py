@@ -26,7 +26,6 @@ from lightning_rollout_debug.metrics.native.loader import (
     MAX_WORST_TOKENS,
 )
 from lightning_rollout_debug.metrics.native.segments import (
-    DECLINED,
     SegmentRequest,
     pass_labels,
     segment_rows_for,
@@ -160,9 +159,8 @@ def states(
     ``TokenExtras``, the worst tokens labelled with ``batch_index``, ``rank`` and
     ``token_ids`` (``[B, T]`` integers, or ``None``); the segments' that of
     ``SegmentWindow``. Each is ``None`` when not asked for, the segments' also where the
-    kernel leaves them to the torch road (runs shorter than
-    :data:`~.segments.MIN_RUN_TOKENS` on average, labels it cannot read); the whole
-    result is ``None`` where :func:`row_sums` would be.
+    kernel cannot read the labels (off the CPU, not integers): the torch road takes them;
+    the whole result is ``None`` where :func:`row_sums` would be.
 
     ``into``: with ``extras.add_profile``, the packed extras (a contiguous float64 CPU
     tensor) the extras are finished into: its profile block, a window's, gets the pass's
@@ -316,7 +314,7 @@ def _pass(
     rows, width = mask.shape
     table = torch.empty(rows, len(fields), dtype=torch.float64)
     done = _Pass(kernel, rollout, old, mask, kind, table)
-    labels = pass_labels(segments, rows, width, len(fields))
+    labels = pass_labels(segments, len(fields))
     pointers: list[int | None] = [None, None, None]
     if extras is not None:
         if not 0 <= extras.k <= MAX_WORST_TOKENS:
@@ -345,10 +343,10 @@ def _pass(
         )
     except Exception as error:  # ctypes refusing the arguments: the torch path takes over
         status = repr(error)
-    if status not in (0, DECLINED):
+    if status != 0:
         give_up(f"the kernel rejected its arguments (status {status})")
         return None
-    done.segment_rows = labels.segment_rows if status == 0 else None
+    done.segment_rows = labels.segment_rows
     return done
 
 

@@ -3,11 +3,11 @@
 Given a :class:`SegmentRequest` (a batch's ``[B]`` or ``[B, T]`` labels, ``S`` segments),
 the pass keeps the sums of each row's runs of equal label apart in the same read of the
 batch (``row_sums.cpp``: at the end of a run its sums go to its segment, and the row's are
-its runs' added up), and adds them up into one row of sums a segment, the last for every
-label outside ``[0, S)``: :class:`PassLabels` holds what the pass reads and writes.
+its runs' added up; a row of runs shorter than 20 tokens on average is read again, its
+tokens sorted by segment), and adds them up into one row of sums a segment, the last for
+every label outside ``[0, S)``: :class:`PassLabels` holds what the pass reads and writes.
 ``passes.states`` then finishes those rows into the packed segments of
-``segments.SegmentWindow``. Where the labels change so often that the runs hold fewer than
-:data:`MIN_RUN_TOKENS` tokens on average, the pass leaves the segments to the torch road.
+``segments.SegmentWindow``.
 """
 
 from __future__ import annotations
@@ -23,14 +23,6 @@ from lightning_rollout_debug.metrics.rows import SEGMENT_GROUPS, rows_for
 LABEL_KINDS = {torch.int32: 1, torch.int64: 2}
 """The dtypes of the labels the kernel reads, by its number for them (others are copied
 as int64)."""
-DECLINED = 4
-"""The pass's status where it leaves the segments to the torch road (the rest is done)."""
-MIN_RUN_TOKENS = 1.25
-"""The fewest tokens a run of equal labels holds on average where the pass sums the
-segments: the labels change at ``tokens / MIN_RUN_TOKENS`` places at most. Each change costs
-the pass about what a token costs the torch road (one more pass over a vector, and the run's
-sums put away); with labels drawn at random for each token (runs of 1.07 tokens among 16
-labels) the torch road takes 0.8x to 0.9x the time, with runs of 1.33 tokens 1.1x to 1.2x."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,12 +49,12 @@ class PassLabels:
 
     labels: Tensor | None = None
     segment_rows: Tensor | None = None
-    arguments: list[int | None] = field(default_factory=lambda: [None, 0, 0, 0, 0, None])
+    arguments: list[int | None] = field(default_factory=lambda: [None, 0, 0, 0, None])
     needed: frozenset[str] = frozenset()
 
 
-def pass_labels(request: SegmentRequest | None, rows: int, width: int, columns: int) -> PassLabels:
-    """What a pass over a ``[rows, width]`` batch reads and writes of its segments.
+def pass_labels(request: SegmentRequest | None, columns: int) -> PassLabels:
+    """What a pass reads and writes of its segments (``columns``: the kernel's row columns).
 
     None where there is no request, or the kernel cannot read its labels (off the CPU, a
     tensor subclass, not integers): the torch road takes the segments.
@@ -80,7 +72,6 @@ def pass_labels(request: SegmentRequest | None, rows: int, width: int, columns: 
         LABEL_KINDS[labels.dtype],
         int(labels.dim() == 2),
         request.segments,
-        int(rows * width / MIN_RUN_TOKENS),
         segment_rows.data_ptr(),
     ]
     return PassLabels(labels, segment_rows, arguments, segment_rows_for(request.groups))

@@ -73,6 +73,8 @@ class PassPlan:
     """The pairs of centred planes whose products are summed: ``pa pb``, then ``a b``."""
     tail: str = field(init=False, compare=False, repr=False)
     """The first of the planes that are not read once the rows are summed."""
+    segment_tops: slice = field(init=False, compare=False, repr=False)
+    """The planes whose largest values a segment row keeps: from ``a`` to ``d``."""
     bottoms: tuple[str, ...] = field(init=False, compare=False, repr=False)
     """The planes whose smallest values are needed: ``r`` and ``d`` (the histograms)."""
     log_ratio: bool = field(init=False, compare=False, repr=False)
@@ -93,6 +95,7 @@ class PassPlan:
             "centred": slice(at["a"], at["rho" if "rho" in at else "d"] + 1),
             "products": (("pa", "pb"), ("a", "b")) if "ab" in at else (("pa", "pb"),),
             "tail": planes[at["ab" if "ab" in at else "papb"] + 1],
+            "segment_tops": slice(at["a"], at["d"] + 1),
             "bottoms": ("r",) * r + ("d",) * histograms,
             "log_ratio": histograms or bool({"kl", "importance_ratio", "sequence"} & groups),
         }

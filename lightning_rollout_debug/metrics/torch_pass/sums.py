@@ -266,7 +266,7 @@ def _reduce_eagerly(
         if plan.worst_tokens_k:
             extremes["key"] = worst_keys(p["l"])
         extremes["top"] = planes.amax(-1)
-        by_segment.keep_largest(_flat(p, planes))
+        by_segment.keep_largest(_flat(p, p.run("a", "d")))  # plan.segment_tops
         return planes.nan_to_num_(nan=math.nan, posinf=INF, neginf=0.0)
 
     p.update(p.names[0], p.names[-2], clear)  # masked, last, counts masked tokens
@@ -408,7 +408,7 @@ def _reduce_compiled(
     fields = (first, top, bottom, None, second, lag, counts, position, probability, worst)
     by_segment = None
     if isinstance(segments, SegmentRows):  # float64 power sums, as the rows'
-        tops = torch.stack([torch.where(counted, raw[n], -INF) for n in names])
+        tops = torch.stack([torch.where(counted, raw[n], -INF) for n in names[plan.segment_tops]])
         low = torch.where(counted, raw["r"], INF) if "r" in plan.bottoms else None
         by_segment = segments.traced(rows, len(names) + 1, at - len(names) - 1, tops, low)
     return (*fields, sums[-1], by_segment)
