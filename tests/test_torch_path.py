@@ -236,10 +236,11 @@ TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].spli
 PLANNED_AT_MOST = {(2, 6): 9, (2, 15): 9}
 """The releases found to plan more than 8 kernels for it (torch 2.13 plans 7)."""
 
-PLANNED_WITH_SEGMENTS = {(2, 13): 18}
-"""The kernels planned for a default update with segment labels, by release: the segment
-rows' bases filled, their scatters, two ATen ``scatter_reduce`` (the largest and
-smallest values by segment row)."""
+PLANNED_WITH_SEGMENTS = {(2, 13): 15}
+"""The kernels planned for a default update with segment labels, by release: besides the
+defaults', the sums by segment row (a base filled, one scatter-add), their largest values
+(a base, the values and the index laid out for an ATen ``scatter_reduce``, and the
+smallest ``r`` taken from them) and the worst tokens' segments."""
 
 
 def _plans(*arguments: str) -> list[tuple[str, ...]]:

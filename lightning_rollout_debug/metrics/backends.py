@@ -69,8 +69,8 @@ def add_batch(
     (a :class:`~.shifts.ShiftSample`) the first rows of a window's first batch.
     ``segments``: a :class:`~.segments.SegmentWindow` and the batch's labels (``[B]`` or
     ``[B, T]``), which the pass reduces its tokens by too (on the kernel's road, each row's
-    runs of equal label summed apart in the same loop; where the kernel leaves them to the
-    torch road, their runs too short, a torch pass of the segments alone).
+    runs of equal label summed apart in the same loop, or its tokens sorted by segment;
+    labels the kernel cannot read, a torch pass of the segments alone).
     """
     device = inputs.mask.device
     if shifts is not None:
@@ -92,7 +92,7 @@ def add_batch(
             found = add_pass(finish, (stats, extras, window), device, more, series)
             if found is None:
                 continue
-            if window is not None and found[2] is None:  # the runs are the torch road's
+            if window is not None and found[2] is None:  # labels the kernel cannot read
                 alone = _torch_sums(inputs, (None, labels), pass_plan(None, None, window),
                                     (window, None), chosen[-1], batch, rank)  # fmt: skip
                 add_states(((window, alone),), device)

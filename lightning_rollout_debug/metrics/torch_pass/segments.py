@@ -157,18 +157,20 @@ class SegmentRows:
         return (*found, None if r is None else r[0], None if shift is None else shift[..., None])
 
     def traced(
-        self, rows: list[Tensor], firsts: int, seconds: int, top: Tensor, low: Tensor | None
+        self, rows: list[Tensor], firsts: int, seconds: int, tops: Tensor, low: bool
     ) -> tuple[Tensor | None, ...]:
         """Traced: the same from the values a compiled pass sums along its rows.
 
         ``rows``: its ``firsts`` values, then ``seconds`` squares and products, ..., and
-        ``r`` last, summed in float64 (nothing is centred); ``top``: the planes whose
-        largest values it takes; ``low``: ``r`` (``+inf`` where not counting) or ``None``.
+        ``r`` last, all summed in float64 in one scatter (nothing is centred); ``tops``:
+        the planes whose largest values it takes, in one scatter too, with ``low``
+        ``-r`` last (``-inf`` where not counting), whose largest is the smallest ``r``.
         """
-        first = self.sums(torch.stack(rows[:firsts]).double())
-        second = self.sums(torch.stack(rows[firsts : firsts + seconds]).double())
-        smallest = None if low is None else self.smallest(low.double())
-        return first, self.largest(top), smallest, second, self.sums(rows[-1])[0], None
+        at = firsts + seconds
+        sums = self.sums(torch.stack([row.double() for row in (*rows[:at], rows[-1])]))
+        largest = self.largest(tops)
+        top, smallest = (largest[:-1], -largest[-1:]) if low else (largest, None)
+        return sums[:firsts], top, smallest, sums[firsts:at], sums[at], None
 
     def _flat(self, planes: Tensor) -> Tensor:
         """``planes`` as ``[n, B T]`` (given so, as they are: a kept view costs nothing)."""

@@ -408,9 +408,12 @@ def _reduce_compiled(
     fields = (first, top, bottom, None, second, lag, counts, position, probability, worst)
     by_segment = None
     if isinstance(segments, SegmentRows):  # float64 power sums, as the rows'
-        tops = torch.stack([torch.where(counted, raw[n], -INF) for n in names[plan.segment_tops]])
-        low = torch.where(counted, raw["r"], INF) if "r" in plan.bottoms else None
-        by_segment = segments.traced(rows, len(names) + 1, at - len(names) - 1, tops, low)
+        tops = [torch.where(counted, raw[n], -INF) for n in names[plan.segment_tops]]
+        low = "r" in plan.bottoms
+        if low:  # the smallest r: the largest -r
+            tops.append(torch.where(counted, -raw["r"], -INF))
+        seconds = at - len(names) - 1
+        by_segment = segments.traced(rows, len(names) + 1, seconds, torch.stack(tops), low)
     return (*fields, sums[-1], by_segment)
 
 
