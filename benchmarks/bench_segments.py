@@ -16,9 +16,11 @@ per-round ratios to ``none``.
 
 ``--compile false`` times the eager torch road (what an accelerator runs without
 ``torch.compile``), ``--compile true`` the compiled one where the kernel does not apply.
+``--device cuda`` times the accelerator's road (compiled by default), the device
+synchronised at the end of each round's updates.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_segments.py [--rounds 7] [--updates 32]
-                                                           [--compile none|false|true]
+        [--compile none|false|true] [--kinds none,turns,...] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -60,9 +62,14 @@ def labels(kind: str, rows: int, width: int) -> torch.Tensor | None:
 
 def seconds_per_update(monitor: RolloutDebugMonitor, batch: dict, updates: int) -> float:
     """The mean time of ``updates`` consecutive updates of ``batch``, then a fresh window."""
+    cuda = batch["response_mask"].is_cuda
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(updates):
         monitor.update(batch)
+    if cuda:
+        torch.cuda.synchronize()
     elapsed = (time.perf_counter() - start) / updates
     monitor.reset()
     return elapsed
@@ -74,17 +81,21 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=32)
     parser.add_argument("--kinds", default="none,turns,uneven,random,rows")
     parser.add_argument("--compile", choices=("none", "false", "true"), default="none")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     compile = {"none": None, "false": False, "true": True}[args.compile]
     kinds = args.kinds.split(",")
     warnings.simplefilter("ignore")
-    print(f"torch threads: {torch.get_num_threads()}, {kernel_width()}, compile={compile}")
+    device = torch.cuda.get_device_name() if args.device == "cuda" else kernel_width()
+    print(f"torch threads: {torch.get_num_threads()}, {device}, compile={compile}")
     for rows, width in SHAPES:
-        base = make_batch((rows, width), torch.float32, "cpu")
+        base = make_batch((rows, width), torch.float32, args.device)
         batches = {}
         for kind in kinds:
             found = labels(kind, rows, width)
-            batches[kind] = base if found is None else {**base, "segment_ids": found}
+            batches[kind] = (
+                base if found is None else {**base, "segment_ids": found.to(args.device)}
+            )
         monitors = {kind: RolloutDebugMonitor(alert_ranges={}, compile=compile) for kind in kinds}
         for kind in kinds:  # warm up: the kernel loaded, the workspaces made
             seconds_per_update(monitors[kind], batches[kind], 2)

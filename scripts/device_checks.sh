@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need an accelerator, in one run of a few minutes: the CUDA tests, the
 # kernel launches of one update, every batch size against the seed, the parts of the
-# update and a short Trainer run.
+# update, a short Trainer run and the cost of segment labels.
 #
 #   bash scripts/device_checks.sh [cuda|cpu] [log folder]
 #
@@ -43,6 +43,8 @@ step launches "$python" benchmarks/bench_launches.py --device "$device" --names
 step sizes "$python" benchmarks/bench_sizes.py --device "$device" --repeats 5 --largest 512x8192
 step update_parts "$python" benchmarks/bench_update_parts.py --device "$device" --rounds 50
 step trainer "$python" benchmarks/bench_trainer.py --accelerator "$accelerator" --rounds 2
+step segments "$python" benchmarks/bench_segments.py --device "$device" --rounds 5 --updates 16 \
+  --kinds none,turns,random
 
 if [ "${#failed[@]}" -gt 0 ]; then
   echo "failed: ${failed[*]}"
