@@ -1,26 +1,28 @@
-"""The sums of a pass by segment: each row's tokens of one segment, as a row of their own.
+"""The sums of a pass by segment: a batch's tokens of one segment, spread over a few rows.
 
 With segment labels (``[B]``: one a row, a data source or a task; ``[B, T]``: one a token,
-the turn of a multi-turn rollout), a pass reduces its planes by *segment row* as well: the
-tokens of row ``i`` labelled ``s`` make row ``i (S + 1) + s`` of ``B (S + 1)``, where ``S``
-is the number of segments and label ``S`` the last, *other* one (every label below 0 or
-above ``S - 1``). An eager pass spreads them over ``L`` *lanes* of ``B (S + 1)`` rows each
-(:func:`lanes_for`), so that row ``r`` is always of segment ``r mod (S + 1)``. A segment
-row is a small window as a row is, its second moments centred at its own mean, and the
-finishing merges the segment rows of each segment
+the turn of a multi-turn rollout), a pass reduces its planes by *segment row* as well.
+Token ``t`` of row ``i``, labelled ``s``, goes to segment row ``(g L + l) (S + 1) + s``
+of ``G L (S + 1)``: ``S`` is the number of segments and label ``S`` the last, *other* one
+(every label below 0 or above ``S - 1``), ``l = t mod L`` its *lane* and ``g = i mod G``
+its row's *group* (:func:`segment_layout`). Row ``r`` is always of segment
+``r mod (S + 1)``; the lanes keep a turn's consecutive tokens from adding into one sum
+one after another, the groups keep rows of a batch apart, and the rows stay as many
+whatever the batch. A segment row is a small window as a row is, its second moments
+centred at its own mean, and the finishing merges the segment rows of each segment
 (:func:`~lightning_rollout_debug.metrics.finish.finish_segments`). Each reduction is one
 scatter, whatever the labels, and nothing waits for the device.
 
 Example:
     >>> import torch
     >>> labels = torch.tensor([[0, 0, 1], [1, 7, -1]])
-    >>> rows = SegmentRows(labels, segments=2, lanes=1)
+    >>> rows = SegmentRows(labels, segments=2, lanes=1, groups=2)
     >>> rows.flat.tolist()  # row i, segment s: i * 3 + s; 7 and -1 are "other" (2)
     [0, 0, 1, 4, 5, 5]
     >>> rows.sums(torch.ones(1, 2, 3)).tolist()
     [[2.0, 1.0, 0.0, 0.0, 1.0, 2.0]]
-    >>> SegmentRows(labels, segments=2, lanes=2).flat.tolist()  # lane 1: 6 rows on
-    [0, 6, 1, 4, 11, 5]
+    >>> SegmentRows(labels, segments=2, lanes=2, groups=1).flat.tolist()  # lane 1: 3 on
+    [0, 3, 1, 1, 5, 2]
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_rollout_debug.metrics.layout import compiling
 from lightning_rollout_debug.metrics.torch_pass.constants import by_shape
 
-MAX_LANE_ROWS = 16384
-"""The most segment rows an eager pass spreads a batch's into (:func:`lanes_for`)."""
+LANES = 8
+"""``L``: the lanes of a batch's segment rows (:func:`segment_layout`)."""
+MAX_SEGMENT_ROWS = 4096
+"""The most segment rows of a batch (:func:`segment_layout`)."""
 
 
 class NoSegments:
@@ -66,45 +69,48 @@ class SegmentRows:
         labels: ``[B]`` or ``[B, T]`` integer segment labels (any integer dtype).
         segments: ``S``, the number of named segments; the rows have ``S + 1`` each.
         width: ``T`` (needed with ``[B]`` labels).
-        lanes: ``L`` (by default 1 traced, else :func:`lanes_for`).
+        lanes, groups: ``L`` and ``G`` (by default :func:`segment_layout`'s).
     """
 
     def __init__(
-        self, labels: Tensor, segments: int, width: int | None = None, lanes: int | None = None
+        self,
+        labels: Tensor,
+        segments: int,
+        width: int | None = None,
+        lanes: int | None = None,
+        groups: int | None = None,
     ) -> None:
         self.segments = segments
-        self.per_row = segments + 1
+        self.per_row = per_row = segments + 1
         rows = labels.shape[0]
         width = labels.shape[1] if width is None else width
-        if lanes is None:
-            lanes = 1 if compiling() else lanes_for(rows, self.per_row)
-        self.lanes = lanes
-        """``L``: the segment rows of each row and segment (:func:`lanes_for`)."""
-        self.count = self.lanes * rows * self.per_row
-        """The segment rows: ``L B (S + 1)``."""
+        default_lanes, default_groups = segment_layout(segments)
+        lanes = default_lanes if lanes is None else lanes
+        groups = default_groups if groups is None else groups
+        self.count = groups * lanes * per_row
+        """The segment rows: ``G L (S + 1)``."""
         signed = labels if labels.dtype.is_signed else labels.long()
         # -1 and every label above S - 1 become S: the "other" segment.
-        label = signed.clamp(-1, segments).remainder_(self.per_row)
+        label = signed.clamp(-1, segments).remainder_(per_row)
 
-        def starts(device: torch.device) -> Tensor:
-            first = torch.arange(rows, device=device) * self.per_row
-            return first if labels.dim() == 1 else first.unsqueeze(1)
+        def group_starts(device: torch.device) -> Tensor:
+            group = torch.arange(rows, device=device).remainder_(groups).mul_(lanes * per_row)
+            return group if labels.dim() == 1 else group.unsqueeze(1)
 
-        def spread(device: torch.device) -> Tensor:
-            lane = torch.arange(width, device=device).remainder_(lanes)
-            return lane.mul_(rows * self.per_row).unsqueeze(0)
+        def lane_starts(device: torch.device) -> Tensor:
+            return torch.arange(width, device=device).remainder_(lanes).mul_(per_row).unsqueeze(0)
 
-        index = label + by_shape(("segment starts", segments), labels, starts)
-        # Each token's lane added (with [B] labels, each row's spread along it): the same
-        # operation for one lane, whatever the batch's size.
-        lane = by_shape(("lanes", lanes, width, segments), labels, spread)
+        key = (segments, lanes, groups)
+        index = label + by_shape(("segment groups", *key), labels, group_starts)
+        # Each token's lane added (with [B] labels, each row's spread along it).
+        lane = by_shape(("segment lanes", *key, width), labels, lane_starts)
         index = index.unsqueeze(1) + lane if index.dim() == 1 else index.add_(lane)
         self.flat = index.view(-1)
         """``[B T]``: the segment row of each token."""
         self._kept: dict[str, Tensor | None] = {}
 
     def sums(self, planes: Tensor) -> Tensor:
-        """``[n, L B (S + 1)]``: the sums of ``planes`` (``[n, B, T]`` or ``[B, T]``)."""
+        """``[n, G L (S + 1)]``: the sums of ``planes`` (``[n, B, T]`` or ``[B, T]``)."""
         flat = self._flat(planes)
         return _base(self, flat, 0.0).index_add(1, self.flat, flat)
 
@@ -184,7 +190,7 @@ class SegmentRows:
 
 
 def _base(rows: SegmentRows, flat: Tensor, fill: float) -> Tensor:
-    """``[n, B (S + 1)]`` filled with ``fill``, made once a shape (what a scatter starts from)."""
+    """``[n, G L (S + 1)]`` filled with ``fill``, made once a shape (a scatter's start)."""
     shape = (flat.shape[0], rows.count)
 
     def make(device: torch.device) -> Tensor:
@@ -193,16 +199,17 @@ def _base(rows: SegmentRows, flat: Tensor, fill: float) -> Tensor:
     return by_shape(("segment base", fill, shape, flat.dtype), flat, make)
 
 
-def lanes_for(rows: int, per_row: int) -> int:
-    """``L``: how many segment rows an eager pass gives each row's tokens of one segment.
+def segment_layout(segments: int) -> tuple[int, int]:
+    """``L`` and ``G``: the lanes and the groups of rows of a batch's segment rows.
 
-    Token ``t`` goes to lane ``t mod L`` (row ``l B (S + 1) + i (S + 1) + s``): a turn's
-    consecutive tokens then add into ``L`` sums in turn, not into one (on a CPU a scatter
-    into one sum waits for each addition; 4.1x the time of 8 lanes for 16 turns of 128
-    tokens). At most 8 lanes and :data:`MAX_LANE_ROWS` rows, whose sums wait to be merged.
+    :data:`LANES` lanes: a scatter into one sum waits for each addition (on a CPU, 16
+    turns of 128 tokens take 4.1x the time of 8 lanes; on a GPU, a warp's atomic additions
+    to one address queue), and as many groups as :data:`MAX_SEGMENT_ROWS` rows hold, at
+    least one. Fixed by ``S`` alone: a compiled pass keeps one shape for any batch, and
+    the sums waiting in a window (32 batches) stay small.
 
     Example:
-        >>> lanes_for(64, 17), lanes_for(256, 17), lanes_for(1024, 17)
-        (8, 3, 1)
+        >>> segment_layout(16), segment_layout(256)
+        ((8, 30), (8, 1))
     """
-    return max(1, min(8, MAX_LANE_ROWS // (rows * per_row)))
+    return LANES, max(1, MAX_SEGMENT_ROWS // (LANES * (segments + 1)))
