@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from lightning_rollout_debug.checks.findings import Diagnosis
 from lightning_rollout_debug.metrics.formulas import Window, pair_agreement
-from lightning_rollout_debug.metrics.shifts import lag_sums
+from lightning_rollout_debug.metrics.shifts import LAGS, SUMS
 
 MIN_SHIFT_PAIRS = 48
 """Pairs a lag of the sample needs before it is judged."""
@@ -54,17 +56,16 @@ def shifted(window: Window) -> Diagnosis | None:
     """
     if window.shifts is None:
         return None
-    fits = {lag: pair_agreement(sums) for lag, sums in lag_sums(window.shifts).items()}
-    pairs = {lag: sums[0] for lag, sums in lag_sums(window.shifts).items()}
-    candidates = [
-        lag
-        for lag, (correlation, _) in fits.items()
-        if abs(lag) >= 2 and pairs[lag] >= MIN_SHIFT_PAIRS and not math.isnan(correlation)
-    ]
-    if not candidates:
+    # Every lag's sums, lag -LAGS first (:func:`~.shifts.lag_sums`), judged at once.
+    sums = np.asarray(window.shifts, dtype=np.float64).reshape(len(SUMS), 2 * LAGS + 1)
+    correlation, spreads = pair_agreement(*sums)
+    lags = np.arange(-LAGS, LAGS + 1)
+    candidate = (np.abs(lags) >= 2) & (sums[0] >= MIN_SHIFT_PAIRS) & ~np.isnan(correlation)
+    if not candidate.any():
         return None
-    lag = max(candidates, key=lambda lag: fits[lag][0])
-    (best, spread), (unshifted, spread_0) = fits[lag], fits[0]
+    at = int(np.argmax(np.where(candidate, correlation, -np.inf)))  # the first best lag
+    lag, best, spread = int(lags[at]), float(correlation[at]), float(spreads[at])
+    unshifted, spread_0 = float(correlation[LAGS]), float(spreads[LAGS])
     if best < SHIFTED_CORRELATION:
         return None
     margin = math.isnan(unshifted) or best - unshifted >= SHIFT_MARGIN

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 import torch
+from numpy.typing import ArrayLike
 
 from lightning_rollout_debug.metrics.layout import STATE
 from lightning_rollout_debug.metrics.profile import Profile
-from lightning_rollout_debug.metrics.sawtooth import Sawtooth, Series, sawtooth
+from lightning_rollout_debug.metrics.sawtooth import Sawtooth, Series
 
 _AT = STATE.at
 
@@ -51,7 +54,6 @@ class Window:
         self.shifts = shifts
         """The sums at every lag of the window's sample, if kept (:class:`~.shifts.ShiftSample`,
         read with :func:`~.shifts.lag_sums`)."""
-        self._sawtooth: tuple[Sawtooth | None] | None = None
         self.n = state[_AT["count"]]
         """Counting tokens."""
         self.sequences = state[_AT["sequences"]]
@@ -94,9 +96,7 @@ class Window:
     @property
     def sawtooth(self) -> Sawtooth | None:
         """The rise and drop of stale weights in the run's series (:func:`~.sawtooth.sawtooth`)."""
-        if self._sawtooth is None:
-            self._sawtooth = (None if self.series is None else sawtooth(self.series),)
-        return self._sawtooth[0]
+        return None if self.series is None else self.series.rise_and_drop
 
 
 def stale_period(w: Window) -> float:
@@ -118,47 +118,55 @@ def _clamp(value: float, low: float, high: float) -> float:
 
 
 def pearson_from_moments(
-    n: float,
-    mean_x: float,
-    mean_y: float,
-    m_xx: float,
-    m_yy: float,
-    m_xy: float,
+    n: ArrayLike,
+    mean_x: ArrayLike,
+    mean_y: ArrayLike,
+    m_xx: ArrayLike,
+    m_yy: ArrayLike,
+    m_xy: ArrayLike,
     *,
     resolution: float = _CONSTANT_RELATIVE_STD,
-) -> float:
+) -> Any:
     """Pearson correlation from a count, two means and the centred co-moments.
 
     NaN when ``n < 2`` or when either side is constant: its standard deviation is at
     most ``resolution`` times its mean (by default what float32 arithmetic resolves,
-    that of the probabilities of the catalog).
+    that of the probabilities of the catalog). Element by element for NumPy arrays (a
+    float for floats).
     """
     root = _pearson_root(n, mean_x, mean_y, m_xx, m_yy, resolution)
-    return math.nan if root is None else _clamp(m_xy / root, -1.0, 1.0)
+    with np.errstate(all="ignore"):
+        return _plain(np.clip(np.asarray(m_xy, dtype=np.float64) / root, -1.0, 1.0))
 
 
 def _pearson_root(
-    n: float,
-    mean_x: float,
-    mean_y: float,
-    m_xx: float,
-    m_yy: float,
+    n: ArrayLike,
+    mean_x: ArrayLike,
+    mean_y: ArrayLike,
+    m_xx: ArrayLike,
+    m_yy: ArrayLike,
     resolution: float = _CONSTANT_RELATIVE_STD,
-) -> float | None:
-    """``sqrt(M_xx) sqrt(M_yy)``, or ``None`` where the correlation is undefined.
+) -> np.ndarray:
+    """``sqrt(M_xx) sqrt(M_yy)``, NaN where the correlation is undefined.
 
     The roots are taken apart so that the product of the co-moments cannot overflow
     where each is finite (float64 probabilities above ``e^177``); a co-moment that did
     overflow leaves the correlation undefined.
     """
-    if n < 2:
-        return None
-    for m_self, center in ((m_xx, mean_x), (m_yy, mean_y)):
-        if math.sqrt(max(m_self, 0.0) / n) <= resolution * abs(center):
-            return None
-        if not 0.0 < m_self < math.inf:
-            return None
-    return math.sqrt(m_xx) * math.sqrt(m_yy)
+    n, mean_x, mean_y, m_xx, m_yy = (
+        np.asarray(value, dtype=np.float64) for value in (n, mean_x, mean_y, m_xx, m_yy)
+    )
+    with np.errstate(all="ignore"):
+        defined = ~(n < 2)
+        for m_self, center in ((m_xx, mean_x), (m_yy, mean_y)):
+            defined &= ~(np.sqrt(np.maximum(m_self, 0.0) / n) <= resolution * np.abs(center))
+            defined &= (m_self > 0.0) & (m_self < math.inf)
+        return np.where(defined, np.sqrt(m_xx) * np.sqrt(m_yy), math.nan)
+
+
+def _plain(value: np.ndarray) -> Any:
+    """A float for a 0-d array, else the array."""
+    return float(value) if value.ndim == 0 else value
 
 
 def _probability_moments(w: Window) -> tuple[float, ...]:
@@ -180,8 +188,8 @@ def pearson(w: Window) -> float:
 def one_minus_pearson(w: Window) -> float:
     """``1 - rho`` as ``(sqrt(M_xx M_yy) - M_xy) / sqrt(M_xx M_yy)``, clamped to ``[0, 2]``."""
     n, mean_x, mean_y, m_xx, m_yy, m_xy = _probability_moments(w)
-    root = _pearson_root(n, mean_x, mean_y, m_xx, m_yy)
-    return math.nan if root is None else _clamp((root - m_xy) / root, 0.0, 2.0)
+    root = float(_pearson_root(n, mean_x, mean_y, m_xx, m_yy))
+    return math.nan if math.isnan(root) else _clamp((root - m_xy) / root, 0.0, 2.0)
 
 
 def effective_sample_size(w: Window) -> float:
@@ -234,28 +242,44 @@ def lag_correlations(w: Window) -> dict[int, float]:
     }  # fmt: skip
 
 
-def _pearson_of_sums(n: float, sx: float, sy: float, sxx: float, syy: float, sxy: float) -> float:
+def _pearson_of_sums(
+    n: ArrayLike, sx: ArrayLike, sy: ArrayLike, sxx: ArrayLike, syy: ArrayLike, sxy: ArrayLike
+) -> Any:
     """Pearson correlation from a count and the sums of ``x``, ``y``, ``x^2``, ``y^2``, ``xy``.
 
-    Plain sums serve log-probs, whose spread is never small against their mean.
+    Plain sums serve log-probs, whose spread is never small against their mean. Element
+    by element for NumPy arrays.
     """
-    if n < 2:
-        return math.nan
-    mean_x, mean_y = sx / n, sy / n
-    m_xx, m_yy = sxx - sx * mean_x, syy - sy * mean_y
-    return pearson_from_moments(n, mean_x, mean_y, m_xx, m_yy, sxy - sx * mean_y)
+    n, sx, sy, sxx, syy, sxy = (
+        np.asarray(value, dtype=np.float64) for value in (n, sx, sy, sxx, syy, sxy)
+    )
+    with np.errstate(all="ignore"):
+        mean_x, mean_y = sx / n, sy / n
+        m_xx, m_yy = sxx - sx * mean_x, syy - sy * mean_y
+        return pearson_from_moments(n, mean_x, mean_y, m_xx, m_yy, sxy - sx * mean_y)
 
 
-def pair_agreement(sums: Sequence[float]) -> tuple[float, float]:
+def pair_agreement(
+    n: ArrayLike, sa: ArrayLike, sb: ArrayLike, saa: ArrayLike, sbb: ArrayLike, sab: ArrayLike
+) -> tuple[Any, Any]:
     """The correlation and mean squared difference of pairs ``(a, b)`` from their sums.
 
-    ``sums``: their number and the sums of ``a``, ``b``, ``a^2``, ``b^2`` and ``a b`` (a
-    lag's :data:`~.shifts.SUMS`). NaN for both with fewer than two pairs.
+    Their number and the sums of ``a``, ``b``, ``a^2``, ``b^2`` and ``a b`` (a lag's
+    :data:`~.shifts.SUMS`; arrays: every lag's at once). NaN for both with fewer than two
+    pairs.
+
+    Example:
+        >>> import numpy as np
+        >>> a, b = np.array([1.0, 2.0, 3.0]), np.array([1.0, 2.0, 3.5])
+        >>> correlation, spread = pair_agreement(3, a.sum(), b.sum(), a @ a, b @ b, a @ b)
+        >>> round(correlation, 4), round(spread, 4)
+        (0.9934, 0.0833)
     """
-    n, sa, sb, saa, sbb, sab = sums
-    if n < 2:
-        return math.nan, math.nan
-    return _pearson_of_sums(n, sa, sb, saa, sbb, sab), max(saa + sbb - 2.0 * sab, 0.0) / n
+    n = np.asarray(n, dtype=np.float64)
+    saa, sbb, sab = (np.asarray(value, dtype=np.float64) for value in (saa, sbb, sab))
+    with np.errstate(all="ignore"):
+        spread = np.where(n < 2, math.nan, np.maximum(saa + sbb - 2.0 * sab, 0.0) / n)
+    return _pearson_of_sums(n, sa, sb, saa, sbb, sab), _plain(spread)
 
 
 def alignment_lag(w: Window) -> float:

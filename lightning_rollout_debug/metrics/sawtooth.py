@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,11 @@ class Series:
     def error(self, t: int) -> float:
         """The standard error of batch ``t``'s mean (0 where not given)."""
         return self.errors[t] if self.errors else 0.0
+
+    @functools.cached_property
+    def rise_and_drop(self) -> Sawtooth | None:
+        """:func:`sawtooth` of the series, found once (the metrics and the diagnoses read it)."""
+        return sawtooth(self)
 
 
 @dataclass(frozen=True)

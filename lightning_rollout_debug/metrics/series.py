@@ -85,7 +85,11 @@ class MismatchSeries(Locked):
         options: dict[str, Any] = {"dtype": torch.float64, "device": device}
         if not batches:
             return torch.zeros(self.size, **options)
-        sums = torch.stack([_batch_sums(parts, device) for parts in batches])
+        if all(len(parts) == 1 and isinstance(parts[0], Tensor) for parts in batches):
+            # The native kernel's states, one a batch: read together, in a few operations.
+            sums = _state_sums(torch.stack([parts[0] for parts in batches]).to(device))
+        else:
+            sums = torch.stack([_batch_sums(parts, device) for parts in batches])
         rows = torch.cat([sums, torch.ones(len(batches), 1, **options)], dim=1)
         return torch.nn.functional.pad(rows, (0, 0, SERIES_LENGTH - len(batches), 0)).flatten()
 
@@ -158,8 +162,7 @@ def _batch_sums(parts: Sequence[Tensor | TokenSums], device: torch.device) -> Te
     total: Tensor | None = None
     for part in parts:
         if isinstance(part, Tensor):  # a packed statistics state (the native kernel's)
-            tokens, mean = part[_COUNT], part[_MEAN]
-            sums = torch.stack([mean * tokens, tokens, part[_SPREAD] + tokens * mean * mean])
+            sums = _state_sums(part.unsqueeze(0))[0]
         else:  # the row sums of a torch pass: |r|'s, and its centred squares
             part = moment_rows(part)
             at, centred = part.plan.at, part.plan.centred.start
@@ -177,6 +180,12 @@ def _batch_sums(parts: Sequence[Tensor | TokenSums], device: torch.device) -> Te
         total = sums if total is None else total + sums
     assert total is not None
     return total
+
+
+def _state_sums(states: Tensor) -> Tensor:
+    """``[n, 3]``: the sums of ``|r|``, tokens and ``r^2`` of ``n`` packed statistics states."""
+    tokens, mean = states[:, _COUNT], states[:, _MEAN]
+    return torch.stack([mean * tokens, tokens, states[:, _SPREAD] + tokens * mean * mean], dim=1)
 
 
 def _row(field: Tensor | Sequence[Tensor], index: int) -> Tensor:
