@@ -611,6 +611,25 @@ def test_the_state_size_follows_max_segments_not_the_steps(compile: bool | None)
     assert sizes[64, 1] > sizes[4, 1], sizes
 
 
+def test_the_sums_waiting_by_segment_do_not_grow_with_the_batch() -> None:
+    """An eager pass keeps its sums by segment row in ``G L (S + 1)`` rows (8 lanes, groups
+    of rows), at most 4,096 whatever the batch: a batch of 4 rows and one of 600 leave as
+    many waiting in the window, and the window logs each segment as the reference has it."""
+    rng = np.random.default_rng(7)
+    counts = []
+    for rows in (4, 600):
+        batch = labelled(make_batch(rows, 64, seed=rows), turns(rng, rows, 64, 16))
+        monitor = monitor_of(max_segments=16, compile=False)
+        monitor.update(batch)
+        [sums] = monitor._segments._pending
+        first = sums.segments[0]
+        counts.append(first.shape[-1])
+        assert first.shape[-1] % 17 == 0 and first.shape[-1] <= 4096
+        want = expected_segments(window_segments([batch], 16))
+        assert_segments(log_segments(monitor, 1), want, f"{rows} rows")
+    assert counts[0] == counts[1], counts
+
+
 @pytest.mark.parametrize("kind", LABELS)
 def test_a_checkpoint_mid_window_logs_what_an_uninterrupted_window_logs(kind: str) -> None:
     batches = road_batches(kind)[:4]
