@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,25 @@ NEEDS_CXX = pytest.mark.skipif(
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "lightning_rollout_debug" / "metrics" / "native" / "row_sums.cpp"
 """The kernel's source, in the checkout."""
+
+
+def changed_kernel(folder: Path, name: str, old: str, new: str) -> Path:
+    """The kernel built from its source with ``old`` (found once) replaced by ``new``.
+
+    Skips the test without a C++ compiler.
+    """
+    compiler = cxx()
+    if compiler is None:
+        pytest.skip("builds a changed kernel: needs a C++ compiler")
+    source = SOURCE.read_text()
+    assert source.count(old) == 1, old
+    code, library = folder / f"{name}.cpp", folder / f"{name}.so"
+    code.write_text(source.replace(old, new))
+    subprocess.run(
+        [compiler, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(library), str(code)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    return library
 
 
 def load_setup() -> ModuleType:

@@ -19,7 +19,14 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import REGIMES, SOURCE, Batch, cxx, kernel_skip_reason, make_batch, reference_for
+from conftest import (
+    REGIMES,
+    Batch,
+    changed_kernel,
+    kernel_skip_reason,
+    make_batch,
+    reference_for,
+)
 from lightning_helpers import TRAINER_DEFAULTS, MemoryLogger, RolloutModule, make_batches
 from reference import assert_metrics_close, reference_metrics
 
@@ -734,19 +741,7 @@ def test_a_kernel_built_for_another_profile_is_not_loaded(
 def test_a_kernel_that_forgets_a_slot_is_not_loaded(tmp_path: Path) -> None:
     """The loader runs the finishing step once: a slot it leaves unwritten (here the sum of
     k3, dropped from ``StateOf::write``) would read as an empty window at every step."""
-    compiler = cxx()
-    if compiler is None:
-        pytest.skip("builds a changed kernel: needs a C++ compiler")
-    source = SOURCE.read_text()
-    entry = "{c_k3, s_k3},"
-    assert source.count(entry) == 1
-    code = tmp_path / "forgetful.cpp"
-    code.write_text(source.replace(entry, ""))
-    library = tmp_path / "forgetful.so"
-    subprocess.run(
-        [compiler, "-O1", "-shared", "-fPIC", "-o", str(library), str(code)],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+    library = changed_kernel(tmp_path, "forgetful", "{c_k3, s_k3},", "")
     forgetful = ctypes.CDLL(str(library))
     with pytest.raises(native.KernelUnavailable, match=r"leaves the slots \['kl_k3'\] unwritten"):
         native.loader.bind(forgetful, library, ROW_FIELDS)

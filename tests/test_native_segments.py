@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import ctypes
 import math
-import subprocess
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import REGIMES, SOURCE, cxx, kernel_skip_reason, make_batch
+from conftest import REGIMES, changed_kernel, kernel_skip_reason, make_batch
 from reference import assert_metrics_close, reference_metrics
 
 from lightning_rollout_debug import GROUPS, MismatchStats, RolloutDebugMonitor
@@ -57,6 +56,13 @@ EXACT = (
     "max_log_diff",
 )
 _NAMES = [name for block in STATE.blocks for name in block.names]
+
+
+KINDS = ("rows", "turns", "runs", "tokens")
+"""The kinds of labels of :func:`labels_of`."""
+MASK_DTYPES = (torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32, torch.float16)
+"""The mask dtypes a batch may have (the kernel reads the first five as they are, the last
+as a bool copy)."""
 
 
 def labels_of(kind: str, rng: np.random.Generator, shape: tuple[int, int]) -> torch.Tensor:
@@ -185,11 +191,9 @@ def conditioned(rng: np.random.Generator, shape: tuple[int, int], **kwargs: obje
     return batch
 
 
-@pytest.mark.parametrize("kind", ["rows", "turns", "runs", "tokens"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "mask_dtype", [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32, torch.float16]
-)
+@pytest.mark.parametrize("mask_dtype", MASK_DTYPES)
 def test_kernel_segments_match_the_reference(
     kind: str, dtype: torch.dtype, mask_dtype: torch.dtype
 ) -> None:
@@ -212,11 +216,9 @@ def test_kernel_segments_match_the_reference(
                 assert_segments_match_the_reference(got, batch, labels)
 
 
-@pytest.mark.parametrize("kind", ["rows", "turns", "runs", "tokens"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "mask_dtype", [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32, torch.float16]
-)
+@pytest.mark.parametrize("mask_dtype", MASK_DTYPES)
 def test_kernel_segments_match_the_torch_road(
     kind: str, dtype: torch.dtype, mask_dtype: torch.dtype
 ) -> None:
@@ -248,7 +250,7 @@ def test_every_width_sums_the_segments_as_the_reference(
     rng = np.random.default_rng(66 + lanes)
     for shape in ((7, 100), (3, 37), (5, 3), (2, 1), (3, 1100)):
         batch = make_batch(rng, shape, regime="mixed", mask_kind="counts", special_rate=0.03)
-        for kind in ("rows", "turns", "runs", "tokens"):
+        for kind in KINDS:
             labels = labels_of(kind, rng, shape)
             for stats in (None, MismatchStats(groups=ALL)):
                 got = kernel_segments(batch, labels, stats=stats)
@@ -331,7 +333,7 @@ def test_segments_leave_the_statistics_and_the_extras_as_they_were() -> None:
     stats = MismatchStats(groups=ALL)
     extras = TokenExtras(histograms=True, worst_tokens_k=5, profile=True)
     alone = backends.kernel_states(inputs, stats=stats, extras=extras)
-    for kind in ("rows", "turns", "runs", "tokens"):
+    for kind in KINDS:
         labels = labels_of(kind, rng, (9, 333))
         found = backends.kernel_states(
             inputs, stats=stats, extras=extras, segments=(SegmentWindow(5), labels)
@@ -422,19 +424,9 @@ def test_a_monitor_logs_the_torch_roads_segments_on_the_kernels(native_calls: li
 def test_a_kernel_that_finishes_other_slots_of_the_segments_is_not_loaded(tmp_path: Path) -> None:
     """The loader runs a pass with segments once: a segment's copy that held a slot of the
     sequence or the health group (here the health group among the segments') is refused."""
-    compiler = cxx()
-    if compiler is None:
-        pytest.skip("builds a changed kernel: needs a C++ compiler")
-    source = SOURCE.read_text()
     groups = "(1 << g_kl) | (1 << g_ratio);"
-    assert source.count(groups) == 1
-    code = tmp_path / "overreaching.cpp"
-    code.write_text(source.replace(groups, "(1 << g_kl) | (1 << g_ratio) | (1 << g_health);"))
-    library = tmp_path / "overreaching.so"
-    subprocess.run(
-        [compiler, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(library), str(code)],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+    widened = "(1 << g_kl) | (1 << g_ratio) | (1 << g_health);"
+    library = changed_kernel(tmp_path, "overreaching", groups, widened)
     with pytest.raises(native.KernelUnavailable, match="finishes the segments otherwise"):
         native.loader.bind(ctypes.CDLL(str(library)), library, ROW_FIELDS)
     real = native.load()

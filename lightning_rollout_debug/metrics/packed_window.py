@@ -368,8 +368,8 @@ def _finish(windows: Sequence[ThreadSafeWindow]) -> list[tuple[list[Any], Tensor
     for window in windows:
         sums = [part for part in window._pending if isinstance(part, TokenSums)]
         if window.segments_window and sums:
-            # The passes of one plan together: the kernel leaves a batch's segments to a
-            # pass of their own (`backends.add_batch`).
+            # The passes of one plan together: a batch whose labels the kernel cannot read
+            # has its segments in a pass of their own (`backends.add_batch`).
             plans = {id(part.plan): part.plan for part in sums}.values()
             finished[id(window)] = (
                 [finish_segments([s for s in sums if s.plan is plan]) for plan in plans],

@@ -1957,8 +1957,9 @@ void run(const void* rollout, const void* old, int log_prob_kind, const void* ma
   X(g_seed, "seed") X(g_log_space, "log_space") X(g_kl, "kl") X(g_ratio, "importance_ratio") \
   X(g_sequence, "sequence") X(g_health, "health")
 // The fields of a worst-token candidate (`WORST_FIELDS` in worst_tokens.py): `segment` is
-// the token's segment (-1 here: the kernel never runs on a batch with segment labels),
-// `context_j` the id j positions before the token in its row.
+// the token's segment (-1 here: `label_candidates` in worst_tokens.py writes it from the
+// labels once the candidates are finished), `context_j` the id j positions before the
+// token in its row.
 #define ROLLOUT_WORST_FIELDS(X)                                                             \
   X(w_key, "abs_log_ratio") X(w_r, "log_ratio") X(w_pa, "actor_prob") X(w_pb, "rollout_prob") \
   X(w_batch, "batch") X(w_row, "row") X(w_position, "position") X(w_id, "token_id")         \

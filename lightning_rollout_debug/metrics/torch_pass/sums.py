@@ -117,7 +117,7 @@ class TokenSums:
     plan that needs none, :attr:`PassPlan.log_ratio`)."""
     segments: tuple[Tensor | None, ...] | None = None
     """The same sums by segment row (:mod:`.segments`): ``first``, ``top``, the smallest ``r``,
-    ``second``, the sums of ``r`` and ``shift``, each over ``B (S + 1)`` segment rows
+    ``second``, the sums of ``r`` and ``shift``, each over ``G L (S + 1)`` segment rows
     (``None``: no segment labels). Eagerly the second moments are centred at each segment
     row's mean (``shift``), and the rows' own (:attr:`shift` ``None``) are not kept."""
     position_planes: tuple[str, ...] = ()
@@ -258,6 +258,7 @@ def _reduce_eagerly(
     one = p["one"]
     width = one.shape[-1]
     missing = _missing(one)
+    tops = p.names[plan.segment_tops.start], p.names[plan.segment_tops.stop - 1]
     extremes: dict[str, Tensor] = {}
     bottom = _smallest(plan, p, missing, by_segment)
 
@@ -266,7 +267,7 @@ def _reduce_eagerly(
         if plan.worst_tokens_k:
             extremes["key"] = worst_keys(p["l"])
         extremes["top"] = planes.amax(-1)
-        by_segment.keep_largest(_flat(p, p.run("a", "d")))  # plan.segment_tops
+        by_segment.keep_largest(_flat(p, p.run(*tops)))
         return planes.nan_to_num_(nan=math.nan, posinf=INF, neginf=0.0)
 
     p.update(p.names[0], p.names[-2], clear)  # masked, last, counts masked tokens
