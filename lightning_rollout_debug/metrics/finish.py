@@ -100,10 +100,10 @@ class RowSums:
         totals = self._over(first, torch.sum)
         self.row_top = _rows(batches, "top")
         self.total = dict(zip(plan.planes, totals.unbind(), strict=True))
-        # All but the last (``masked``); those of ``segment_tops`` for segment rows.
+        # Those of ``tops``; of ``segment_tops`` for segment rows.
         largest = self._over(self.row_top, torch.amax).unbind()
-        tops = plan.planes[plan.segment_tops] if groups else plan.planes
-        self.largest = dict(zip(tops, largest, strict=False))
+        tops = plan.planes[plan.segment_tops if groups else plan.tops]
+        self.largest = dict(zip(tops, largest, strict=True))
         self.smallest: dict[str, Tensor] = {}
         if plan.bottoms:
             bottoms = self._over(_rows(batches, "bottom"), torch.amin).unbind()

@@ -1,6 +1,6 @@
 """The extras of a pass: counted bins, sums by bucket, worst-token candidates.
 
-Eagerly (:func:`bin_indices`, :func:`count_bins`, :func:`by_position`,
+Eagerly (:func:`eager_extras`: :func:`bin_indices`, :func:`count_bins`, :func:`by_position`,
 :func:`by_probability`): the bins' indices in planes of their own, counted in one
 scatter-add; compiled (:func:`scattered`): every counted bin and sum by bucket in one
 float64 scatter-add. The worst tokens are the ``k`` largest keys (:func:`worst_keys`),
@@ -53,6 +53,34 @@ def worst_keys(abs_r: Tensor) -> Tensor:
 
     keys = torch.add(by_shape("row starts", abs_r, starts), bits, alpha=1 << 32)
     return keys.sub_(by_shape("columns", abs_r, lambda device: torch.arange(width, device=device)))
+
+
+def eager_extras(
+    plan: PassPlan,
+    p: Planes,
+    edges: Constants,
+    key: Tensor | None,
+    token_ids: Tensor | None,
+    by_segment: SegmentRows | NoSegments,
+) -> tuple[Tensor | None, ...]:
+    """An eager pass's counted bins, sums by position and by probability, and candidates.
+
+    The candidates are the worst tokens of ``key`` (:func:`worst_keys`); each is ``None``
+    where the plan has none.
+    """
+    width = p["one"].shape[-1]
+    position = probability = counts = worst = None
+    if plan.parts:  # the tokens that do not count land in each part's bin of 0 values
+        if plan.profile:
+            every = p.run(p.names[0], p.names[-1])
+            position = by_position(every.sum(1), width, edges.position)
+        indices = bin_indices(plan, p, edges)
+        if plan.profile:
+            probability = by_probability(p, indices["probability"])
+        counts = count_bins(plan, indices)
+    if key is not None:
+        worst = worst_candidates(key, p, token_ids, plan.worst_tokens_k, width, None, by_segment)
+    return counts, position, probability, worst
 
 
 def bin_indices(plan: PassPlan, p: Planes, edges: Constants) -> Planes:

@@ -67,12 +67,19 @@ class PassPlan:
     """Whether any extra is on."""
     index_planes: int = field(init=False, compare=False, repr=False)
     """The planes of the extras' bin indices: one a counted part, two for the joint bins."""
+    lean: bool = field(init=False, compare=False, repr=False)
+    """Whether the pass is of :data:`LEAN_PLANES`: no extras, no segments, and only the
+    seed, log-space and sequence groups among the statistics."""
     centred: slice = field(init=False, compare=False, repr=False)
-    """The planes centred at their rows' means: from ``a`` to ``rho`` (or ``d``)."""
+    """The planes centred at their rows' means: from ``a`` to ``rho`` (or ``d``); the lean
+    planes from ``l`` to ``pb``."""
     products: tuple[tuple[str, str], ...] = field(init=False, compare=False, repr=False)
     """The pairs of centred planes whose products are summed: ``pa pb``, then ``a b``."""
     tail: str = field(init=False, compare=False, repr=False)
     """The first of the planes that are not read once the rows are summed."""
+    tops: slice = field(init=False, compare=False, repr=False)
+    """The planes whose rows' largest values a pass keeps: all but ``masked``; of the lean
+    planes, ``a`` to ``d``."""
     segment_tops: slice = field(init=False, compare=False, repr=False)
     """The planes whose largest values a segment row keeps: from ``a`` to ``d``."""
     bottoms: tuple[str, ...] = field(init=False, compare=False, repr=False)
@@ -85,16 +92,20 @@ class PassPlan:
         derived: dict[str, Any] = {"parts": counted_parts(histograms, profile)}
         derived["extras"] = histograms or profile or self.worst_tokens_k > 0
         derived["index_planes"] = len(derived["parts"]) + int(profile)
-        lean = not (derived["extras"] or {"kl", "importance_ratio", "health"} & groups)
+        others = {"kl", "importance_ratio", "health"} & groups
+        lean = not (derived["extras"] or others or self.segments)
         planes = LEAN_PLANES if lean else plane_names(self, derived["index_planes"])
         at = {name: i for i, name in enumerate(planes)}
         r = "importance_ratio" in groups or histograms
+        centred = (at["l"], at["pb"]) if lean else (at["a"], at["rho" if "rho" in at else "d"])
         derived |= {
             "planes": planes,
             "at": at,
-            "centred": slice(at["a"], at["rho" if "rho" in at else "d"] + 1),
+            "lean": lean,
+            "centred": slice(centred[0], centred[1] + 1),
             "products": (("pa", "pb"), ("a", "b")) if "ab" in at else (("pa", "pb"),),
             "tail": planes[at["ab" if "ab" in at else "papb"] + 1],
+            "tops": slice(at["a"], at["d"] + 1) if lean else slice(0, len(planes) - 1),
             "segment_tops": slice(at["a"], at["d"] + 1),
             "bottoms": ("r",) * r + ("d",) * histograms,
             "log_ratio": histograms or bool({"kl", "importance_ratio", "sequence"} & groups),
@@ -103,8 +114,12 @@ class PassPlan:
             object.__setattr__(self, name, value)
 
 
-LEAN_PLANES = ("one", "a", "b", "l", "pa", "pb", "d", "papb", "masked")
-"""The planes of a pass of the seed, log-space and sequence groups alone."""
+LEAN_PLANES = ("one", "a", "b", "l", "d", "pa", "pb", "papb", "masked")
+"""The planes of a pass of the seed, log-space and sequence groups alone.
+
+Every one but ``masked`` is 0 where a token does not count, so that only ``a`` and ``b``
+need clearing before their largest values are taken; those of ``l`` to ``pb`` are
+centred; ``a`` to ``d`` are those whose largest values are kept."""
 
 
 def plane_names(plan: PassPlan, index_planes: int) -> tuple[str, ...]:

@@ -38,10 +38,7 @@ from lightning_rollout_debug.metrics.tokens import (
     exp_tail,
 )
 from lightning_rollout_debug.metrics.torch_pass.bins import (
-    bin_indices,
-    by_position,
-    by_probability,
-    count_bins,
+    eager_extras,
     scattered,
     worst_candidates,
     worst_keys,
@@ -85,7 +82,8 @@ class TokenSums:
     first: Tensor
     """``[planes, B]``: each row's sum of every plane over its counting tokens."""
     top: Tensor
-    """``[planes, B]``: each row's largest value of every plane (``-inf``: no token)."""
+    """``[tops, B]``: each row's largest value of the planes of :attr:`PassPlan.tops`
+    (``-inf``: no token)."""
     bottom: list[Tensor] | None
     """``[B]`` for each plane of :attr:`PassPlan.bottoms`: each row's smallest value
     (``+inf``: no token; ``None``: no such plane)."""
@@ -130,11 +128,6 @@ class TokenSums:
     """The rank of the process that read it."""
     first_row: int = 0
     """The row of the batch that row 0 is (a batch too large for one pass takes several)."""
-
-
-def _as_plane(flags: Tensor, out: Tensor | None = None) -> Tensor:
-    """Boolean flags as 0.0 and 1.0."""
-    return flags.float() if out is None else out.copy_(flags)
 
 
 def token_sums(
@@ -194,6 +187,8 @@ def _token_values(
     p.update("one", "one", lambda x: x.mul_(p["masked"]))
     _zero_where_uncounted(p)
     p.map(("pa", "pb"), torch.exp, ("a", "b"))
+    if plan.lean:  # 1 where a token does not count: 0 from here on, as every lean plane
+        p.update("pa", "pb", lambda x: x.mul_(p["one"]))
     # |pa - pb| near r = 0 without cancellation: pb |e^r - 1|, or min(pa, pb) (e^|r| - 1);
     # farther out (where r has rounded) the difference itself, as the CPU kernel takes it.
     # papb is free until the centring.
@@ -251,12 +246,12 @@ def _reduce_eagerly(
 
     The values of tokens that do not count (finite, :func:`_zero_where_uncounted`) are
     cleared by arithmetic in place: -inf added there just long enough to take each row's
-    largest value, then 0 (the smallest of ``r`` and ``d`` are taken apart); rows are
+    largest value, then 0 (the smallest of ``r`` and ``d`` are taken apart; the lean planes
+    are 0 there already, and ``a`` and ``b`` get their -inf once the rows are summed); rows are
     summed in the planes' dtype, second moments about each row's mean; the extras' bins
     are counted in one scatter-add, sums by bucket each in one of their own.
     """
     one = p["one"]
-    width = one.shape[-1]
     missing = _missing(one)
     tops = p.names[plan.segment_tops.start], p.names[plan.segment_tops.stop - 1]
     extremes: dict[str, Tensor] = {}
@@ -270,22 +265,18 @@ def _reduce_eagerly(
         by_segment.keep_largest(_flat(p, p.run(*tops)))
         return planes.nan_to_num_(nan=math.nan, posinf=INF, neginf=0.0)
 
-    p.update(p.names[0], p.names[-2], clear)  # masked, last, counts masked tokens
+    if not plan.lean:
+        p.update(p.names[0], p.names[-2], clear)  # masked, last, counts masked tokens
     every = p.run(p.names[0], p.names[-1])
     first = every.sum(-1, keepdim=True)
     by_segment.keep_sums("first", _flat(p, every))
     log_ratio = _log_ratios(plan, p, by_segment)
-    position = probability = counts = worst = None
-    if plan.parts:  # the tokens that do not count land in each part's bin of 0 values
-        if plan.profile:
-            position = by_position(every.sum(1), width, edges.position)
-        indices = bin_indices(plan, p, edges)
-        if plan.profile:
-            probability = by_probability(p, indices["probability"])
-        counts = count_bins(plan, indices)
-    if plan.worst_tokens_k:
-        key, k = extremes["key"], plan.worst_tokens_k
-        worst = worst_candidates(key, p, token_ids, k, width, None, by_segment)
+    if plan.lean:  # a and b, read no more, with -inf where a token does not count
+        p.update("a", "b", lambda x: x.add_(missing))
+        extremes["top"] = p.run("a", "d").amax(-1)
+    counts, position, probability, worst = eager_extras(
+        plan, p, edges, extremes.get("key"), token_ids, by_segment
+    )
     lag = lag_products(p) if "health" in plan.groups else None
     # Centre each row's (segment row's) values at its mean, then sum squares and products.
     start, stop = p.names[plan.centred.start], p.names[plan.centred.stop - 1]
@@ -394,7 +385,7 @@ def _reduce_compiled(
     # Lists of [B] rows, each written where its reduction is: stacked when a window folds.
     rows.append(value["a"].double() - value["b"].double())  # r's exact float64 sum
     sums = [row.sum(-1, dtype=f64) for row in rows]
-    top = [torch.where(counted, raw[n], -INF).amax(-1) for n in names]
+    top = [torch.where(counted, raw[n], -INF).amax(-1) for n in p.names[plan.tops]]
     first = sums[: len(names) + 1]
     at = len(names) + 1 + len(centred) + len(plan.products)
     second = sums[len(names) + 1 : at]
@@ -409,12 +400,12 @@ def _reduce_compiled(
     fields = (first, top, bottom, None, second, lag, counts, position, probability, worst)
     by_segment = None
     if isinstance(segments, SegmentRows):  # float64 power sums, as the rows'
-        tops = [torch.where(counted, raw[n], -INF) for n in names[plan.segment_tops]]
+        largest = [torch.where(counted, raw[n], -INF) for n in names[plan.segment_tops]]
         low = "r" in plan.bottoms
         if low:  # the smallest r: the largest -r
-            tops.append(torch.where(counted, -raw["r"], -INF))
+            largest.append(torch.where(counted, -raw["r"], -INF))
         seconds = at - len(names) - 1
-        by_segment = segments.traced(rows, len(names) + 1, seconds, torch.stack(tops), low)
+        by_segment = segments.traced(rows, len(names) + 1, seconds, torch.stack(largest), low)
     return (*fields, sums[-1], by_segment)
 
 
