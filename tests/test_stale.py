@@ -33,7 +33,7 @@ from lightning_rollout_debug.checks.diagnosis import RolloutDiagnosisWarning
 from lightning_rollout_debug.metrics import native
 from lightning_rollout_debug.metrics.backends import add_batch
 from lightning_rollout_debug.metrics.inputs import check_inputs
-from lightning_rollout_debug.metrics.sawtooth import Series, sawtooth
+from lightning_rollout_debug.metrics.sawtooth import PERIODS, Series, _fitted, sawtooth
 from lightning_rollout_debug.metrics.series import SERIES_LENGTH, MismatchSeries
 
 pytestmark = [
@@ -323,6 +323,31 @@ def test_the_period_is_the_references() -> None:
             got = stale_period(means[:length], errors[:length])
             assert periods[-1] == got, (means[:length], found)
     assert 0 < sum(p > 0 for p in periods) < len(periods)
+
+
+def test_the_phases_left_out_are_those_that_cannot_fit() -> None:
+    """The search fits only the phases whose steps all rise and drop: on rises and drops,
+    noise, trends and holes it finds what fitting every phase of every period finds."""
+    rng = np.random.default_rng(5)
+    found = 0
+    for case in range(300):
+        n, period = int(rng.integers(6, 65)), int(rng.integers(2, 17))
+        k = (np.arange(n) + rng.integers(period)) % period
+        rise = (0.0, 0.3, 1.0, 4.0)[case % 4]
+        means = 0.01 * (1 + rise * k / (period - 1)) * np.exp(0.05 * rng.standard_normal(n))
+        means[rng.random(n) < 0.05] = math.nan
+        series = Series(list(means), list(rng.uniform(0.0, 0.0005, n)))
+        every = [
+            fit
+            for p in PERIODS
+            if n >= 3 * p
+            for phase in range(p)
+            if (fit := _fitted(series, p, phase)) is not None
+        ]
+        best = max(every, key=lambda fit: fit.fit, default=None)
+        assert sawtooth(series) == best
+        found += best is not None
+    assert 0 < found < 300
 
 
 def test_a_monitor_with_its_series_and_sample_pickles() -> None:

@@ -21,6 +21,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 PERIODS = range(2, 17)
 """The periods, in batches, a rise and drop is looked for at."""
 SAWTOOTH_FIT = 0.8
@@ -89,14 +91,35 @@ def sawtooth(series: Series) -> Sawtooth | None:
     :data:`SAWTOOTH_RISE` of the trough, and :data:`SAWTOOTH_ERRORS` standard errors.
     """
     best: Sawtooth | None = None
+    means = np.asarray(series.means, dtype=np.float64)
     for period in PERIODS:
-        if len(series.means) < 3 * period:
+        if len(means) < 3 * period:
             break
-        for phase in range(period):
-            found = _fitted(series, period, phase)
+        for phase in _rising_phases(means, period):
+            found = _fitted(series, period, int(phase))
             if found is not None and (best is None or found.fit > best.fit):
                 best = found
     return best
+
+
+def _rising_phases(means: np.ndarray, period: int) -> np.ndarray:
+    """The phases of ``period`` whose steps all rise and drop: the only ones to fit.
+
+    Those of :func:`_fitted`, every phase at once: two drops at least (``x[t - 1] - x[t]``
+    for ``t = phase mod period``) and a whole period's rise (``x[t + P - 1] - x[t]`` for
+    ``t = phase mod period``), every one of them above 0 (NaN: a batch without tokens,
+    no step).
+    """
+    n = len(means)
+    phases = np.arange(n) % period
+    drops = (means[:-1] - means[1:], phases[1:])
+    rises = (means[period - 1 :] - means[: n - period + 1], phases[: n - period + 1])
+    seen, falls = [], np.zeros(period, dtype=np.int64)
+    for steps, at in (drops, rises):
+        kept = ~np.isnan(steps)
+        seen.append(np.bincount(at[kept], minlength=period))
+        falls += np.bincount(at[kept & ~(steps > 0)], minlength=period)
+    return np.flatnonzero((seen[0] >= 2) & (seen[1] >= 1) & (falls == 0))
 
 
 def _fitted(series: Series, period: int, phase: int) -> Sawtooth | None:
