@@ -35,6 +35,7 @@ from torch import Tensor
 
 from lightning_rollout_debug.metrics.layout import STATE
 from lightning_rollout_debug.metrics.tokens import LOG_RATIO_CLAMP
+from lightning_rollout_debug.metrics.torch_pass.planes import PassPlan
 from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
 
 
@@ -96,8 +97,8 @@ class RowSums:
         first = _rows(batches, "first").squeeze(-1)  # [planes, rows]
         self.first = first
         self.n = first[at["one"]]
-        self.count = self._over(self.n, torch.sum)
         totals = self._over(first, torch.sum)
+        self.count = totals[at["one"]]
         self.row_top = _rows(batches, "top")
         self.total = dict(zip(plan.planes, totals.unbind(), strict=True))
         # Those of ``tops``; of ``segment_tops`` for segment rows.
@@ -108,9 +109,12 @@ class RowSums:
         if plan.bottoms:
             bottoms = self._over(_rows(batches, "bottom"), torch.amin).unbind()
             self.smallest = dict(zip(plan.bottoms, bottoms, strict=not groups))  # groups: r
-        means = totals[plan.centred] / self.count.clamp(min=1.0)
-        moments = self._moments([moment_rows(sums) for sums in batches], means)
-        plain = moments + totals[plan.centred] ** 2 / self.count.clamp(min=1.0)
+        sums = totals[plan.centred]
+        means = sums / self.count.clamp(min=1.0)
+        about = [moment_rows(part) for part in batches]
+        same = all(mine is part for mine, part in zip(about, batches, strict=True))
+        moments = self._moments(about, means, first if same else None)
+        plain = moments + sums * means  # M + (sum x)^2 / n
         self.squares = dict(zip(plan.planes[plan.centred], plain.unbind(), strict=True))
         self.lag = _rows(batches, "lag") if batches[0].lag is not None else None  # [36, rows]
         self.log_ratio = _log_ratios(batches)
@@ -121,35 +125,36 @@ class RowSums:
         self.widths = [sums.width for sums in batches]
         self.uncounted = None if groups else _uncounted(batches, self.count, at["one"])
 
-    def _moments(self, batches: Sequence[TokenSums], means: Tensor) -> Tensor:
+    def _moments(
+        self, batches: Sequence[TokenSums], means: Tensor, first: Tensor | None = None
+    ) -> Tensor:
         """Each centred plane's ``moment`` and the ``comoment`` of each product; the moments.
 
-        ``batches``: rows whose second moments are about their ``shift`` (or plain sums);
-        ``means``: the window's (or each group's) means of the centred planes.
+        ``batches``: rows whose second moments are about their ``shift`` (or plain sums),
+        ``first`` their sums where already read; ``means``: the window's (or each group's)
+        means of the centred planes.
         """
-        plan, at = self.plan, self.at
-        first = _rows(batches, "first").squeeze(-1)
-        n = first[at["one"]]
+        plan = self.plan
+        first = _rows(batches, "first").squeeze(-1) if first is None else first
+        n = first[self.at["one"]]
         rows = n.clamp(min=1.0)
         centred = first[plan.centred]
-        shift = torch.cat([_shift(sums, len(centred)) for sums in batches], dim=1)
+        shift = _shifts(batches, len(centred))
         offset = centred - n * shift  # each row's sum of its centred values, about 0
         deviation = centred / rows - self._per_row(means, n.shape[-1])
-        second = _rows(batches, "second")
-        squares = len(offset)
-        # Chan: each row's own centred sums, plus its mean's deviation from the window's.
-        within = second[:squares] - offset * offset / rows
+        # Chan, for every square and product at once: each row's own centred sums, plus
+        # the product of its means' deviations from the window's.
+        left, right = _paired(plan, torch.stack([offset, deviation]))
+        within = _rows(batches, "second") - left[0] * right[0] / rows
+        spread = self._over(within + n * left[1] * right[1], torch.sum)
+        squares = len(centred)
         # M is a sum of squares: Chan's terms may round below zero, a sum of them cannot.
-        moments = self._over(within + n * deviation * deviation, torch.sum).clamp(min=0.0)
+        moments = spread[:squares].clamp(min=0.0)
         names = plan.planes[plan.centred]
         self.mean = dict(zip(names, means.unbind(), strict=True))
         self.moment = dict(zip(names, moments.unbind(), strict=True))
-        self.comoment: dict[tuple[str, str], Tensor] = {}
-        for i, (left, right) in enumerate(plan.products):
-            x, y = at[left] - plan.centred.start, at[right] - plan.centred.start
-            within = second[squares + i] - offset[x] * offset[y] / rows
-            spread = within + n * deviation[x] * deviation[y]
-            self.comoment[left, right] = self._over(spread, torch.sum)
+        comoments = spread[squares:].unbind()
+        self.comoment = dict(zip(plan.products, comoments, strict=True))
         return moments
 
     def _over(self, values: Tensor, reduce: Callable[..., Tensor]) -> Tensor:
@@ -165,12 +170,30 @@ class RowSums:
         return values.repeat(1, rows // self.groups)
 
 
-def _shift(sums: TokenSums, planes: int) -> Tensor:
+def _shifts(batches: Sequence[TokenSums], planes: int) -> Tensor:
     """``[planes, rows]``: what the rows' centred values are centred at (a compiled pass: 0)."""
-    if sums.shift is not None:
-        return sums.shift.squeeze(-1).to(torch.float64)
-    rows = len(stacked_rows(sums.top, "top")[0])
-    return torch.zeros((planes, rows), dtype=torch.float64, device=sums.top[0].device)
+    parts = []
+    for sums in batches:
+        if sums.shift is not None:
+            parts.append(sums.shift.squeeze(-1).to(torch.float64))
+        else:
+            rows, device = row_count(sums), stacked_rows(sums.top, "top").device
+            parts.append(torch.zeros((planes, rows), dtype=torch.float64, device=device))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _paired(plan: PassPlan, values: Tensor) -> tuple[Tensor, Tensor]:
+    """``values`` (``[..., centred planes, rows]``) of both sides of every second moment.
+
+    Each centred plane with itself, then the pairs of
+    :attr:`~.torch_pass.planes.PassPlan.products`: ``[..., squares + products, rows]``.
+    """
+    start = plan.centred.start
+    sides = []
+    for side in zip(*plan.products, strict=True):
+        at = [plan.at[name] - start for name in side]
+        sides.append(torch.cat([values, *(values[..., i : i + 1, :] for i in at)], dim=-2))
+    return sides[0], sides[1]
 
 
 def moment_rows(sums: TokenSums) -> TokenSums:
