@@ -177,7 +177,7 @@ def _shifts(batches: Sequence[TokenSums], planes: int) -> Tensor:
         if sums.shift is not None:
             parts.append(sums.shift.squeeze(-1).to(torch.float64))
         else:
-            rows, device = row_count(sums), stacked_rows(sums.top, "top").device
+            rows, device = row_count(sums), sums.top[0].device
             parts.append(torch.zeros((planes, rows), dtype=torch.float64, device=device))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
