@@ -56,14 +56,15 @@ batch, the worst tokens take their ids and the ids before them)."""
 def _batch(
     rows: int, width: int, seed: int = 0, ids: bool = False, segments: str = ""
 ) -> dict[str, torch.Tensor]:
-    """Log-probs of sampled tokens, a small mismatch, rows padded to random lengths; with
-    ``ids``, the sampled tokens' ids (``responses``); with ``segments``, 16 turns a row
-    (``"turns"``) or a data source a row (``"sequences"``) as ``segment_ids``."""
+    """Log-probs of sampled tokens, a small mismatch, rows padded to random lengths (an int64
+    mask, as the response columns of an attention mask); with ``ids``, the sampled tokens'
+    ids (``responses``); with ``segments``, 16 turns a row (``"turns"``) or a data source a
+    row (``"sequences"``) as ``segment_ids``."""
     generator = torch.Generator().manual_seed(seed)
     rollout = torch.empty(rows, width).uniform_(1e-6, 1.0, generator=generator).log_()
     old = (rollout + 0.01 * torch.randn(rows, width, generator=generator)).clamp_(max=0.0)
     lengths = torch.randint(max(1, width // 4), width + 1, (rows, 1), generator=generator)
-    mask = torch.arange(width) < lengths
+    mask = (torch.arange(width) < lengths).long()
     batch = {"rollout_log_probs": rollout, "old_log_probs": old, "response_mask": mask}
     if ids:
         batch["responses"] = torch.randint(0, 50_000, (rows, width), generator=generator)
@@ -115,6 +116,17 @@ def test_an_eager_update_issues_the_same_few_operations_at_every_size(
         del monitor, batch
     assert counts == [counts[0]] * len(SHAPES)
     assert counts[0] == OPERATIONS[configuration]
+
+
+def test_a_bool_mask_adds_one_view() -> None:
+    """A bool mask is compared as bytes (compared with 0, a bool is widened to int64 first:
+    ten times the time on a CPU): one view more than an integer mask, no kernel."""
+    batch = _batch(64, 512)
+    monitor = RolloutDebugMonitor(alert_ranges={}, compile=False)
+    integer = _operations(functools.partial(monitor.update, batch))
+    batch["response_mask"] = batch["response_mask"].bool()
+    boolean = _operations(functools.partial(monitor.update, batch))
+    assert sorted(boolean) == sorted([*integer, "aten::view"])
 
 
 def test_the_seed_function_issues_the_same_few_operations_at_every_size(

@@ -182,6 +182,8 @@ def _token_values(
     else:  # the lean planes keep |r| alone
         p.write("l", torch.sub, p["a"], p["b"])
         p.update("l", "l", torch.abs_)
+    if mask.dtype == torch.bool and not p.traced:  # compared as bytes, not widened to int64
+        mask = mask.view(torch.uint8)
     p.write("masked", torch.ne, mask, 0)
     p.write("one", torch.lt, p["l"], INF)
     p.update("one", "one", lambda x: x.mul_(p["masked"]))
