@@ -167,16 +167,22 @@ def _token_values(
     """Each token's values, written into ``p`` (anything where a token does not count)."""
     on = plan.groups
     # The floored log-probs, and the tokens that count.
+    health, same = "health" in on, old_log_probs.dtype == rollout_log_probs.dtype == p.dtype
+    floored = not (p.traced or health) and same
     if p.traced:
         p.values["a"], p.values["b"] = old_log_probs.to(p.dtype), rollout_log_probs.to(p.dtype)
-    elif old_log_probs.dtype == rollout_log_probs.dtype == p.dtype:
+    elif floored:  # floored as they are copied
+        torch.clamp(old_log_probs, min=LOG_PROB_FLOOR, out=p["a"])
+        torch.clamp(rollout_log_probs, min=LOG_PROB_FLOOR, out=p["b"])
+    elif same:
         torch.stack([old_log_probs, rollout_log_probs], out=p.run("a", "b"))
     else:  # converted as they are copied: a stack would convert into temporaries first
         p["a"].copy_(old_log_probs)
         p["b"].copy_(rollout_log_probs)
-    if "health" in on:  # a log-prob of -inf, before the floor
+    if health:  # a log-prob of -inf, before the floor
         p.map(("ninf_a", "ninf_b"), torch.eq, ("a", "b"), -INF)
-    p.update("a", "b", lambda x: x.clamp_(min=LOG_PROB_FLOOR))
+    if not floored:
+        p.update("a", "b", lambda x: x.clamp_(min=LOG_PROB_FLOOR))
     if "r" in p.at:
         p.write("l", torch.abs, p.write("r", torch.sub, p["a"], p["b"]))
     else:  # the lean planes keep |r| alone
