@@ -1179,8 +1179,17 @@ inline void prefetch_ahead(const void* x, int64_t bytes) {
 // The bytes of one log-prob: float32 (kind 0) or bfloat16 (kind 1).
 inline int64_t log_prob_size(int log_prob_kind) { return log_prob_kind == 0 ? 4 : 2; }
 
-// `count` bfloat16 values as float32 (exact: the same bits, 16 zeros below). The loop reads
-// float32 only, so it is compiled once, not once per input type (half the build time).
+// A bfloat16 value as float32 (exact: the same bits, 16 zeros below).
+inline float widened(uint16_t bfloat16) {
+  const uint32_t bits = static_cast<uint32_t>(bfloat16) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+inline float widened(float value) { return value; }
+
+// `count` bfloat16 values as float32. The loop reads float32 only, so it is compiled once,
+// not once per input type (half the build time).
 inline void widen_bfloat16(const uint16_t* values, int64_t count, float* out) {
   int64_t j = 0;
   for (; j + kLanes <= count; j += kLanes) {
@@ -1188,10 +1197,7 @@ inline void widen_bfloat16(const uint16_t* values, int64_t count, float* out) {
     const f32 wide = floats_of(values + j);
     std::memcpy(out + j, &wide, sizeof wide);
   }
-  for (; j < count; ++j) {
-    const uint32_t bits = static_cast<uint32_t>(values[j]) << 16;
-    std::memcpy(out + j, &bits, sizeof bits);
-  }
+  for (; j < count; ++j) out[j] = widened(values[j]);
 }
 
 // Vectors whose extras wait for the statistics of the next ones: the two halves of the work
@@ -1234,6 +1240,19 @@ template <typename Mask>
 void mask_bytes(const void* mask, int64_t count, uint8_t* bytes) {
   const Mask* values = static_cast<const Mask*>(mask);
   for (int64_t j = 0; j < count; ++j) bytes[j] = values[j] != 0;
+}
+
+// The `count` values of a mask of `mask_kind` as bytes, 0 or not: a bool or uint8 mask as it
+// is, another written into `bytes`.
+inline const uint8_t* counted_bytes(const char* mask, int mask_kind, int64_t count,
+                                    uint8_t* bytes) {
+  switch (mask_kind) {
+    case 0: return reinterpret_cast<const uint8_t*>(mask);
+    case 1: mask_bytes<int32_t>(mask, count, bytes); break;
+    case 2: mask_bytes<int64_t>(mask, count, bytes); break;
+    default: mask_bytes<float>(mask, count, bytes); break;
+  }
+  return bytes;
 }
 
 // ------------------------------------------------------------------ the segments
@@ -1432,13 +1451,7 @@ struct SegmentTables {
       flags.resize(width);
       segment_at.resize(width);
     }
-    const uint8_t* counted = flags.data();
-    switch (mask_kind) {
-      case 0: counted = reinterpret_cast<const uint8_t*>(m_row); break;
-      case 1: mask_bytes<int32_t>(m_row, width, flags.data()); break;
-      case 2: mask_bytes<int64_t>(m_row, width, flags.data()); break;
-      default: mask_bytes<float>(m_row, width, flags.data()); break;
-    }
+    const uint8_t* counted = counted_bytes(m_row, mask_kind, width, flags.data());
     const int64_t at = row * width;
     if (labels.kind == 1) {
       count_segments(static_cast<const int32_t*>(labels.values) + at, counted);
@@ -1486,14 +1499,6 @@ struct SegmentTables {
       sorted_a[k] = widened(a[t]);
       sorted_b[k] = widened(b[t]);
     }
-  }
-
-  static float widened(float value) { return value; }
-  static float widened(uint16_t bfloat16) {
-    const uint32_t bits = static_cast<uint32_t>(bfloat16) << 16;
-    float value;
-    std::memcpy(&value, &bits, sizeof value);
-    return value;
   }
 
   template <typename T>
@@ -1583,13 +1588,7 @@ __attribute__((always_inline)) inline void add_row_blocks(
   for (int64_t start = 0; start < width; start += kBlock) {
     const int64_t count = std::min(kBlock, width - start);
     const char* mask = m_row + start * mask_size;
-    const uint8_t* flags = bytes;
-    switch (mask_kind) {
-      case 0: flags = reinterpret_cast<const uint8_t*>(mask); break;
-      case 1: mask_bytes<int32_t>(mask, count, bytes); break;
-      case 2: mask_bytes<int64_t>(mask, count, bytes); break;
-      default: mask_bytes<float>(mask, count, bytes); break;
-    }
+    const uint8_t* flags = counted_bytes(mask, mask_kind, count, bytes);
     // Float32 rows are read in place, bfloat16 rows widened into the blocks.
     const float *a = a_block, *b = b_block;
     if (log_prob_kind == 0) {
