@@ -281,7 +281,7 @@ def _reduce_eagerly(
     log_ratio = _log_ratios(plan, p, by_segment)
     if plan.lean:  # a and b, read no more, with -inf where a token does not count
         p.update("a", "b", lambda x: x.add_(missing))
-        extremes["top"] = p.run("a", "d").amax(-1)
+        extremes["top"] = p.run(p.names[plan.tops.start], p.names[plan.tops.stop - 1]).amax(-1)
     counts, position, probability, worst = eager_extras(
         plan, p, edges, extremes.get("key"), token_ids, by_segment
     )
