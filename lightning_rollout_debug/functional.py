@@ -282,7 +282,7 @@ def segment_metrics(
     problems = segment_problems(max_segments=num_segments, segment_metrics=list(chosen))
     if problems:
         raise ValueError("Invalid segment_metrics arguments:\n- " + "\n- ".join(problems))
-    window = SegmentWindow(num_segments)
+    window = SegmentWindow(num_segments, metrics=chosen)
     add_batch(inputs, None, stats=None, extras=None, segments=(window, segment_ids))
     found = segment_values(window.state, num_segments, tuple(chosen))
     return {OTHER if key == num_segments else key: values for key, values in found.items()}

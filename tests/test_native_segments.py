@@ -32,6 +32,7 @@ from lightning_rollout_debug.metrics.layout import STATE
 from lightning_rollout_debug.metrics.native import passes
 from lightning_rollout_debug.metrics.rows import ROW_FIELDS
 from lightning_rollout_debug.metrics.segments import (
+    DEFAULT_SEGMENT_METRICS,
     SEGMENT_METRIC_CHOICES,
     SegmentWindow,
     segment_values,
@@ -98,12 +99,18 @@ def torch_segments(batch, labels: torch.Tensor, segments: int = SEGMENTS) -> tor
 
 
 def kernel_segments(
-    batch, labels: torch.Tensor, segments: int = SEGMENTS, *, stats: MismatchStats | None = None
+    batch,
+    labels: torch.Tensor,
+    segments: int = SEGMENTS,
+    *,
+    stats: MismatchStats | None = None,
+    metrics: tuple[str, ...] | None = None,
 ) -> torch.Tensor | None:
-    """The packed segments of one kernel pass (``None``: left to the torch road)."""
+    """The packed segments of one kernel pass (``None``: left to the torch road), read for
+    ``metrics`` (``None``: every one)."""
     inputs = check_inputs(batch.rollout, batch.old, batch.mask)
     extras = TokenExtras(profile=True) if stats is not None else None
-    window = SegmentWindow(segments)
+    window = SegmentWindow(segments, metrics=metrics)
     found = backends.kernel_states(inputs, stats=stats, extras=extras, segments=(window, labels))
     assert found is not None
     return found[2]
@@ -162,13 +169,18 @@ def segment_masks(mask: torch.Tensor, labels: torch.Tensor, segments: int = SEGM
 
 
 def assert_segments_match_the_reference(
-    state: torch.Tensor, batch, labels: torch.Tensor, segments: int = SEGMENTS
+    state: torch.Tensor,
+    batch,
+    labels: torch.Tensor,
+    segments: int = SEGMENTS,
+    metrics: tuple[str, ...] = SEGMENT_METRIC_CHOICES,
 ) -> None:
-    """Each segment's metrics are those of the float64 reference over its tokens alone."""
-    values = segment_values(state, segments, SEGMENT_METRIC_CHOICES)
+    """Each segment's ``metrics`` are those of the float64 reference over its tokens alone."""
+    values = segment_values(state, segments, metrics)
     for segment, mask in enumerate(segment_masks(batch.mask, labels, segments)):
-        want = reference_metrics(batch.rollout, batch.old, mask).select(SEGMENT_METRIC_CHOICES)
-        if want["rollout_tokens"] == 0:
+        reference = reference_metrics(batch.rollout, batch.old, mask)
+        want = reference.select(metrics)
+        if reference["rollout_tokens"] == 0:
             assert segment not in values, segment
             continue
         assert_metrics_close(values[segment], want)
@@ -353,23 +365,44 @@ def test_segments_leave_the_statistics_and_the_extras_as_they_were() -> None:
             torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12, equal_nan=True)
 
 
-def test_rows_of_short_runs_are_sorted_by_segment_on_either_side_of_the_threshold() -> None:
-    """Rows whose runs average 1 to 40 tokens, on both sides of the 20 from which the pass
-    follows the runs rather than sorting the row's tokens by segment, in one batch: each
-    segment's metrics are the float64 reference's, with the statistics and the extras."""
+def test_rows_of_short_runs_fill_buckets_on_either_side_of_the_threshold() -> None:
+    """Rows whose runs average 1 to 96 tokens, on both sides of the 48 from which the pass
+    follows the runs rather than putting the row's tokens in their segments' buckets, in
+    one batch; a row of two labels in turns, whose buckets fill up within it, and one whose
+    tokens do not count over a long stretch: each segment's metrics are the float64
+    reference's, with and without the statistics and the extras, read for every metric and
+    for the default ones (which the buckets are read for in fewer operations)."""
     rng = np.random.default_rng(64)
-    rows, width = 40, 160
+    rows, width = 98, 1200
     batch = make_batch(rng, (rows, width), regime="mixed", mask_kind="counts", special_rate=0.03)
     labels = np.empty((rows, width), dtype=np.int64)
-    for row in range(rows):
+    for row in range(rows - 2):
         run = 1 + row  # tokens a run
         values = rng.integers(-1, SEGMENTS + 1, width // run + 1)
         labels[row] = np.repeat(values, run)[:width]
+    labels[-2] = np.arange(width) % 2  # 600 tokens of each: more than a bucket holds
+    labels[-1] = rng.integers(0, SEGMENTS, width)
+    batch.mask[-2:] = 1
+    batch.mask[-1, 100:1100] = 0  # a thousand tokens that do not count, then some that do
     labels = torch.from_numpy(labels)
     for stats in (None, MismatchStats(groups=ALL)):
-        got = kernel_segments(batch, labels, stats=stats)
-        assert got is not None
-        assert_segments_match_the_reference(got, batch, labels)
+        for metrics in (SEGMENT_METRIC_CHOICES, DEFAULT_SEGMENT_METRICS):
+            got = kernel_segments(batch, labels, stats=stats, metrics=metrics)
+            assert got is not None
+            assert_segments_match_the_reference(got, batch, labels, metrics=metrics)
+
+
+@pytest.mark.parametrize("metric", SEGMENT_METRIC_CHOICES)
+def test_each_metric_of_a_segment_needs_only_its_rows(metric: str) -> None:
+    """A segment read for one metric alone (its rows of ``ROWS_OF_SEGMENT_METRIC``) has
+    that metric's float64 reference value, over rows of runs and rows of buckets."""
+    rng = np.random.default_rng(66)
+    batch = make_batch(rng, (6, 400), regime="mixed", mask_kind="counts", special_rate=0.02)
+    labels = labels_of("runs", rng, (6, 400))
+    labels[::2] = labels_of("tokens", rng, (3, 400))
+    got = kernel_segments(batch, labels, stats=MismatchStats(groups=ALL), metrics=(metric,))
+    assert got is not None
+    assert_segments_match_the_reference(got, batch, labels, metrics=(metric,))
 
 
 @pytest.fixture
@@ -380,7 +413,7 @@ def native_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
     def spy(*args: object, **kwargs: object) -> object:
         done = original(*args, **kwargs)  # type: ignore[arg-type]
-        calls.append(done is not None and done.segment_rows is not None)
+        calls.append(done is not None and done.labels.segment_rows is not None)
         return done
 
     monkeypatch.setattr(passes, "_pass", spy)

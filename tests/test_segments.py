@@ -513,6 +513,15 @@ def test_invalid_segment_settings_are_explained(
         assert not missing, (missing, message)
 
 
+def test_a_segment_window_names_metrics_it_cannot_be_read_for() -> None:
+    """A window read for metrics a segment does not have is refused at once, naming them
+    and the valid ones; a valid choice sets the row quantities it is read for."""
+    with pytest.raises(ValueError, match=r"'rollout_ppl'.*valid: rollout_tokens"):
+        segments.SegmentWindow(3, metrics=["rollout_ppl"])
+    window = segments.SegmentWindow(3, metrics=("rollout_actor_kl_k3",))
+    assert "kl_k3" in window.rows and "prob_diff" not in window.rows
+
+
 # ---------------------------------------------------------------------- the monitor
 def monitor_of(**kwargs: Any) -> RolloutDebugMonitor:
     return RolloutDebugMonitor(alert_ranges={}, drift_factors={}, **kwargs)

@@ -125,6 +125,7 @@ class DeviceWindow:
         segments = SegmentWindow(
             config.max_segments,
             groups=set(config.groups) & set(SEGMENT_GROUPS),
+            metrics=config.segment_metrics,
             is_threshold=config.is_threshold,
             compile=config.compile,
         )

@@ -69,8 +69,8 @@ def add_batch(
     (a :class:`~.shifts.ShiftSample`) the first rows of a window's first batch.
     ``segments``: a :class:`~.segments.SegmentWindow` and the batch's labels (``[B]`` or
     ``[B, T]``), which the pass reduces its tokens by too (on the kernel's road, each row's
-    runs of equal label summed apart in the same loop, or its tokens sorted by segment;
-    labels the kernel cannot read, a torch pass of the segments alone).
+    runs of equal label summed apart in the same loop, or its tokens put in their
+    segments' buckets; labels the kernel cannot read, a torch pass of the segments alone).
     """
     device = inputs.mask.device
     if shifts is not None:
@@ -275,7 +275,7 @@ def _kernel_pass(
     by_segment = None
     if window is not None:
         groups = stats.groups if stats is not None else window.groups
-        by_segment = native.SegmentRequest(labels, window.segments, groups)
+        by_segment = native.SegmentRequest(labels, window.segments, groups, window.rows)
     return functools.partial(
         native.states,
         inputs.rollout_log_probs,

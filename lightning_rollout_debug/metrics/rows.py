@@ -11,6 +11,7 @@ kernel's columns are checked against :data:`ROW_FIELDS` by name.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import torch
 from torch import Tensor
@@ -132,6 +133,49 @@ counts and the largest log-probs that every update keeps."""
 SEGMENT_GROUPS = ("seed", "log_space", "kl", "importance_ratio")
 """The groups whose metrics are token-level: those a segment has (:mod:`.segments`), the
 slots of which the kernel's segment states write."""
+
+_LOG_RATIO_EXTREMES = ("log_diff", *_RATIO_EXTREMES)
+_PROBS_PEARSON = (*_PROBS[:2], *ROWS_OF_GROUP["seed"][3:6])
+ROWS_OF_SEGMENT_METRIC: dict[str, tuple[str, ...]] = {
+    "rollout_tokens": (),
+    "rollout_nonfinite_tokens": (),
+    "rollout_probs_diff_valid": (),
+    "rollout_probs_diff_max": ("max_prob_diff",),
+    "rollout_probs_diff_mean": ("prob_diff",),
+    "rollout_probs_diff_std": ("prob_diff", "prob_diff*prob_diff"),
+    "rollout_actor_probs_pearson_corr": _PROBS_PEARSON,
+    "rollout_actor_probs_one_minus_pearson_corr": _PROBS_PEARSON,
+    "rollout_log_probs_diff_max": _LOG_RATIO_EXTREMES,
+    "rollout_log_probs_diff_mean": ("log_diff",),
+    "rollout_log_probs_diff_std": ("log_diff", "log_diff*log_diff"),
+    "rollout_actor_kl_k1": ("log_ratio",),
+    "rollout_actor_kl_k3": ("kl_k3",),
+    "rollout_actor_mult_prob_error": ("mult_error_m1",),
+    "rollout_actor_mult_prob_error_minus_one": ("mult_error_m1",),
+    "rollout_is_ratio_mean": ("ratio_m1",),
+    "rollout_is_ratio_mean_minus_one": ("ratio_m1",),
+    "rollout_is_ratio_min": ("ratio_high", *_RATIO_EXTREMES),
+    "rollout_is_ratio_max": ("ratio_high", *_RATIO_EXTREMES),
+    "rollout_is_ratio_frac_high": ("ratio_high", "ratio_low"),
+    "rollout_is_ratio_frac_low": ("ratio_high", "ratio_low"),
+    "rollout_is_chi2": ("ratio_sq_m1",),
+    "rollout_is_ess": ("ratio", "ratio_sq"),
+    "rollout_is_one_minus_ess": ("ratio", "ratio_sq", "ratio_m1", "ratio_sq_m1"),
+}
+"""The row quantities each metric a segment can be logged with reads, besides the token
+counts and the largest log-probs: a segment's rows are its metrics' alone, and a kernel
+pass reads a row's tokens again for them only (``row_sums.cpp``: a row of short runs, its
+tokens put in their segments' buckets)."""
+
+
+def segment_rows_of(metrics: Collection[str]) -> frozenset[str]:
+    """The row quantities of a segment logged with ``metrics``.
+
+    Example:
+        >>> sorted(segment_rows_of(["rollout_actor_kl_k3"]))  # doctest: +NORMALIZE_WHITESPACE
+        ['count', 'kl_k3', 'max_actor_log_prob', 'max_rollout_log_prob', 'nonfinite']
+    """
+    return frozenset(set(_ALWAYS).union(*(ROWS_OF_SEGMENT_METRIC[name] for name in metrics)))
 
 
 def rows_for(groups: frozenset[str]) -> frozenset[str]:

@@ -37,7 +37,7 @@ from lightning_rollout_debug.metrics.catalog import CATALOG, metrics_from_state
 from lightning_rollout_debug.metrics.inputs import check_inputs, check_segment_ids
 from lightning_rollout_debug.metrics.layout import STATE, Layout, tensor_problems
 from lightning_rollout_debug.metrics.packed_window import Part, ThreadSafeWindow
-from lightning_rollout_debug.metrics.rows import SEGMENT_GROUPS
+from lightning_rollout_debug.metrics.rows import SEGMENT_GROUPS, rows_for, segment_rows_of
 
 MAX_SEGMENTS = 256
 """The most segments a window keeps (besides ``other``)."""
@@ -111,6 +111,9 @@ class SegmentWindow(ThreadSafeWindow):
             :data:`MAX_SEGMENTS`); one more, ``other``, takes every other label.
         groups: the metric groups whose slots are filled (a segment's are those of
             :data:`SEGMENT_GROUPS`; by default all of them).
+        metrics: the metrics the segments are read for (:data:`SEGMENT_METRIC_CHOICES`);
+            the CPU kernel computes their row quantities alone
+            (:data:`~.rows.ROWS_OF_SEGMENT_METRIC`). ``None``: every metric of ``groups``.
         is_threshold: ``C`` of the importance-ratio fractions.
         compile: as :class:`~lightning_rollout_debug.MismatchStats`'s.
     """
@@ -122,14 +125,18 @@ class SegmentWindow(ThreadSafeWindow):
         segments: int = 16,
         *,
         groups: Collection[str] | None = None,
+        metrics: Collection[str] | None = None,
         is_threshold: float = 2.0,
         compile: bool | None = None,
     ) -> None:
-        problems = segment_problems(max_segments=segments)
+        chosen = None if metrics is None else list(metrics)
+        problems = segment_problems(max_segments=segments, segment_metrics=chosen)
         if problems:
             raise ValueError("Invalid SegmentWindow arguments:\n- " + "\n- ".join(problems))
         self.segments = segments
         self.groups = frozenset(SEGMENT_GROUPS if groups is None else groups)
+        self.rows = rows_for(self.groups) if metrics is None else segment_rows_of(metrics)
+        """The row quantities the segments are read for."""
         self.is_threshold = is_threshold
         self.compile = compile
         self.chunk_tokens: int | None = None

@@ -24,7 +24,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -159,30 +158,3 @@ def _context(row: dict[str, float]) -> tuple[int, ...]:
             break
         before.append(int(row[name]))
     return tuple(reversed(before))
-
-
-def label_candidates(block: Tensor, labels: Tensor, segments: int) -> None:
-    """Write each candidate's segment into ``block`` (``k`` candidates' fields), in place.
-
-    A candidate's segment is the label at its row and position (``[B]`` labels: its
-    row's), ``segments`` (``S``: ``other``) for a label outside ``[0, S)``; a placeholder
-    keeps -1. For the kernel's candidates, which it finishes without the labels: CPU
-    tensors, read through NumPy (a few small arrays).
-
-    Example:
-        >>> block = torch.tensor([[0.5, 0, 0, 0, 0, 1, 2, -1, 0, -1, *([-1.0] * 6)],
-        ...                       list(PLACEHOLDER)], dtype=torch.float64).flatten()
-        >>> label_candidates(block, torch.tensor([[0, 0, 0], [4, 4, 9]]), segments=5)
-        >>> block.view(2, FIELDS)[:, WORST_FIELDS.index("segment")].tolist()
-        [5.0, -1.0]
-    """
-    rows = block.numpy().reshape(-1, FIELDS)
-    place = rows[:, _ROW].astype(np.int64)
-    if labels.dim() == 2:  # row * T + position
-        place = place * labels.shape[1] + rows[:, _POSITION].astype(np.int64)
-    found = labels.reshape(-1).numpy()[place].astype(np.int64)
-    found[(found < 0) | (found >= segments)] = segments
-    rows[:, _SEGMENT] = np.where(rows[:, 0] > -math.inf, found, -1)
-
-
-_ROW, _POSITION, _SEGMENT = (WORST_FIELDS.index(name) for name in ("row", "position", "segment"))

@@ -194,11 +194,12 @@ def bind(library: ctypes.CDLL, path: Path, fields: tuple[str, ...]) -> tuple[Any
     for entry, arguments in (
         (function, [*(pointer,) * 3, *(ctypes.c_int,) * 2, int64, int64, ctypes.c_int,
                     ctypes.c_float, ctypes.c_float, ctypes.c_int, *(pointer,) * 5,
-                    *(ctypes.c_int,) * 3, pointer]),
+                    *(ctypes.c_int,) * 3, ctypes.c_uint64, pointer]),
         (finish_state, [pointer, int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_double,
                         ctypes.c_double, pointer]),
         (finish_extras, [pointer, pointer, ctypes.c_int, pointer, ctypes.c_int, int64, int64,
-                         *(pointer,) * 3, ctypes.c_double, ctypes.c_double, pointer]),
+                         *(pointer,) * 3, ctypes.c_double, ctypes.c_double, pointer,
+                         *(ctypes.c_int,) * 3, pointer]),
         (finish_segments, [pointer, ctypes.c_int, ctypes.c_uint64, ctypes.c_int, pointer]),
     ):  # fmt: skip
         entry.restype, entry.argtypes = ctypes.c_int, arguments
@@ -268,7 +269,7 @@ def _check_segments(entries: tuple[Any, Any, Any], path: Path, fields: tuple[str
     table, rows = (torch.zeros(n, len(fields), dtype=torch.float64) for n in (1, 2))
     pointers = (t.data_ptr() for t in (log_probs, log_probs, mask))
     status = function(*pointers, 0, 0, 1, 1, 3, 1.0, -0.5, 1, table.data_ptr(), None, None,
-                      None, labels.data_ptr(), 2, 0, 1, rows.data_ptr())  # fmt: skip
+                      None, labels.data_ptr(), 2, 0, 1, everything, rows.data_ptr())  # fmt: skip
     want = torch.full((STATE.size,), float("nan"), dtype=torch.float64)
     finish_state(table.data_ptr(), 1, everything, token_level, 0.5, 2.0, want.data_ptr())
     got = torch.full((2, STATE.size), float("nan"), dtype=torch.float64)

@@ -12,7 +12,7 @@ caller takes the torch path.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -26,13 +26,14 @@ from lightning_rollout_debug.metrics.native.loader import (
     MAX_WORST_TOKENS,
 )
 from lightning_rollout_debug.metrics.native.segments import (
+    PassLabels,
     SegmentRequest,
+    column_bits,
     pass_labels,
-    segment_rows_for,
 )
 from lightning_rollout_debug.metrics.profile import PROFILE_SIZE
 from lightning_rollout_debug.metrics.rows import ROWS_OF_GROUP
-from lightning_rollout_debug.metrics.worst_tokens import WORST_FIELDS, label_candidates
+from lightning_rollout_debug.metrics.worst_tokens import WORST_FIELDS
 
 _LOG_PROB_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 LOG_PROB_DTYPES = frozenset(_LOG_PROB_KINDS)
@@ -245,16 +246,12 @@ def _finish(
             done.bins.data_ptr(),
             float(batch_index),
             float(rank),
+            *done.labels.arguments[:4],  # each candidate's segment
             extras_state.data_ptr(),
         )
         if status != 0:
             give_up(f"the kernel rejected the extras (status {status})")
             return None
-        if segments is not None and extras.k:  # the candidates' segments, from the labels
-            at = extras.state_size() - extras.k * len(WORST_FIELDS)
-            at -= PROFILE_SIZE if extras.profile else 0
-            block = extras_state[at : at + extras.k * len(WORST_FIELDS)]
-            label_candidates(block, segments.labels, segments.segments)
     return statistics_state, extras_state, segments_state
 
 
@@ -264,11 +261,11 @@ def _segments(done: _Pass, fields: tuple[str, ...], request: SegmentRequest) -> 
     Raises:
         RuntimeError: the kernel rejected its arguments.
     """
-    if done.segment_rows is None:
+    if done.labels.segment_rows is None:
         return None
-    columns, groups = _state_bits(tuple(fields), segment_rows_for(request.groups), request.groups)
+    columns, groups = _state_bits(tuple(fields), request.needed, request.groups)
     state = _identity_state(request.segments + 1)
-    rows = done.segment_rows.data_ptr()
+    rows = done.labels.segment_rows.data_ptr()
     status = done.kernel.finish_segments(rows, request.segments, columns, groups, state.data_ptr())
     if status != 0:
         raise RuntimeError(f"the kernel rejected the segments (status {status})")
@@ -288,8 +285,8 @@ class _Pass:
     settings: Tensor | None = None
     extras_rows: Tensor | None = None
     bins: Tensor | None = None
-    segment_rows: Tensor | None = None
-    """The segments' rows, ``None`` where the pass left them to the torch road."""
+    labels: PassLabels = field(default_factory=PassLabels)
+    """The segments' labels and rows; none where the pass left them to the torch road."""
 
 
 def _pass(
@@ -314,7 +311,7 @@ def _pass(
     rows, width = mask.shape
     table = torch.empty(rows, len(fields), dtype=torch.float64)
     done = _Pass(kernel, rollout, old, mask, kind, table)
-    labels = pass_labels(segments, len(fields))
+    labels = pass_labels(segments, tuple(fields))
     pointers: list[int | None] = [None, None, None]
     if extras is not None:
         if not 0 <= extras.k <= MAX_WORST_TOKENS:
@@ -346,7 +343,7 @@ def _pass(
     if status != 0:
         give_up(f"the kernel rejected its arguments (status {status})")
         return None
-    done.segment_rows = labels.segment_rows
+    done.labels = labels
     return done
 
 
@@ -372,8 +369,8 @@ def _state_bits(
     fields: tuple[str, ...], needed: frozenset[str], groups: frozenset[str]
 ) -> tuple[int, int]:
     """The bits of the columns computed and of the groups on, as the kernel reads them."""
-    columns = sum(1 << i for i, name in enumerate(fields) if name in needed)
-    return columns, sum(1 << i for i, name in enumerate(GROUP_ORDER) if name in groups)
+    on = sum(1 << i for i, name in enumerate(GROUP_ORDER) if name in groups)
+    return column_bits(fields, needed), on
 
 
 @functools.lru_cache(maxsize=16)

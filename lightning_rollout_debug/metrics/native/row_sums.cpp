@@ -504,6 +504,41 @@ struct RowSums {
     }
   }
 
+  // The columns of `kDefaultColumns` alone (those of a segment's default metrics), each
+  // as `add` computes it.
+  __attribute__((always_inline)) void add_defaults(f32 a_in, f32 b_in, i32 masked,
+                                                   const Options& options) {
+    const f32 minus_inf = splat<f32>(-kInf);
+    const f32 zero = splat<f32>(0.0f);
+    const Tokens t = tokens_of(a_in, b_in, masked);
+    const f32 a = t.a, b = t.b;
+    const i32 counting = t.counting;
+    count.add(counting);
+    nonfinite.add(masked & ~t.finite);
+    const f32 r_ = a - b;
+    const i32 near = abs(r_) < 0.5f;
+    const f32 curvature = r_ * r_ * exp_tail(r_);
+    const f32 pb_ = exp(b);
+    f32 diff_ = pb_ * (r_ + curvature);
+    f32 far = splat<f32>(1.0f);
+    const f32 abs_r_ = abs(r_);
+    if (any(~near)) {
+      diff_ = select(near, diff_, exp(a) - pb_);
+      far = far_ratio(r_, exp(abs_r_));
+    }
+    diff_ = abs(diff_);
+    r.add_difference(a, b);
+    max_a.add(select(counting, a, minus_inf));
+    max_b.add(select(counting, b, minus_inf));
+    max_diff.add(select(counting, diff_, minus_inf));
+    diff.add(select(counting, diff_, zero));
+    abs_r.add(abs_r_);
+    const f32 ratio_m1 = select(near, r_ + curvature, far - 1.0f);
+    k3.add(select(near, curvature, ratio_m1 - r_));
+    high.add(counting & (ratio_m1 > options.ratio_high_m1));
+    low.add(counting & (ratio_m1 < options.ratio_low_m1));
+  }
+
   // The sums of the inputs: in the statistics' loop (`kInline`), or in a loop of their own
   // over the same block of the row (`kApart`).
   __attribute__((always_inline)) void add_inputs(const Tokens& t) {
@@ -1262,21 +1297,30 @@ inline const uint8_t* counted_bytes(const char* mask, int mask_kind, int64_t cou
 // of a run they are added into its segment's sums and, before the row's last run, into the
 // row's own, and start again; a vector across the end of a run is added once for the lanes
 // of each run. A row's sums are then its runs' added up, in float64. A row whose runs are
-// short (fewer than `kSortedRun` tokens on average: a label drawn for each token, the
+// short (fewer than `kBucketedRun` tokens on average: a label drawn for each token, the
 // expert each token was routed to) is read as if it had no labels; then its counted
-// tokens, sorted by segment, are read once more for the segments alone, each segment a
-// run. At the end of each block of rows, each segment's sums become its row of the block;
-// the blocks' rows of each segment are added up in their order, so the result does not
-// depend on the threads.
+// tokens are put in their segments' buckets, each read for the segments alone when it is
+// full and at the end of the block of rows: for the columns the segments need
+// (`SegmentLabels::columns`), those of a segment's default metrics in fewer operations.
+// Each block of rows keeps each segment's sums apart; the blocks' sums of each segment are
+// added up in their order, so the result does not depend on the threads.
 constexpr int kMaxSegments = 1 << 16;  // the most segments served here (the package's: 256)
 
 // The fewest tokens a row's runs hold on average where the pass follows them. Each end of
 // a run costs about a vector's arithmetic (its lanes added apart, its sums put away); a
-// sorted row costs a sort and a second reading of its tokens, whatever its runs. At
-// 64x2048 with 16 labels, the update takes 10x its time without labels in runs of 2
-// tokens, 2.4x in runs of 16 and 1.7x in runs of 32; sorted, 2.0x to 2.2x: the two meet
-// at about 20 tokens.
-constexpr int64_t kSortedRun = 20;
+// row of buckets costs about 1.5 ns a counted token to fill them and as much to read them,
+// whatever its runs. At 64x2048 with 16 labels (EPYC, one thread, the defaults), the
+// update takes 1.8x its time without labels in runs of 24 tokens, 1.5x to 1.6x in runs
+// of 32 to 40 and 1.35x to 1.4x in runs of 48; with buckets, 1.4x to 1.5x in runs of any
+// length: the two meet at about 48 tokens.
+constexpr int64_t kBucketedRun = 48;
+
+// The tokens a segment's bucket holds: read when full, and at the end of each block. Each
+// bucket starts 3 vectors past a multiple of 4 KiB from the one before: the stores into
+// them and the loads of the row do not alias in the low 12 bits of their addresses.
+constexpr int64_t kBucket = 256;
+static_assert(kBucket % kLanes == 0, "buckets of whole vectors");
+constexpr int64_t kBucketStride = kBucket + 3 * kLanes;
 
 struct SegmentLabels {
   const void* values;
@@ -1284,9 +1328,19 @@ struct SegmentLabels {
   bool per_token;  // [rows, width], else [rows]
   int segments;    // S: a label outside [0, S) is segment S, the other one
   int64_t width;
+  uint64_t columns;  // bit c: the segments need column c
 
   int segment_of(int64_t label) const {
     return label >= 0 && label < segments ? static_cast<int>(label) : segments;
+  }
+  // The label at `index` of the labels.
+  int64_t label(int64_t index) const {
+    return kind == 1 ? static_cast<const int32_t*>(values)[index]
+                     : static_cast<const int64_t*>(values)[index];
+  }
+  // The segment of the token at `position` of `row`.
+  int segment_at(int64_t row, int64_t position) const {
+    return segment_of(label(per_token ? row * width + position : row));
   }
 };
 
@@ -1306,12 +1360,19 @@ inline int64_t run_end(const T* labels, int64_t from, int64_t width) {
   return t;
 }
 
-// The places where a row's label changes (its runs less one), counted in one vector loop.
+// Whether a row's runs hold fewer than `kBucketedRun` tokens on average: the places where its
+// label changes (its runs less one) counted in a vector loop, a stretch at a time, until
+// they are too many.
 template <typename T>
-inline int64_t label_changes(const T* labels, int64_t width) {
+inline bool short_runs(const T* labels, int64_t width) {
+  constexpr int64_t kStretch = 256;
   int64_t changes = 0;
-  for (int64_t t = 1; t < width; ++t) changes += labels[t] != labels[t - 1];
-  return changes;
+  for (int64_t start = 1; start < width; start += kStretch) {
+    const int64_t stop = std::min(width, start + kStretch);
+    for (int64_t t = start; t < stop; ++t) changes += labels[t] != labels[t - 1];
+    if ((changes + 1) * kBucketedRun > width) return true;
+  }
+  return false;
 }
 
 // A run of a row: where it ends, and its segment.
@@ -1359,14 +1420,14 @@ struct SegmentSums {
   }
 };
 
-// Each block's sums of each segment, as they were kept: memory for every block and segment
-// (only those kept are written, and touched), which each segment adds up in the order of
-// the blocks at the end.
+// Each block's sums of each segment: memory for every block and segment (only those of a
+// segment the block has are written, and touched), which each segment adds up in the order
+// of the blocks at the end.
 struct BlockSums {
   int64_t blocks;
   int per_block;
   SegmentSums* sums;  // [blocks][per_block], uninitialised
-  std::vector<char> kept;
+  std::vector<char> kept;  // whether a block has a segment's sums
 
   BlockSums(int64_t blocks_, int per_block_)
       : blocks(blocks_), per_block(per_block_),
@@ -1376,11 +1437,6 @@ struct BlockSums {
   ~BlockSums() { ::operator delete(sums, std::align_val_t{alignof(SegmentSums)}); }
   BlockSums(const BlockSums&) = delete;
   BlockSums& operator=(const BlockSums&) = delete;
-
-  void keep(int64_t block, int segment, const SegmentSums& found) {
-    new (sums + block * per_block + segment) SegmentSums(found);
-    kept[block * per_block + segment] = 1;
-  }
 
   // Each segment's rows of sums ([per_block][kSlots]): its blocks' added up in their order.
   void write(double* rows) const {
@@ -1397,36 +1453,46 @@ struct BlockSums {
 };
 
 // What a part of the pass keeps of the segments: the runs of the row it is in, the
-// running sums of each segment over the current block of rows (`seen`: whether a run
-// added into them) and the sums of the current row's runs before the one it is in.
+// running sums of each segment over the current block of rows (the block's in `BlockSums`;
+// `seen`: whether a run added into them) and the sums of the current row's runs before the
+// one it is in.
 struct SegmentTables {
   const SegmentLabels& labels;
   std::vector<Run> runs;
-  std::unique_ptr<SegmentSums[]> sums;
-  std::vector<char> seen;
+  SegmentSums* sums = nullptr;
+  char* seen = nullptr;
   SegmentSums before;
   bool split = false;   // whether `before` holds a run of the row
-  bool sorted = false;  // whether the row's runs are too short: its tokens are sorted
-  // A sorted row: its counted tokens' log-probs by segment, their mask (all counted),
-  // each token's segment and where each segment's tokens start.
-  std::vector<float> sorted_a, sorted_b;
-  std::vector<uint8_t> ones, flags;
-  std::vector<int32_t> segment_at;
-  std::vector<int64_t> starts, next;
+  bool bucketed = false;  // whether the row's runs are too short: its tokens go to buckets
+  // The buckets of the rows whose runs are too short: each segment's counted tokens of
+  // the block not read yet ([segments + 1][kBucket] log-probs, `filled` of each), and a
+  // row's mask as bytes.
+  std::unique_ptr<float[]> bucket_a, bucket_b;  // uninitialised
+  std::vector<int32_t> filled, bucket_at;
+  std::vector<uint8_t> flags;
+  std::vector<uint8_t> ones = lanes_then_none();  // kLanes ones, then kLanes zeros
 
-  explicit SegmentTables(const SegmentLabels& labels_)
-      : labels(labels_), sums(new SegmentSums[labels_.segments + 1]),
-        seen(labels_.segments + 1, 0) {}
+  static std::vector<uint8_t> lanes_then_none() {
+    std::vector<uint8_t> bytes(2 * kLanes, 0);
+    std::fill(bytes.begin(), bytes.begin() + kLanes, 1);
+    return bytes;
+  }
 
-  // Row `row`'s runs, in order; none for a row to sort (`sorted`).
+  explicit SegmentTables(const SegmentLabels& labels_) : labels(labels_) {}
+
+  // The start of block `block`, whose sums of each segment go to `blocks`.
+  void start_block(int64_t block, BlockSums& blocks) {
+    sums = blocks.sums + block * blocks.per_block;
+    seen = blocks.kept.data() + block * blocks.per_block;
+  }
+
+  // Row `row`'s runs, in order; none for a row of buckets (`bucketed`).
   void start_row(int64_t row) {
     runs.clear();
     split = false;
-    sorted = false;
+    bucketed = false;
     if (!labels.per_token) {
-      const int64_t label = labels.kind == 1 ? static_cast<const int32_t*>(labels.values)[row]
-                                             : static_cast<const int64_t*>(labels.values)[row];
-      runs.push_back({labels.width, labels.segment_of(label)});
+      runs.push_back({labels.width, labels.segment_at(row, 0)});
     } else if (labels.kind == 1) {
       start_labels(static_cast<const int32_t*>(labels.values) + row * labels.width);
     } else {
@@ -1436,68 +1502,91 @@ struct SegmentTables {
 
   template <typename T>
   void start_labels(const T* row) {
-    sorted = (label_changes(row, labels.width) + 1) * kSortedRun > labels.width;
-    if (!sorted) add_runs(row);
+    bucketed = short_runs(row, labels.width);
+    if (!bucketed) add_runs(row);
   }
 
-  // Row `row`'s counted tokens sorted by segment into `sorted_a` and `sorted_b` (float32),
-  // one run a segment that has any (a counting sort); returns how many.
-  int64_t sort_row(int64_t row, const char* b_row, const char* a_row, int log_prob_kind,
-                   const char* m_row, int mask_kind) {
+  // Row `row`'s counted tokens put in their segments' buckets (float32, or bfloat16
+  // widened); `read(segment)` reads a bucket that fills up.
+  template <typename Read>
+  void fill_buckets(int64_t row, const char* b_row, const char* a_row, int log_prob_kind,
+                    const char* m_row, int mask_kind, Read read) {
     const int64_t width = labels.width;
-    if (static_cast<int64_t>(ones.size()) < width) {
-      for (auto* values : {&sorted_a, &sorted_b}) values->resize(width);
-      ones.assign(width, 1);
+    if (static_cast<int64_t>(bucket_at.size()) < width) {
       flags.resize(width);
-      segment_at.resize(width);
+      bucket_at.resize(width);
+    }
+    if (filled.empty()) {  // the segments', then one for the tokens that do not count
+      filled.assign(labels.segments + 2, 0);
+      bucket_a.reset(new float[(labels.segments + 2) * kBucketStride]);
+      bucket_b.reset(new float[(labels.segments + 2) * kBucketStride]);
     }
     const uint8_t* counted = counted_bytes(m_row, mask_kind, width, flags.data());
     const int64_t at = row * width;
     if (labels.kind == 1) {
-      count_segments(static_cast<const int32_t*>(labels.values) + at, counted);
+      buckets_of(static_cast<const int32_t*>(labels.values) + at, counted);
     } else {
-      count_segments(static_cast<const int64_t*>(labels.values) + at, counted);
+      buckets_of(static_cast<const int64_t*>(labels.values) + at, counted);
     }
+    int64_t end = width;  // past the row's last counted token: right padding is skipped
+    for (uint64_t eight = 0; end >= 8; end -= 8) {
+      std::memcpy(&eight, counted + end - 8, 8);
+      if (eight) break;
+    }
+    while (end > 0 && !counted[end - 1]) --end;
     if (log_prob_kind == 0) {
-      place<float>(a_row, b_row, counted);
+      put<float>(a_row, b_row, end, read);
     } else {
-      place<uint16_t>(a_row, b_row, counted);
+      put<uint16_t>(a_row, b_row, end, read);
     }
-    runs.clear();
-    split = false;
-    const int per_row = labels.segments + 1;
-    for (int segment = 0; segment < per_row; ++segment) {
-      if (starts[segment + 1] > starts[segment]) runs.push_back({starts[segment + 1], segment});
-    }
-    return starts[per_row];
   }
 
-  // Each token's segment, and where each segment's counted tokens start (`starts`).
+  // Each token's bucket (`bucket_at`): its segment's, or the last where it does not count.
   template <typename T>
-  void count_segments(const T* row, const uint8_t* counted) {
-    const int per_row = labels.segments + 1;
+  void buckets_of(const T* row, const uint8_t* counted) {
     const uint64_t named = static_cast<uint64_t>(labels.segments);
-    starts.assign(per_row + 1, 0);
+    const int32_t none = labels.segments + 1;
+    int32_t* out = bucket_at.data();
     for (int64_t t = 0; t < labels.width; ++t) {
       const uint64_t label = static_cast<uint64_t>(static_cast<int64_t>(row[t]));
       const int32_t segment = static_cast<int32_t>(label < named ? label : named);
-      segment_at[t] = segment;
-      starts[segment + 1] += counted[t] != 0;
+      out[t] = counted[t] ? segment : none;
     }
-    for (int segment = 0; segment < per_row; ++segment) starts[segment + 1] += starts[segment];
-    next.assign(starts.begin(), starts.end() - 1);
   }
 
-  // The counted tokens' log-probs (float32, or bfloat16 widened) at their places.
-  template <typename LogProb>
-  void place(const char* a_row, const char* b_row, const uint8_t* counted) {
+  // Each token written at its bucket's next place; a full bucket read (the last emptied).
+  template <typename LogProb, typename Read>
+  void put(const char* a_row, const char* b_row, int64_t end, Read read) {
     const auto* a = reinterpret_cast<const LogProb*>(a_row);
     const auto* b = reinterpret_cast<const LogProb*>(b_row);
-    for (int64_t t = 0; t < labels.width; ++t) {
-      if (!counted[t]) continue;
-      const int64_t k = next[segment_at[t]]++;
-      sorted_a[k] = widened(a[t]);
-      sorted_b[k] = widened(b[t]);
+    const int32_t none = labels.segments + 1;
+    float* const to_a = bucket_a.get();
+    float* const to_b = bucket_b.get();
+    const int32_t* at = bucket_at.data();
+    int32_t* const next = filled.data();
+    for (int64_t t = 0; t < end; ++t) {
+      const int32_t bucket = at[t];
+      const int32_t k = next[bucket];
+      to_a[bucket * kBucketStride + k] = widened(a[t]);
+      to_b[bucket * kBucketStride + k] = widened(b[t]);
+      next[bucket] = k + 1;
+      if (k + 1 == kBucket) {
+        if (bucket == none) {
+          next[bucket] = 0;
+        } else {
+          read(bucket);
+        }
+      }
+    }
+  }
+
+  // The sums of a segment's tokens, added into its sums.
+  void add_to_segment(int segment, const RowSums& found) {
+    if (seen[segment]) {
+      sums[segment].add(found);
+    } else {
+      (new (sums + segment) SegmentSums)->keep(found);
+      seen[segment] = 1;
     }
   }
 
@@ -1513,13 +1602,7 @@ struct SegmentTables {
   // The end of `run`, whose sums `sums` hold: added into its segment's; unless it is the
   // row's last, kept in `before` and cleared, else the runs before it added back.
   void end_run(RowSums& sums, const Run* run) {
-    const int segment = run->segment;
-    if (seen[segment]) {
-      this->sums[segment].add(sums);
-    } else {
-      this->sums[segment].keep(sums);
-      seen[segment] = 1;
-    }
+    add_to_segment(run->segment, sums);
     if (run == &runs.back()) {
       if (split) before.add_to(sums);
       return;
@@ -1533,15 +1616,6 @@ struct SegmentTables {
     split = true;
   }
 
-  // The end of block `block`: each segment's sums kept as the block's (`kept`: where it
-  // has them).
-  void end_block(int64_t block, BlockSums& kept) {
-    for (int segment = 0; segment <= labels.segments; ++segment) {
-      if (!seen[segment]) continue;
-      kept.keep(block, segment, sums[segment]);
-      seen[segment] = 0;
-    }
-  }
 };
 
 // A vector across the end of a run (`segments` not null): added once for the lanes of each
@@ -1653,19 +1727,77 @@ __attribute__((always_inline)) inline void add_row_blocks(
   if (extras) pending.flush();
 }
 
-// The segments of a `SegmentTables::sorted` row (whose own sums were taken apart): its
-// counted tokens sorted by segment, read for the token-level columns, each segment a run.
-template <bool kCatalog>
-void add_sorted_row(SegmentTables& segments, const char* b_row, const char* a_row,
+// What a bucket's tokens are read for: the seed group's columns, the catalog's, or those
+// of a segment's default metrics alone (`kDefaultColumns`).
+enum Reading { kSeedColumns, kCatalogColumns, kDefaults };
+
+constexpr uint64_t kDefaultColumns =
+    (1ull << c_count) | (1ull << c_nonfinite) | (1ull << c_max_a) | (1ull << c_max_b) |
+    (1ull << c_max_diff) | (1ull << c_diff) | (1ull << c_abs_r) | (1ull << c_r) |
+    (1ull << c_k3) | (1ull << c_high) | (1ull << c_low);
+
+// The reading of the buckets of a pass whose row sums compute the catalog or not.
+inline Reading bucket_reading(const SegmentLabels& labels, bool catalog) {
+  if ((labels.columns & ~kDefaultColumns) == 0) return kDefaults;
+  return catalog ? kCatalogColumns : kSeedColumns;
+}
+
+// One vector of a bucket's tokens added into `sums`, for the columns of `kReading`.
+template <Reading kReading>
+__attribute__((always_inline)) inline void add_bucket_vector(RowSums& sums, f32 a, f32 b,
+                                                             i32 counted,
+                                                             const Options& options) {
+  if constexpr (kReading == kDefaults) {
+    sums.add_defaults(a, b, counted, options);
+  } else {
+    sums.add<kReading == kCatalogColumns, kNoInputs, false>(a, b, counted, options);
+  }
+}
+
+// The sums of the tokens in `segment`'s bucket (all counted), into the segment's.
+template <Reading kReading>
+void read_bucket(SegmentTables& segments, int segment, const Options& options) {
+  const int64_t count = segments.filled[segment];
+  const float* a = segments.bucket_a.get() + segment * kBucketStride;
+  const float* b = segments.bucket_b.get() + segment * kBucketStride;
+  RowSums sums;
+  // The lanes that count, read as a row's mask is (a constant one has GCC do the selects
+  // of `tokens_of` one lane at a time): from `ones`, every lane, then `rest` of them.
+  const uint8_t* every = segments.ones.data();
+  const int64_t whole = count - count % kLanes, rest = count - whole;
+  for (int64_t j = 0; j < whole; j += kLanes) {
+    add_bucket_vector<kReading>(sums, floats_of(a + j), floats_of(b + j), nonzero(every),
+                                options);
+  }
+  if (rest) {  // the last tokens, padded with masked-out zeros
+    alignas(64) float a_tail[kLanes] = {}, b_tail[kLanes] = {};
+    std::memcpy(a_tail, a + whole, rest * sizeof(float));
+    std::memcpy(b_tail, b + whole, rest * sizeof(float));
+    add_bucket_vector<kReading>(sums, floats_of(a_tail), floats_of(b_tail),
+                                nonzero(every + kLanes - rest), options);
+  }
+  segments.add_to_segment(segment, sums);
+  segments.filled[segment] = 0;
+}
+
+// The segments of a `SegmentTables::bucketed` row (whose own sums were taken apart): its
+// counted tokens put in their segments' buckets, each read when full.
+template <Reading kReading>
+void add_bucketed_row(SegmentTables& segments, const char* b_row, const char* a_row,
                     int log_prob_kind, const char* m_row, int mask_kind, int64_t row,
                     const Options& options) {
-  const int64_t count = segments.sort_row(row, b_row, a_row, log_prob_kind, m_row, mask_kind);
-  RowSums unused;  // the row's own: its runs' added up
-  add_row_blocks<kCatalog, kNoInputs, false>(
-      unused, reinterpret_cast<const char*>(segments.sorted_b.data()),
-      reinterpret_cast<const char*>(segments.sorted_a.data()), 0,
-      reinterpret_cast<const char*>(segments.ones.data()), 0, count, options, nullptr,
-      &segments);
+  segments.fill_buckets(row, b_row, a_row, log_prob_kind, m_row, mask_kind,
+                        [&](int segment) { read_bucket<kReading>(segments, segment, options); });
+}
+
+// The buckets read at the end of a block of rows.
+template <Reading kReading>
+void read_buckets(SegmentTables& segments, const Options& options) {
+  if (segments.filled.empty()) return;
+  for (int segment = 0; segment <= segments.labels.segments; ++segment) {
+    if (segments.filled[segment]) read_bucket<kReading>(segments, segment, options);
+  }
+  segments.filled.back() = 0;
 }
 
 // One row into its sums (`out`).
@@ -1700,6 +1832,10 @@ void reduce_rows(const char* rollout, const char* old, int log_prob_kind, const 
                  int32_t* counts, ProfileTables* profile, WorstSoFar* worst,
                  SegmentTables* segments) {
   const int64_t row_bytes = width * log_prob_size(log_prob_kind);
+  // Bit 0: the catalog beyond the seed group; bit 1: sums of the inputs (any other level:
+  // both).
+  const int sums = level >= 0 && level < 3 ? level : 3;
+  const Reading reading = segments ? bucket_reading(segments->labels, sums & 1) : kSeedColumns;
   for (int64_t row = begin; row < end; ++row) {
     if (segments) segments->start_row(row);
     const char* b = rollout + row * row_bytes;
@@ -1709,11 +1845,9 @@ void reduce_rows(const char* rollout, const char* old, int log_prob_kind, const 
     RowExtras* extras = nullptr;
     alignas(64) unsigned char storage[sizeof(RowExtras)];
     if (request) extras = new (storage) RowExtras(*request, counts, profile, worst->floor);
-    // Bit 0: the catalog beyond the seed group; bit 1: sums of the inputs (any other level:
-    // both); bit 2: the profile.
-    const int kind = (level >= 0 && level < 3 ? level : 3) | (profile ? 4 : 0);
-    // The row's runs, unless it is sorted (its segments read apart, after it).
-    SegmentTables* runs = segments && !segments->sorted ? segments : nullptr;
+    const int kind = sums | (profile ? 4 : 0);  // bit 2: the profile
+    // The row's runs, unless it is bucketed (its segments read apart, after it).
+    SegmentTables* runs = segments && !segments->bucketed ? segments : nullptr;
     const auto row_with = [&](auto reduce) {
       reduce(b, a, log_prob_kind, m, mask_kind, width, options, slots, extras, runs);
     };
@@ -1732,10 +1866,18 @@ void reduce_rows(const char* rollout, const char* old, int log_prob_kind, const 
       extras->write(request->rows + row * (kMoments + 2 * request->k), catalog);
       worst->add(extras->keys, extras->filled);
     }
-    if (segments && segments->sorted) {
-      const auto sorted_with = kind & 1 ? add_sorted_row<true> : add_sorted_row<false>;
-      sorted_with(*segments, b, a, log_prob_kind, m, mask_kind, row, options);
+    if (segments && segments->bucketed) {
+      const auto bucketed = reading == kDefaults         ? add_bucketed_row<kDefaults>
+                            : reading == kCatalogColumns ? add_bucketed_row<kCatalogColumns>
+                                                         : add_bucketed_row<kSeedColumns>;
+      bucketed(*segments, b, a, log_prob_kind, m, mask_kind, row, options);
     }
+  }
+  if (segments) {
+    const auto read = reading == kDefaults         ? read_buckets<kDefaults>
+                      : reading == kCatalogColumns ? read_buckets<kCatalogColumns>
+                                                   : read_buckets<kSeedColumns>;
+    read(*segments, options);
   }
 }
 
@@ -1858,10 +2000,10 @@ void run(const void* rollout, const void* old, int log_prob_kind, const void* ma
     if (labels && !profile) {
       SegmentTables segments(*labels);
       for (int64_t block = first; block < last; ++block) {
+        segments.start_block(block, block_sums_of_segments);
         reduce_rows(b, a, log_prob_kind, m, mask_kind, width, rows * block / blocks,
                     rows * (block + 1) / blocks, level, options, out, request, own, nullptr,
                     &worst, &segments);
-        segments.end_block(block, block_sums_of_segments);
       }
       return;
     }
@@ -1881,11 +2023,11 @@ void run(const void* rollout, const void* old, int log_prob_kind, const void* ma
     for (int64_t block = first; block < last; ++block) {
       tables.block = block_sums.get() + block * kBlockSlots;
       std::fill(tables.block, tables.block + kBlockSlots, 0.0);
+      if (segments) segments->start_block(block, block_sums_of_segments);
       reduce_rows(b, a, log_prob_kind, m, mask_kind, width, rows * block / blocks,
                   rows * (block + 1) / blocks, level, options, out, request, own, &tables,
                   &worst, segments.get());
       tables.end_block();
-      if (segments) segments->end_block(block, block_sums_of_segments);
     }
     add_copies(own_counts, copy_bits, part_totals.get() + index * kCounted);
     maxima[2 * index] = tables.diff_max;
@@ -2120,7 +2262,8 @@ inline double id_at(const void* ids, int kind, int64_t index) {
 // The k candidates of the packed extras, from `out` on.
 void write_candidates(const void* rollout, const void* old, int kind, const void* ids,
                       int id_kind, int64_t rows, int64_t width, const ExtrasRequest& x,
-                      double batch_index, double rank, double* out) {
+                      double batch_index, double rank, const SegmentLabels* labels,
+                      double* out) {
   const int per_row = kMoments + 2 * x.k;
   struct Candidate { double key; int64_t row, position; };
   std::vector<Candidate> found;
@@ -2160,7 +2303,7 @@ void write_candidates(const void* rollout, const void* old, int kind, const void
     out[w_position] = static_cast<double>(c.position);
     out[w_id] = ids ? id_at(ids, id_kind, index) : -1.0;
     out[w_rank] = rank;
-    out[w_segment] = -1.0;
+    out[w_segment] = labels ? labels->segment_at(c.row, c.position) : -1.0;
     for (int j = 1; j <= kContextTokens; ++j) {  // the ids before it in its row
       out[w_context_1 + j - 1] = ids && c.position >= j ? id_at(ids, id_kind, index - j) : -1.0;
     }
@@ -2183,7 +2326,7 @@ void add_profile(const double* pass, double* window) {
 // then the profile block.
 void write_extras(const void* rollout, const void* old, int kind, const void* ids, int id_kind,
                   int64_t rows, int64_t width, const ExtrasRequest& x, double batch_index,
-                  double rank, double* state) {
+                  double rank, const SegmentLabels* labels, double* state) {
   const int per_row = kMoments + 2 * x.k;
   double* out = state;
   if (x.histograms) {
@@ -2207,7 +2350,8 @@ void write_extras(const void* rollout, const void* old, int kind, const void* id
     }
   }
   if (x.k) {
-    write_candidates(rollout, old, kind, ids, id_kind, rows, width, x, batch_index, rank, out);
+    write_candidates(rollout, old, kind, ids, id_kind, rows, width, x, batch_index, rank, labels,
+                     out);
   }
   if (x.profile == 1) {
     std::memcpy(out + x.k * kWorstFields, profile_block(x), kProfileSize * sizeof(double));
@@ -2263,18 +2407,24 @@ extern "C" int rollout_finish_state(const double* table, int64_t rows, uint64_t 
 
 // The packed extras from the per-row extras and bins of `rollout_row_sums` (`ints` as
 // there). `ids`: null, or token ids (`id_kind` 1: int32, 2: int64) shown in the table.
-// With profile 2, `state`'s profile block is a window's: the pass's is added into it.
+// `labels`: null, or the segment labels of the pass (its arguments), each candidate's
+// segment written from them. With profile 2, `state`'s profile block is a window's: the
+// pass's is added into it.
 extern "C" int rollout_finish_extras(const void* rollout, const void* old, int log_prob_kind,
                                      const void* ids, int id_kind, int64_t rows,
                                      int64_t width, const int* ints, const double* extras_rows,
                                      const double* bins, double batch_index, double rank,
-                                     double* state) {
+                                     const void* labels, int label_kind, int per_token,
+                                     int segments, double* state) {
   const ExtrasRequest x{ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6],
                         const_cast<double*>(extras_rows), const_cast<double*>(bins)};
   if (x.k < 0 || x.k > kMaxWorst || (log_prob_kind != 0 && log_prob_kind != 1)) return 3;
   if (x.profile < 0 || x.profile > 2 || ((x.histograms || x.profile) && !bins)) return 3;
+  const SegmentLabels by_segment{labels, label_kind, per_token != 0, segments, width, 0};
+  const bool segments_known = segments >= 1 && segments <= kMaxSegments;
+  if (labels && ((label_kind != 1 && label_kind != 2) || !segments_known)) return 3;
   write_extras(rollout, old, log_prob_kind, ids, id_kind, rows, width, x, batch_index, rank,
-               state);
+               labels ? &by_segment : nullptr, state);
   return 0;
 }
 
@@ -2301,14 +2451,14 @@ extern "C" const char* rollout_row_column(int index) {
 // where they go (`rows`: [rows, 8 + 2 k], `bins`: the histograms' bins, then the profile
 // block). `labels`: null, or the segments' labels, [rows] (`per_token` 0) or [rows, width]
 // (1), int32 (`label_kind` 1) or int64 (2), whose `segments` + 1 rows of sums (the last for
-// every label outside [0, segments)) go into `segment_rows` ([segments + 1, kSlots]).
-// Returns 0; other values for arguments it does not know.
+// every label outside [0, segments)) go into `segment_rows` ([segments + 1, kSlots]), of
+// which `segment_columns` (bit c: column c) are needed. Returns 0; other values for arguments it does not know.
 extern "C" int rollout_row_sums(const void* rollout, const void* old, const void* mask,
                                 int log_prob_kind, int mask_kind, int64_t rows, int64_t width,
                                 int level, float ratio_high_m1, float ratio_low_m1,
                                 int threads, double* out, const int* ints, double* extras_rows,
                                 double* bins, const void* labels, int label_kind, int per_token,
-                                int segments, double* segment_rows) {
+                                int segments, uint64_t segment_columns, double* segment_rows) {
   const Options options{ratio_high_m1, ratio_low_m1};
   ExtrasRequest request{};
   const ExtrasRequest* x = nullptr;
@@ -2325,7 +2475,8 @@ extern "C" int rollout_row_sums(const void* rollout, const void* old, const void
   }
   if (log_prob_kind != 0 && log_prob_kind != 1) return 1;
   if (mask_kind < 0 || mask_kind > 3) return 2;
-  const SegmentLabels by_segment{labels, label_kind, per_token != 0, segments, width};
+  const SegmentLabels by_segment{labels,   label_kind, per_token != 0,
+                                 segments, width,      segment_columns};
   const bool segments_known = segments >= 1 && segments <= kMaxSegments && segment_rows;
   if (labels && ((label_kind != 1 && label_kind != 2) || !segments_known)) return 3;
   run(rollout, old, log_prob_kind, mask, mask_kind, rows, width, level, options, threads, out, x,

@@ -3,9 +3,10 @@
 Given a :class:`SegmentRequest` (a batch's ``[B]`` or ``[B, T]`` labels, ``S`` segments),
 the pass keeps the sums of each row's runs of equal label apart in the same read of the
 batch (``row_sums.cpp``: at the end of a run its sums go to its segment, and the row's are
-its runs' added up; a row of runs shorter than 20 tokens on average is read again, its
-tokens sorted by segment), and adds them up into one row of sums a segment, the last for
-every label outside ``[0, S)``: :class:`PassLabels` holds what the pass reads and writes.
+its runs' added up; the counted tokens of a row of runs shorter than 48 tokens on average
+go to their segments' buckets, read for the row quantities the segments need alone), and
+adds them up into one row of sums a segment, the last for every label outside ``[0, S)``:
+:class:`PassLabels` holds what the pass reads and writes.
 ``passes.states`` then finishes those rows into the packed segments of
 ``segments.SegmentWindow``.
 """
@@ -31,12 +32,20 @@ class SegmentRequest:
 
     ``labels``: the batch's ``[B]`` or ``[B, T]`` integer labels; ``segments``: ``S``, whose
     last copy, ``other``, takes every label outside ``[0, S)``; ``groups``: the groups whose
-    token-level slots (those of ``rows.SEGMENT_GROUPS``) each copy gets.
+    token-level slots (those of ``rows.SEGMENT_GROUPS``) each copy gets; ``rows``: the row
+    quantities it is read for (``None``: every one of those groups).
     """
 
     labels: Tensor
     segments: int
     groups: frozenset[str]
+    rows: frozenset[str] | None = None
+
+    @property
+    def needed(self) -> frozenset[str]:
+        """The row quantities of the segments: ``rows`` of the token-level ``groups``."""
+        every = segment_rows_for(self.groups)
+        return every if self.rows is None else every & self.rows
 
 
 @dataclass
@@ -49,12 +58,12 @@ class PassLabels:
 
     labels: Tensor | None = None
     segment_rows: Tensor | None = None
-    arguments: list[int | None] = field(default_factory=lambda: [None, 0, 0, 0, None])
+    arguments: list[int | None] = field(default_factory=lambda: [None, 0, 0, 0, 0, None])
     needed: frozenset[str] = frozenset()
 
 
-def pass_labels(request: SegmentRequest | None, columns: int) -> PassLabels:
-    """What a pass reads and writes of its segments (``columns``: the kernel's row columns).
+def pass_labels(request: SegmentRequest | None, fields: tuple[str, ...]) -> PassLabels:
+    """What a pass reads and writes of its segments (``fields``: the kernel's row columns).
 
     None where there is no request, or the kernel cannot read its labels (off the CPU, a
     tensor subclass, not integers): the torch road takes the segments.
@@ -66,15 +75,23 @@ def pass_labels(request: SegmentRequest | None, columns: int) -> PassLabels:
     if labels.dtype not in LABEL_KINDS:
         labels = labels.to(torch.int64)
     labels = labels.contiguous()
-    segment_rows = torch.empty(request.segments + 1, columns, dtype=torch.float64)
+    segment_rows = torch.empty(request.segments + 1, len(fields), dtype=torch.float64)
+    needed = request.needed
     arguments = [
         labels.data_ptr(),
         LABEL_KINDS[labels.dtype],
         int(labels.dim() == 2),
         request.segments,
+        column_bits(fields, needed),
         segment_rows.data_ptr(),
     ]
-    return PassLabels(labels, segment_rows, arguments, segment_rows_for(request.groups))
+    return PassLabels(labels, segment_rows, arguments, needed)
+
+
+@functools.lru_cache(maxsize=64)
+def column_bits(fields: tuple[str, ...], needed: frozenset[str]) -> int:
+    """The bits of the columns of ``fields`` among ``needed``, as the kernel reads them."""
+    return sum(1 << i for i, name in enumerate(fields) if name in needed)
 
 
 @functools.lru_cache(maxsize=64)
