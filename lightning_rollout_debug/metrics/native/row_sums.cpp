@@ -1464,6 +1464,10 @@ struct SegmentTables {
   SegmentSums before;
   bool split = false;   // whether `before` holds a run of the row
   bool bucketed = false;  // whether the row's runs are too short: its tokens go to buckets
+  // A bucketed row's labels and their size: loaded into the caches while the row is read,
+  // which they are read after (null: none).
+  const char* labels_ahead = nullptr;
+  int64_t label_bytes = 0;
   // The buckets of the rows whose runs are too short: each segment's counted tokens of
   // the block not read yet ([segments + 1][kBucket] log-probs, `filled` of each), and a
   // row's mask as bytes.
@@ -1491,6 +1495,7 @@ struct SegmentTables {
     runs.clear();
     split = false;
     bucketed = false;
+    labels_ahead = nullptr;
     if (!labels.per_token) {
       runs.push_back({labels.width, labels.segment_at(row, 0)});
     } else if (labels.kind == 1) {
@@ -1503,7 +1508,12 @@ struct SegmentTables {
   template <typename T>
   void start_labels(const T* row) {
     bucketed = short_runs(row, labels.width);
-    if (!bucketed) add_runs(row);
+    if (!bucketed) {
+      add_runs(row);
+    } else {
+      labels_ahead = reinterpret_cast<const char*>(row);
+      label_bytes = sizeof(T);
+    }
   }
 
   // Row `row`'s counted tokens put in their segments' buckets (float32, or bfloat16
@@ -1656,6 +1666,8 @@ __attribute__((always_inline)) inline void add_row_blocks(
   // The run the pass is in and where it ends (never, without segments or tokens).
   const Run* run = segments ? segments->runs.data() : nullptr;
   int64_t run_end = segments && !segments->runs.empty() ? run->end : INT64_MAX;
+  const char* labels = segments ? segments->labels_ahead : nullptr;
+  const int64_t label_size = labels ? segments->label_bytes : 0;
   uint8_t bytes[kBlock];
   alignas(64) float a_block[kBlock], b_block[kBlock];  // bfloat16 log-probs, widened
   const int64_t mask_size = kMaskBytes[mask_kind];
@@ -1694,6 +1706,10 @@ __attribute__((always_inline)) inline void add_row_blocks(
         const char* mask_ahead = mask + (j + 1024) * mask_size;
         for (int64_t line = 0; line < mask_size * kLanes; line += 64) {
           __builtin_prefetch(mask_ahead + line);
+        }
+        if (labels) {  // a bucketed row's, read once the row is
+          const char* at = labels + (start + j) * label_size;
+          for (int64_t line = 0; line < label_size * kLanes; line += 64) __builtin_prefetch(at + line);
         }
         sums.add<kCatalog, kInputs, kProfile>(floats_of(a + j), floats_of(b + j),
                                               nonzero(flags + j), options);
@@ -1846,8 +1862,8 @@ void reduce_rows(const char* rollout, const char* old, int log_prob_kind, const 
     alignas(64) unsigned char storage[sizeof(RowExtras)];
     if (request) extras = new (storage) RowExtras(*request, counts, profile, worst->floor);
     const int kind = sums | (profile ? 4 : 0);  // bit 2: the profile
-    // The row's runs, unless it is bucketed (its segments read apart, after it).
-    SegmentTables* runs = segments && !segments->bucketed ? segments : nullptr;
+    // The row's runs; a bucketed row has none (its segments are read apart, after it).
+    SegmentTables* runs = segments;
     const auto row_with = [&](auto reduce) {
       reduce(b, a, log_prob_kind, m, mask_kind, width, options, slots, extras, runs);
     };
