@@ -263,7 +263,7 @@ def _segments(done: _Pass, fields: tuple[str, ...], request: SegmentRequest) -> 
     """
     if done.labels.segment_rows is None:
         return None
-    columns, groups = _state_bits(tuple(fields), request.needed, request.groups)
+    columns, groups = _state_bits(tuple(fields), done.labels.needed, request.groups)
     state = _identity_state(request.segments + 1)
     rows = done.labels.segment_rows.data_ptr()
     status = done.kernel.finish_segments(rows, request.segments, columns, groups, state.data_ptr())

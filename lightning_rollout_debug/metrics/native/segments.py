@@ -33,19 +33,13 @@ class SegmentRequest:
     ``labels``: the batch's ``[B]`` or ``[B, T]`` integer labels; ``segments``: ``S``, whose
     last copy, ``other``, takes every label outside ``[0, S)``; ``groups``: the groups whose
     token-level slots (those of ``rows.SEGMENT_GROUPS``) each copy gets; ``rows``: the row
-    quantities it is read for (``None``: every one of those groups).
+    quantities it is read for (``SegmentWindow.rows``).
     """
 
     labels: Tensor
     segments: int
     groups: frozenset[str]
-    rows: frozenset[str] | None = None
-
-    @property
-    def needed(self) -> frozenset[str]:
-        """The row quantities of the segments: ``rows`` of the token-level ``groups``."""
-        every = segment_rows_for(self.groups)
-        return every if self.rows is None else every & self.rows
+    rows: frozenset[str]
 
 
 @dataclass
@@ -76,7 +70,7 @@ def pass_labels(request: SegmentRequest | None, fields: tuple[str, ...]) -> Pass
         labels = labels.to(torch.int64)
     labels = labels.contiguous()
     segment_rows = torch.empty(request.segments + 1, len(fields), dtype=torch.float64)
-    needed = request.needed
+    needed = segment_rows_for(request.groups) & request.rows  # those of its groups
     arguments = [
         labels.data_ptr(),
         LABEL_KINDS[labels.dtype],
