@@ -66,6 +66,9 @@ def row_count(sums: TokenSums) -> int:
 
 def stacked_rows(rows: Tensor | Sequence[Tensor], field: str) -> Tensor:
     """A pass's per-row ``field`` as one tensor (a compiled pass leaves a list of rows)."""
+    if isinstance(rows, Tensor) and field == "lag" and len(rows) == 8:  # WIDE to LAG
+        rows = torch.cat([rows[0:2], rows[3:5], rows[6:8]])
+        rows = torch.cat([rows[:, 0:2], rows[:, 3:5], rows[:, 6:8]], dim=1)
     if isinstance(rows, Tensor):
         return rows.flatten(0, 1) if field == "lag" else rows  # [6, 6, B] to [36, B]
     stacked = torch.stack(list(rows))
@@ -106,9 +109,11 @@ class RowSums:
         tops = plan.planes[plan.segment_tops if groups else plan.tops]
         self.largest = dict(zip(tops, largest, strict=True))
         self.smallest: dict[str, Tensor] = {}
-        if plan.bottoms:
+        if plan.bottoms and not groups:
             bottoms = self._over(_rows(batches, "bottom"), torch.amin).unbind()
-            self.smallest = dict(zip(plan.bottoms, bottoms, strict=not groups))  # groups: r
+            self.smallest = dict(zip(plan.bottoms, bottoms, strict=True))
+        if "nr" in self.largest:  # nr = -r
+            self.smallest["r"] = -self.largest["nr"]
         sums = totals[plan.centred]
         means = sums / self.count.clamp(min=1.0)
         about = [moment_rows(part) for part in batches]
@@ -402,15 +407,8 @@ def finish_segments(batches: Sequence[TokenSums]) -> Tensor:
 def _segment_rows(sums: TokenSums, per_row: int) -> TokenSums:
     """A pass's segment rows as the rows of a pass of their own."""
     assert sums.segments is not None
-    first, top, low, second, log_ratio, shift = sums.segments
-    return dataclasses.replace(
-        sums,
-        first=first.unsqueeze(-1) if first.dim() == 2 else first,
-        top=top,
-        bottom=None if low is None else [low[0] if low.dim() == 2 else low],
-        shift=shift,
-        second=second,
-        log_ratio=log_ratio,
-        lag=None,
-        segments=None,
-    )
+    names = ("first", "top", "second", "log_ratio", "shift")
+    fields = dict(zip(names, sums.segments, strict=True))
+    first = fields["first"]
+    fields["first"] = first.unsqueeze(-1) if first.dim() == 2 else first
+    return dataclasses.replace(sums, **fields, bottom=None, lag=None, segments=None)

@@ -3,10 +3,12 @@
 Each token's padding zero (a rollout log-prob of exactly 0 where the trainer's is below
 e^-1), the masked actor (a trainer log-prob of -inf where the rollout's is neither -inf
 nor 0) and the code of a row's last zero are planes of the pass (:mod:`.sums`); the sums
-of the products of neighbouring tokens are one batched matrix product.
+of the products of neighbouring tokens are one batched matrix product of float64 copies.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -15,16 +17,30 @@ from lightning_rollout_debug.metrics.tokens import PADDING_ACTOR_LOG_PROB
 from lightning_rollout_debug.metrics.torch_pass.constants import by_shape
 from lightning_rollout_debug.metrics.torch_pass.planes import Planes, keeps, kept
 
+WIDE = ("zero", "one", "b2", "a", "b", "rc", "a^2", "b^2")
+"""The float64 copies of an eager pass (:func:`wide_planes`): the planes from ``zero`` to
+``rc``, then the squares of ``a`` and ``b`` (``b2``'s copy then holds ``a - b``)."""
+
+LAG = ("zero", "one", "a", "b", "a^2", "b^2")
+"""The planes whose products at neighbouring tokens the finishing reads, in order."""
+
 
 def health_values(p: Planes) -> None:
-    """The health group's values: rollout zeros as padding, the masked actor, the code."""
+    """The health group's values: rollout zeros as padding, the masked actor, the code.
+
+    ``zb`` (``b = 0``), ``ninf_a`` and ``ninf_b`` (-inf log-probs) are written with the
+    log-probs (:mod:`.values`).
+    """
     one = p["one"]
-    zb = p.write("zb", torch.eq, p["b"], 0.0)
     p.write("zero", torch.lt, p["a"], PADDING_ACTOR_LOG_PROB)  # 0 where a token does not count
-    p.update("zero", "zero", lambda z: z.mul_(zb))
+    p.update("zero", "zero", lambda z: z.mul_(p["zb"]))
     # The masked actor (a = -inf where b is neither -inf nor 0) counts ninf_a less the
     # products ninf_a ninf_b and ninf_a zb (the two exclude each other).
-    p.update("ninf_b", "zb", lambda x: x.mul_(p["ninf_a"]))
+    if p.traced:
+        for name in ("ninf_b", "zb"):
+            p.values[name] = p.values[name] * p.values["ninf_a"]
+    else:
+        p.spaced("zb", "ninf_b").mul_(p["ninf_a"])
     # 4 t + 2 zero_t + zero_(t-1): its largest over a row's counting tokens tells whether
     # the last one is a zero and whether the column before it is one too.
     width = one.shape[-1]
@@ -33,35 +49,76 @@ def health_values(p: Planes) -> None:
         one,
         lambda device: torch.arange(0, 4 * width, 4, dtype=p.dtype, device=device),
     )
-    p.write("code", zero_code, p["zero"], steps)
+    code = p.write("code", torch.add, steps, p["zero"], alpha=2.0)
+    if p.traced:
+        p.values["code"] = code + torch.nn.functional.pad(p["zero"], (1, -1))  # zero_(t-1)
+        return
+    later, earlier = p.derived("code", lambda: (code[:, 1:], p["zero"][:, :-1]))
+    later.add_(earlier)
 
 
-def zero_code(zero: Tensor, steps: Tensor, out: Tensor | None = None) -> Tensor:
-    """``4 t + 2 zero_t + zero_(t-1)`` at column ``t`` (``zero_(-1)`` is 0)."""
-    code = torch.add(steps, zero, alpha=2.0, out=out)
-    return code.add_(torch.nn.functional.pad(zero, (1, -1)))  # zero_(t-1)
+class Wide(NamedTuple):
+    """The float64 copies of an eager pass's planes of :data:`WIDE`, and views of them."""
+
+    head: Tensor
+    """``[6, B, T]``: the copies of the planes from ``zero`` to ``rc``."""
+    sides: Tensor
+    """``[2, B, T]``: ``a`` and ``b``."""
+    a: Tensor
+    """``[B, T]``: ``a``."""
+    b: Tensor
+    """``[B, T]``: ``b``."""
+    squares: Tensor
+    """``[2, B, T]``: ``a^2`` and ``b^2``."""
+    now: Tensor
+    """``[8, B, T - 1]``: the planes of :data:`WIDE` at each token but the last."""
+    following: Tensor
+    """The same at each token but the first."""
+    rc: Tensor
+    """``[B, T]``: ``rc``, ``r`` clamped."""
+    difference: Tensor
+    """``[B, T]``: room for ``a - b`` (``b2``'s copy)."""
 
 
-def lag_products(p: Planes) -> Tensor:
-    """``[6, 6, B]``: each row's sums of ``x_t y_(t+1)`` over ``zero, one, a, b, a^2, b^2``.
+def wide_planes(p: Planes) -> Wide:
+    """Float64 copies of the planes of :data:`WIDE` (eagerly), written from ``p``.
 
-    Eagerly; the planes are 0 where a token does not count, so a product counts a pair of
-    neighbours that both count. In float64: the log-probs' squares and products are exact,
-    and no TF32 rounds them. One batched matrix product.
+    The planes are 0 where a token does not count; in float64 the log-probs' squares and
+    products are exact, and no TF32 rounds them.
     """
     one = p["one"]
     rows, width = one.shape
+    size = len(WIDE) * rows * width
 
-    def views(flat: Tensor) -> tuple[Tensor, ...]:
-        wide = flat.view(6, rows, width)
-        return wide[:4], wide[2:4], wide[4:], wide[..., :-1], wide[..., 1:]
+    def make(flat: Tensor) -> Wide:
+        wide = flat.view(len(WIDE), rows, width)
+        at = WIDE.index
+        return Wide(
+            wide[: at("rc") + 1],
+            wide[at("a") : at("b") + 1],
+            wide[at("a")],
+            wide[at("b")],
+            wide[at("a^2") :],
+            wide[..., :-1],
+            wide[..., 1:],
+            wide[at("rc")],
+            wide[at("b2")],
+        )
 
-    size = 6 * rows * width
     if keeps(one):
-        made = kept("lag", size, torch.float64, (rows, width), views)
+        wide = kept("lag", size, torch.float64, (rows, width), make)
     else:
-        made = views(torch.empty(size, dtype=torch.float64, device=one.device))
-    plain, sides, squares, now, following = made
-    plain.copy_(p.run("zero", "b"))
-    torch.square(sides, out=squares)
-    return torch.einsum("ibt,jbt->ijb", now, following)
+        wide = make(torch.empty(size, dtype=torch.float64, device=one.device))
+    wide.head.copy_(p.run("zero", "rc"))
+    return wide
+
+
+def lag_products(wide: Wide) -> Tensor:
+    """``[8, 8, B]``: each row's sums of ``x_t y_(t+1)`` over the planes of :data:`WIDE`.
+
+    The planes are 0 where a token does not count, so a product counts a pair of
+    neighbours that both count; the finishing reads those of :data:`LAG`. One square and
+    one batched matrix product (float64: no TF32 rounds it).
+    """
+    torch.square(wide.sides, out=wide.squares)
+    return torch.einsum("ibt,jbt->ijb", wide.now, wide.following)

@@ -54,11 +54,13 @@ class PassPlan:
     profile: bool = False
     segments: int = 0
     planes: tuple[str, ...] = field(init=False, compare=False, repr=False)
-    """The planes of the pass, in pairs (one operation writes or reads a pair).
+    """The planes of the pass, in an order that lets one operation write or read a run.
 
-    The order keeps together what is reduced, centred or compared at once: the lag
-    products read ``zero`` to ``b``, the centred planes run from ``a`` to ``rho``, their
-    products follow, and ``masked`` comes last."""
+    ``b2, a, b`` (a second ``b`` before ``a``) are copied, compared and floored at once,
+    ``[a, b] - [b2, a]`` is ``r`` and ``nr = -r``, and ``pa, pb, rho`` are the exponentials
+    of ``a, b, rc`` (``rc``: ``r`` clamped); the health group's float64 copies are those
+    from ``zero`` to ``rc``; the centred planes run from ``a`` to ``d``; ``masked`` comes
+    last."""
     at: dict[str, int] = field(init=False, compare=False, repr=False)
     """The index of each plane."""
     parts: tuple[tuple[str, int], ...] = field(init=False, compare=False, repr=False)
@@ -71,8 +73,8 @@ class PassPlan:
     """Whether the pass is of :data:`LEAN_PLANES`: no extras, no segments, and only the
     seed, log-space and sequence groups among the statistics."""
     centred: slice = field(init=False, compare=False, repr=False)
-    """The planes centred at their rows' means: from ``a`` to ``rho`` (or ``d``); the lean
-    planes from ``l`` to ``pb``."""
+    """The planes centred at their rows' means: from ``a`` to ``d``; the lean planes from
+    ``l`` to ``pb``."""
     products: tuple[tuple[str, str], ...] = field(init=False, compare=False, repr=False)
     """The pairs of centred planes whose products are summed: ``pa pb``, then ``a b``."""
     tail: str = field(init=False, compare=False, repr=False)
@@ -83,7 +85,8 @@ class PassPlan:
     segment_tops: slice = field(init=False, compare=False, repr=False)
     """The planes whose largest values a segment row keeps: from ``a`` to ``d``."""
     bottoms: tuple[str, ...] = field(init=False, compare=False, repr=False)
-    """The planes whose smallest values are needed: ``r`` and ``d`` (the histograms)."""
+    """The planes whose smallest values are needed: ``d`` (the histograms). The smallest
+    ``r`` is the largest ``nr``."""
     log_ratio: bool = field(init=False, compare=False, repr=False)
     """Whether the rows' sums of ``r`` are needed (in float64, from ``a - b``)."""
 
@@ -96,8 +99,7 @@ class PassPlan:
         lean = not (derived["extras"] or others or self.segments)
         planes = LEAN_PLANES if lean else plane_names(self, derived["index_planes"])
         at = {name: i for i, name in enumerate(planes)}
-        r = "importance_ratio" in groups or histograms
-        centred = (at["l"], at["pb"]) if lean else (at["a"], at["rho" if "rho" in at else "d"])
+        centred = (at["l"], at["pb"]) if lean else (at["a"], at["d"])
         derived |= {
             "planes": planes,
             "at": at,
@@ -107,7 +109,7 @@ class PassPlan:
             "tail": planes[at["ab" if "ab" in at else "papb"] + 1],
             "tops": slice(at["a"], at["d"] + 1) if lean else slice(0, len(planes) - 1),
             "segment_tops": slice(at["a"], at["d"] + 1),
-            "bottoms": ("r",) * r + ("d",) * histograms,
+            "bottoms": ("d",) * histograms,
             "log_ratio": histograms or bool({"kl", "importance_ratio", "sequence"} & groups),
         }
         for name, value in derived.items():
@@ -125,30 +127,21 @@ centred; ``a`` to ``d`` are those whose largest values are kept."""
 def plane_names(plan: PassPlan, index_planes: int) -> tuple[str, ...]:
     """The planes of :attr:`PassPlan.planes` for the other groups and the extras."""
     groups, profile = plan.groups, plan.profile
-    health = "health" in groups
-    pairs = [
-        ("zero", "one"),
-        ("a", "b"),
-        ("r", "l"),
-        ("pa", "pb"),
-        ("e", "mult"),
-        ("d", "rho"),
-        ("papb", "ab"),  # the centred products pa pb and a b
-    ]
+    names = ["zero", "one", "b2", "a", "b", "rc", "r", "nr", "l"]  # rc: clamp(r)
+    names += ["pa", "pb", "rho", "e", "mult", "d", "papb", "ab"]  # papb: pa - pb, then pa pb
     # Read only until the rows are summed: the extras' bin indices then take their place.
-    # Pairs first (one operation writes each), then single planes.
-    names = []
+    # hi, hilo, k3 and far: one comparison writes the four (k3 afterwards).
+    rest = []
     if "importance_ratio" in groups:
-        names += ["hi", "hilo"]
-    if health:
-        names += ["ninf_a", "ninf_b", "zb", "code"]
-    if {"kl", "importance_ratio"} & groups or profile:
-        names.append("k3")
-    while len(names) < index_planes or len(names) % 2 == 0:
-        names.append(f"spare{len(names)}")
-    names.append("masked")  # last: kept out of the clearing (its tokens need not count)
-    pairs += list(zip(names[::2], names[1::2], strict=True))
-    return tuple(name for pair in pairs for name in pair)
+        rest += ["hi", "hilo", "k3", "far"]
+    else:
+        rest += ["k3"] * bool({"kl"} & groups or profile) + ["far"]
+    if "health" in groups:
+        rest += ["zb", "ninf_a", "ninf_b", "code"]  # zb, ninf_a, ninf_b: one comparison
+    while len(rest) < index_planes or (len(names) + len(rest)) % 2 == 0:
+        rest.append(f"spare{len(rest)}")
+    rest.append("masked")  # last: kept out of the clearing (its tokens need not count)
+    return (*names, *rest)
 
 
 class Planes:
@@ -225,6 +218,22 @@ class Planes:
         flat = self.buffer[start:].reshape(-1).view(dtype)
         return flat[: count * rows * width].view(count, rows, width)
 
+    def spaced(self, *names: str) -> Tensor:
+        """The planes ``names``, equally far apart, as one ``[k, B, T]`` view (made once).
+
+        Traced, a stack of their values.
+        """
+        if self.traced:
+            return torch.stack([self.values[name] for name in names])
+
+        def make() -> Tensor:
+            at = [self.at[name] for name in names]
+            step = at[1] - at[0] if len(at) > 1 else 1
+            assert step > 0 and at == list(range(at[0], at[-1] + 1, step)), names
+            return self.buffer[at[0] : at[-1] + 1 : step]
+
+        return self.derived(("spaced", names), make)
+
     def plane(self, run: Tensor, name: str) -> Tensor:
         """Plane ``name`` of ``run``, the value of the whole set being updated."""
         return self.values[name] if not self.traced else run[self.at[name]]
@@ -257,10 +266,11 @@ class Planes:
     ) -> None:
         """``function(source, *args)`` of each plane of a pair into the pair ``targets``.
 
-        Eagerly one operation on the pairs (``out=``); traced, one value a plane.
+        Eagerly one operation on the pairs (``out=``), which need not be neighbours;
+        traced, one value a plane.
         """
         if not self.traced:
-            function(self.run(*sources), *args, out=self.run(*targets))
+            function(self.spaced(*sources), *args, out=self.spaced(*targets))
             return
         for target, source in zip(targets, sources, strict=True):
             self.values[target] = function(self.values[source], *args).to(self.dtype)

@@ -43,9 +43,6 @@ MAX_SEGMENT_ROWS = 4096
 class NoSegments:
     """A batch without segment labels: an eager pass keeps nothing by segment row."""
 
-    def keep_smallest(self, r: Tensor) -> None:
-        """Nothing."""
-
     def keep_largest(self, planes: Tensor) -> None:
         """Nothing."""
 
@@ -119,20 +116,11 @@ class SegmentRows:
         flat = self._flat(planes)
         return _base(self, flat, -math.inf).scatter_reduce(1, self._index(flat), flat, "amax")
 
-    def smallest(self, planes: Tensor) -> Tensor:
-        """The smallest value of ``planes`` in each segment row (``+inf``: none)."""
-        flat = self._flat(planes)
-        return _base(self, flat, math.inf).scatter_reduce(1, self._index(flat), flat, "amin")
-
     def of_places(self, places: Tensor, width: int) -> Tensor:
         """The segment of the tokens at ``places`` (``row * T + t``) of the batch."""
         return torch.take(self.flat, places).remainder_(self.per_row)
 
     # An eager pass keeps each reduction as it comes (:meth:`fields` gives them).
-    def keep_smallest(self, r: Tensor) -> None:
-        """Keep the smallest ``r`` of each segment row (``-inf`` added where not counting)."""
-        self._kept["low"] = self.smallest(r)
-
     def keep_largest(self, planes: Tensor) -> None:
         """Keep the largest value of each plane of each segment row."""
         self._kept["top"] = self.largest(planes)
@@ -155,28 +143,26 @@ class SegmentRows:
         return shift.index_select(1, self.flat).view(-1, *shape)
 
     def fields(self) -> tuple[Tensor | None, ...]:
-        """What a pass keeps by segment row: ``first, top, low, second, log_ratio, shift``."""
+        """What a pass keeps by segment row: ``first, top, second, log_ratio, shift``."""
         kept = self._kept
         r, shift = kept.get("log_ratio"), kept.get("shift")
-        names = ("first", "top", "low", "second")
+        names = ("first", "top", "second")
         found = [kept.get(name) for name in names]
         return (*found, None if r is None else r[0], None if shift is None else shift[..., None])
 
     def traced(
-        self, rows: list[Tensor], firsts: int, seconds: int, tops: Tensor, low: bool
+        self, rows: list[Tensor], firsts: int, seconds: int, tops: Tensor
     ) -> tuple[Tensor | None, ...]:
         """Traced: the same from the values a compiled pass sums along its rows.
 
         ``rows``: its ``firsts`` values, then ``seconds`` squares and products, ..., and
         ``r`` last, all summed in float64 in one scatter (nothing is centred); ``tops``:
-        the planes whose largest values it takes, in one scatter too, with ``low``
-        ``-r`` last (``-inf`` where not counting), whose largest is the smallest ``r``.
+        the planes whose largest values it takes (``-inf`` where not counting), in one
+        scatter too.
         """
         at = firsts + seconds
         sums = self.sums(torch.stack([row.double() for row in (*rows[:at], rows[-1])]))
-        largest = self.largest(tops)
-        top, smallest = (largest[:-1], -largest[-1:]) if low else (largest, None)
-        return sums[:firsts], top, smallest, sums[firsts:at], sums[at], None
+        return sums[:firsts], self.largest(tops), sums[firsts:at], sums[at], None
 
     def _flat(self, planes: Tensor) -> Tensor:
         """``planes`` as ``[n, B T]`` (given so, as they are: a kept view costs nothing)."""

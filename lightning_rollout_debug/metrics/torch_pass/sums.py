@@ -8,12 +8,10 @@ on the batch's values, so an update costs the same number of torch operations at
 size. :mod:`.finish` turns the sums of any number of batches into the packed states of
 :mod:`.layout`, exactly (the window finishes them together when it folds).
 
-The per-token values follow the catalog's rules (:mod:`.tokens`): log-probs floored at
--20 nats, a token counting where the mask is non-zero and neither log-prob is NaN or
-+inf. Each is a named plane of a :class:`Planes` set: eagerly one buffer, written in
-place, so an update holds a fixed amount of memory and reduces every plane in one
-operation; traced by ``torch.compile``, plain values that the compiler fuses into the
-kernels reading them.
+The per-token values (:mod:`.values`) are named planes of a :class:`Planes` set: eagerly
+one buffer, written in place, so an update holds a fixed amount of memory and reduces
+every plane in one operation; traced by ``torch.compile``, plain values that the compiler
+fuses into the kernels reading them.
 
 Sums along a row are float32 (float64 for float64 log-probs), rows and batches are added
 in float64. Second moments are summed about each row's own mean (the row sums first, then
@@ -29,14 +27,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_rollout_debug.metrics.layout import compiling
-from lightning_rollout_debug.metrics.tokens import (
-    LOG_PROB_FLOOR,
-    LOG_RATIO_CLAMP,
-    RATIO_MAX,
-    RATIO_MIN,
-    exp_tail,
-)
 from lightning_rollout_debug.metrics.torch_pass.bins import (
     eager_extras,
     scattered,
@@ -48,7 +38,7 @@ from lightning_rollout_debug.metrics.torch_pass.constants import (
     constants,
     on_device,
 )
-from lightning_rollout_debug.metrics.torch_pass.health import health_values, lag_products
+from lightning_rollout_debug.metrics.torch_pass.health import Wide, lag_products
 from lightning_rollout_debug.metrics.torch_pass.planes import (
     PassPlan,
     Planes,
@@ -61,12 +51,9 @@ from lightning_rollout_debug.metrics.torch_pass.segments import (
     NoSegments,
     SegmentRows,
 )
+from lightning_rollout_debug.metrics.torch_pass.values import token_values
 
 INF = math.inf
-
-
-NEAR = 0.5
-"""Below this ``|r|``, ``|pa - pb|`` is taken as ``pb |e^r - 1|``."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +83,7 @@ class TokenSums:
     ``pa pb`` and ``a b`` of centred values (:attr:`PassPlan.seconds`)."""
     lag: Tensor | None = None
     """``[6, 6, B]``: each row's sums of ``x_t y_(t+1)`` over ``zero, one, a, b, a^2, b^2``
-    (health)."""
+    (health; eagerly ``[8, 8, B]``, over the planes of :data:`.health.WIDE`)."""
     counts: Tensor | None = None
     """``[bins]``: the counted bins of the extras' parts (:attr:`PassPlan.parts`). Eagerly
     they count every token: those that do not count in their part's bin of 0 values
@@ -114,8 +101,8 @@ class TokenSums:
     """``[B]``: each row's sum of ``r`` from the float64 differences ``a - b`` (``None``: a
     plan that needs none, :attr:`PassPlan.log_ratio`)."""
     segments: tuple[Tensor | None, ...] | None = None
-    """The same sums by segment row (:mod:`.segments`): ``first``, ``top``, the smallest ``r``,
-    ``second``, the sums of ``r`` and ``shift``, each over ``G L (S + 1)`` segment rows
+    """The same sums by segment row (:mod:`.segments`): ``first``, ``top``, ``second``, the
+    sums of ``r`` and ``shift``, each over ``G L (S + 1)`` segment rows
     (``None``: no segment labels). Eagerly the second moments are centred at each segment
     row's mean (``shift``), and the rows' own (:attr:`shift` ``None``) are not kept."""
     position_planes: tuple[str, ...] = ()
@@ -151,96 +138,17 @@ def token_sums(
     f64 = torch.float64
     dtype = f64 if f64 in (rollout_log_probs.dtype, old_log_probs.dtype) else torch.float32
     p = planes_for(plan, mask, dtype)
-    _token_values(plan, p, rollout_log_probs, old_log_probs, mask)
+    wide = token_values(plan, p, rollout_log_probs, old_log_probs, mask)
     edges = constants(dtype, mask)
-    reduce = _reduce_compiled if p.traced else _reduce_eagerly
     segments: SegmentRows | NoSegments = NO_SEGMENTS
     if plan.segments and segment_ids is not None:
         segments = SegmentRows(segment_ids, plan.segments, mask.shape[1])
-    # Whether it was traced, last: a compiled function may run eagerly after all.
-    return (*reduce(plan, p, edges, token_ids, segments), p.traced)
-
-
-def _token_values(
-    plan: PassPlan, p: Planes, rollout_log_probs: Tensor, old_log_probs: Tensor, mask: Tensor
-) -> None:
-    """Each token's values, written into ``p`` (anything where a token does not count)."""
-    on = plan.groups
-    # The floored log-probs, and the tokens that count.
-    health, same = "health" in on, old_log_probs.dtype == rollout_log_probs.dtype == p.dtype
-    floored = not (p.traced or health) and same
     if p.traced:
-        p.values["a"], p.values["b"] = old_log_probs.to(p.dtype), rollout_log_probs.to(p.dtype)
-    elif floored:  # floored as they are copied
-        torch.clamp(old_log_probs, min=LOG_PROB_FLOOR, out=p["a"])
-        torch.clamp(rollout_log_probs, min=LOG_PROB_FLOOR, out=p["b"])
-    elif same:
-        torch.stack([old_log_probs, rollout_log_probs], out=p.run("a", "b"))
-    else:  # converted as they are copied: a stack would convert into temporaries first
-        p["a"].copy_(old_log_probs)
-        p["b"].copy_(rollout_log_probs)
-    if health:  # a log-prob of -inf, before the floor
-        p.map(("ninf_a", "ninf_b"), torch.eq, ("a", "b"), -INF)
-    if not floored:
-        p.update("a", "b", lambda x: x.clamp_(min=LOG_PROB_FLOOR))
-    if "r" in p.at:
-        p.write("l", torch.abs, p.write("r", torch.sub, p["a"], p["b"]))
-    else:  # the lean planes keep |r| alone
-        p.write("l", torch.sub, p["a"], p["b"])
-        p.update("l", "l", torch.abs_)
-    if mask.dtype == torch.bool and not p.traced:  # compared as bytes, not widened to int64
-        mask = mask.view(torch.uint8)
-    p.write("masked", torch.ne, mask, 0)
-    p.write("one", torch.lt, p["l"], INF)
-    p.update("one", "one", lambda x: x.mul_(p["masked"]))
-    _zero_where_uncounted(p)
-    p.map(("pa", "pb"), torch.exp, ("a", "b"))
-    if plan.lean:  # 1 where a token does not count: 0 from here on, as every lean plane
-        p.update("pa", "pb", lambda x: x.mul_(p["one"]))
-    # |pa - pb| near r = 0 without cancellation: pb |e^r - 1|, or min(pa, pb) (e^|r| - 1);
-    # farther out (where r has rounded) the difference itself, as the CPU kernel takes it.
-    # papb is free until the centring.
-    if "e" in p.at:
-        p.map(("e", "mult"), _expm1, ("r", "l"))  # pa / pb - 1, e^|r| - 1
-        p.write("d", torch.mul, p["e"], p["pb"])
+        sums = _reduce_compiled(plan, p, edges, token_ids, segments)
     else:
-        p.write("d", _expm1, p["l"])
-        p.write("papb", torch.minimum, p["pa"], p["pb"])
-        p.write("d", torch.mul, p["d"], p["papb"])
-    p.write("papb", torch.sub, p["pa"], p["pb"])
-    p.write("d", torch.where, p["l"] < NEAR, p["d"], p["papb"])
-    p.update("d", "d", torch.abs_)
-    if "r" in p.at:
-        _ratio_values(plan, p)
-    if "health" in on:
-        health_values(p)
-
-
-def _zero_where_uncounted(p: Planes) -> None:
-    """The log-probs and their differences set to 0 where a token does not count.
-
-    Every value computed from them is then finite there (the NaN or infinite log-probs
-    of tokens that do not count never reach them), so that an eager pass clears those
-    tokens with arithmetic: on the CPU ``torch.where`` costs ten times a product.
-    """
-    one = p["one"]
-    if p.traced:  # a, b, r (where there is one) and l
-        p.update("a", "l", lambda x: torch.where(one > 0, x, 0.0))
-    else:
-        p.update("a", "l", lambda x: x.nan_to_num_(0.0, 0.0, 0.0).mul_(one))
-
-
-def _ratio_values(plan: PassPlan, p: Planes) -> None:
-    """The values of the KL and importance-ratio groups."""
-    on, r = plan.groups, p["r"]
-    if {"kl", "importance_ratio"} & on:  # rho - 1 = e^clamp(r) - 1 from here on
-        p.update("e", "e", lambda e: e.clamp_(RATIO_MIN - 1.0, RATIO_MAX - 1.0))
-    if "k3" in p.at:
-        p.write("k3", _kl_k3, r, p["e"])
-    if "importance_ratio" in on:
-        p.write("rho", torch.clamp, r, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        p.update("rho", "rho", torch.exp_)
-        p.map(("hi", "hilo"), torch.gt, ("r", "l"), math.log(plan.is_threshold))
+        sums = _reduce_eagerly(plan, p, edges, token_ids, segments, wide)
+    # Whether it was traced, last: a compiled function may run eagerly after all.
+    return (*sums, p.traced)
 
 
 def _reduce_eagerly(
@@ -249,21 +157,23 @@ def _reduce_eagerly(
     edges: Constants,
     token_ids: Tensor | None,
     by_segment: SegmentRows | NoSegments = NO_SEGMENTS,
+    wide: Wide | None = None,
 ) -> tuple[Any, ...]:
     """The sums of the planes, eagerly: few operations, each in place on the planes.
 
-    The values of tokens that do not count (finite, :func:`_zero_where_uncounted`) are
-    cleared by arithmetic in place: -inf added there just long enough to take each row's
-    largest value, then 0 (the smallest of ``r`` and ``d`` are taken apart; the lean planes
-    are 0 there already, and ``a`` and ``b`` get their -inf once the rows are summed); rows are
-    summed in the planes' dtype, second moments about each row's mean; the extras' bins
-    are counted in one scatter-add, sums by bucket each in one of their own.
+    The values of tokens that do not count (finite, :func:`.values._zero_where_uncounted`)
+    are cleared by arithmetic in place: -inf added there just long enough to take each
+    row's largest value, then 0 (the smallest ``d`` is taken apart, the smallest ``r`` is
+    the largest ``nr``; the lean planes are 0 there already, and ``a`` and ``b`` get their
+    -inf once the rows are summed); rows are summed in the planes' dtype, second moments
+    about each row's mean (:func:`_seconds`); the extras' bins are counted in one
+    scatter-add, sums by bucket each in one of their own.
     """
     one = p["one"]
     missing = _missing(one)
     tops = p.names[plan.segment_tops.start], p.names[plan.segment_tops.stop - 1]
     extremes: dict[str, Tensor] = {}
-    bottom = _smallest(plan, p, missing, by_segment)
+    bottom = _smallest(plan, p, missing)
 
     def clear(planes: Tensor) -> Tensor:  # their values are finite where a token does not count
         planes.add_(missing)
@@ -278,26 +188,40 @@ def _reduce_eagerly(
     every = p.run(p.names[0], p.names[-1])
     first = every.sum(-1, keepdim=True)
     by_segment.keep_sums("first", _flat(p, every))
-    log_ratio = _log_ratios(plan, p, by_segment)
+    log_ratio = _log_ratios(plan, p, by_segment, wide)
     if plan.lean:  # a and b, read no more, with -inf where a token does not count
         p.update("a", "b", lambda x: x.add_(missing))
         extremes["top"] = p.run(p.names[plan.tops.start], p.names[plan.tops.stop - 1]).amax(-1)
     counts, position, probability, worst = eager_extras(
         plan, p, edges, extremes.get("key"), token_ids, by_segment
     )
-    lag = lag_products(p) if "health" in plan.groups else None
+    lag = lag_products(wide) if wide is not None else None
     # Centre each row's (segment row's) values at its mean, then sum squares and products.
     start, stop = p.names[plan.centred.start], p.names[plan.centred.stop - 1]
     shift, centre = _centres(plan, first, one, by_segment)
-    p.update(start, stop, lambda x: x.addcmul_(one, centre, value=-1.0))
-    p.write("papb", torch.mul, p["pa"], p["pb"])
-    if "health" in plan.groups:
-        p.write("ab", torch.mul, p["a"], p["b"])
-    p.update(start, stop, torch.square_)
-    squares = p.run(start, p.names[p.at[plan.tail] - 1])
-    by_segment.keep_sums("second", _flat(p, squares))
-    fields = (first, extremes["top"], bottom, shift, squares.sum(-1), lag, counts, position)
+    centred = p.update(start, stop, lambda x: x.addcmul_(one, centre, value=-1.0))
+    second = _seconds(plan, p, centred, by_segment)
+    fields = (first, extremes["top"], bottom, shift, second, lag, counts, position)
     return (*fields, probability, worst, log_ratio, by_segment.fields())
+
+
+def _seconds(
+    plan: PassPlan, p: Planes, centred: Tensor, segments: SegmentRows | NoSegments
+) -> Tensor:
+    """``[k + products, B]``: the sums of squares and products of the centred planes.
+
+    The squares of the ``k`` centred planes, then the products of
+    :attr:`PassPlan.products` (by segment row too, where there are segments): element-wise
+    products and one sum. A matrix product of float32 planes could round its inputs to
+    TF32 on a GPU (``torch.set_float32_matmul_precision("high")``).
+    """
+    p.write("papb", torch.mul, p["pa"], p["pb"])
+    if "ab" in p.at:
+        p.write("ab", torch.mul, p["a"], p["b"])
+    centred.square_()
+    squares = p.run(p.names[plan.centred.start], p.names[p.at[plan.tail] - 1])
+    segments.keep_sums("second", _flat(p, squares))
+    return squares.sum(-1)
 
 
 def _flat(p: Planes, run: Tensor) -> Tensor:
@@ -315,35 +239,38 @@ def _centres(
     """
     if isinstance(segments, SegmentRows):
         return None, segments.centre(plan.centred, plan.at["one"], one.shape)
-    shift = first[plan.centred] / first[plan.at["one"]].clamp(min=1.0)
+    # The tokens (``one`` comes before the centred planes) and the centred planes' sums.
+    at, centred = plan.at["one"], plan.centred
+    sizes = [at, 1, centred.start - at - 1, centred.stop - centred.start]
+    parts = first.split([*sizes, len(plan.planes) - sum(sizes)])
+    shift = parts[3] / parts[1].clamp(min=1.0)
     return shift, shift
 
 
-def _log_ratios(plan: PassPlan, p: Planes, segments: SegmentRows | NoSegments) -> Tensor | None:
+def _log_ratios(
+    plan: PassPlan, p: Planes, segments: SegmentRows | NoSegments, wide: Wide | None
+) -> Tensor | None:
     """Each row's sum of the float64 differences ``a - b`` (``None``: a plan that needs none).
 
-    k1 keeps the digits of small log-ratios; the segment rows keep theirs.
+    k1 keeps the digits of small log-ratios; the segment rows keep theirs. With the health
+    group's float64 copies, the differences are taken there.
     """
-    differences = torch.sub(p["a"].double(), p["b"]) if plan.log_ratio else None
+    if not plan.log_ratio:
+        return None
+    if wide is not None:
+        differences = torch.sub(wide.a, wide.b, out=wide.difference)
+    else:
+        differences = torch.sub(p["a"].double(), p["b"])
     segments.keep_sums("log_ratio", differences)
-    return None if differences is None else differences.sum(-1)
+    return differences.sum(-1)
 
 
-def _smallest(
-    plan: PassPlan, p: Planes, missing: Tensor, segments: SegmentRows | NoSegments
-) -> list[Tensor] | None:
+def _smallest(plan: PassPlan, p: Planes, missing: Tensor) -> list[Tensor] | None:
     """Each row's smallest value of the planes of :attr:`PassPlan.bottoms` (``None``: none).
 
-    Where a token does not count, ``missing`` (-inf) is taken off first; the segment rows
-    keep their smallest ``r``.
+    Where a token does not count, ``missing`` (-inf) is taken off first.
     """
-    bottom = []
-    for name in plan.bottoms:
-        lowered = torch.sub(p[name], missing)
-        bottom.append(lowered.amin(-1))
-        if name == "r":
-            segments.keep_smallest(lowered)
-    return bottom or None
+    return [torch.sub(p[name], missing).amin(-1) for name in plan.bottoms] or None
 
 
 def _missing(one: Tensor) -> Tensor:
@@ -409,35 +336,6 @@ def _reduce_compiled(
     by_segment = None
     if isinstance(segments, SegmentRows):  # float64 power sums, as the rows'
         largest = [torch.where(counted, raw[n], -INF) for n in names[plan.segment_tops]]
-        low = "r" in plan.bottoms
-        if low:  # the smallest r: the largest -r
-            largest.append(torch.where(counted, -raw["r"], -INF))
         seconds = at - len(names) - 1
-        by_segment = segments.traced(rows, len(names) + 1, seconds, torch.stack(largest), low)
+        by_segment = segments.traced(rows, len(names) + 1, seconds, torch.stack(largest))
     return (*fields, sums[-1], by_segment)
-
-
-def _expm1(x: Tensor, out: Tensor | None = None) -> Tensor:
-    """``e^x - 1`` without cancellation near 0.
-
-    Eagerly ``torch.expm1``. Traced, the series of :func:`~.tokens.exp_tail` for
-    ``|x| < 1/2``: compilers may lower ``expm1`` to ``exp(x) - 1`` (inductor's CPU code
-    does), which loses every digit of a small difference.
-    """
-    if out is not None or not compiling():
-        return torch.expm1(x, out=out)
-    return torch.where(x.abs() < 0.5, x + x * x * exp_tail(x), torch.exp(x) - 1.0)
-
-
-def _kl_k3(r: Tensor, e: Tensor, out: Tensor | None = None) -> Tensor:
-    """``k3 = rho - 1 - r`` (``e``: ``rho - 1``) without cancellation near ``r = 0``.
-
-    Eagerly from ``e^r - 1`` in float64, whose rounding is far below ``k3``'s; traced, the
-    series of :func:`~.tokens.exp_tail` near 0 (the kernel's fused float32 arithmetic).
-    """
-    if out is None:
-        near = r * r * exp_tail(r)
-        return torch.where(r.abs() < NEAR, near, e.clamp(RATIO_MIN - 1.0, RATIO_MAX - 1.0) - r)
-    wide = r.clone() if r.dtype == torch.float64 else r.double()
-    wide.expm1_().clamp_(RATIO_MIN - 1.0, RATIO_MAX - 1.0)
-    return torch.sub(wide, r, out=out)
