@@ -76,7 +76,8 @@ class PassPlan:
     """The planes centred at their rows' means: from ``a`` to ``d``; the lean planes from
     ``l`` to ``pb``."""
     products: tuple[tuple[str, str], ...] = field(init=False, compare=False, repr=False)
-    """The pairs of centred planes whose products are summed: ``pa pb``, then ``a b``."""
+    """The pairs of centred planes whose products are summed: ``a b``, then ``pa pb``, as
+    their planes ``ab`` and ``papb``."""
     tail: str = field(init=False, compare=False, repr=False)
     """The first of the planes that are not read once the rows are summed."""
     tops: slice = field(init=False, compare=False, repr=False)
@@ -105,8 +106,8 @@ class PassPlan:
             "at": at,
             "lean": lean,
             "centred": slice(centred[0], centred[1] + 1),
-            "products": (("pa", "pb"), ("a", "b")) if "ab" in at else (("pa", "pb"),),
-            "tail": planes[at["ab" if "ab" in at else "papb"] + 1],
+            "products": (("a", "b"), ("pa", "pb")) if "ab" in at else (("pa", "pb"),),
+            "tail": planes[at["papb"] + 1],
             "tops": slice(at["a"], at["d"] + 1) if lean else slice(0, len(planes) - 1),
             "segment_tops": slice(at["a"], at["d"] + 1),
             "bottoms": ("d",) * histograms,
@@ -128,7 +129,9 @@ def plane_names(plan: PassPlan, index_planes: int) -> tuple[str, ...]:
     """The planes of :attr:`PassPlan.planes` for the other groups and the extras."""
     groups, profile = plan.groups, plan.profile
     names = ["zero", "one", "b2", "a", "b", "rc", "r", "nr", "l"]  # rc: clamp(r)
-    names += ["pa", "pb", "rho", "e", "mult", "d", "papb", "ab"]  # papb: pa - pb, then pa pb
+    # ab, papb: a b and pa pb, of centred values (papb is pa - pb until then): one product
+    # of [a, pa] and [b, pb] writes them.
+    names += ["pa", "pb", "rho", "e", "mult", "d", "ab", "papb"]
     # Read only until the rows are summed: the extras' bin indices then take their place.
     # hi, hilo, k3 and far: one comparison writes the four (k3 afterwards).
     rest = []

@@ -215,9 +215,10 @@ def _seconds(
     products and one sum. A matrix product of float32 planes could round its inputs to
     TF32 on a GPU (``torch.set_float32_matmul_precision("high")``).
     """
-    p.write("papb", torch.mul, p["pa"], p["pb"])
-    if "ab" in p.at:
-        p.write("ab", torch.mul, p["a"], p["b"])
+    if "ab" not in p.at:
+        p.write("papb", torch.mul, p["pa"], p["pb"])
+    else:  # [a, pa] [b, pb]: ab and papb in one product
+        torch.mul(p.spaced("a", "pa"), p.spaced("b", "pb"), out=p.run("ab", "papb"))
     centred.square_()
     squares = p.run(p.names[plan.centred.start], p.names[p.at[plan.tail] - 1])
     segments.keep_sums("second", _flat(p, squares))
