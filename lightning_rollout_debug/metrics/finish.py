@@ -35,6 +35,7 @@ from torch import Tensor
 
 from lightning_rollout_debug.metrics.layout import STATE
 from lightning_rollout_debug.metrics.tokens import LOG_RATIO_CLAMP
+from lightning_rollout_debug.metrics.torch_pass.health import LAG, WIDE
 from lightning_rollout_debug.metrics.torch_pass.planes import PassPlan
 from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
 
@@ -64,11 +65,16 @@ def row_count(sums: TokenSums) -> int:
     return first.shape[1] if isinstance(first, Tensor) else len(first[0])
 
 
+_LAG_RUNS = [slice(WIDE.index(LAG[i]), WIDE.index(LAG[i + 1]) + 1) for i in range(0, len(LAG), 2)]
+"""The runs of :data:`~.torch_pass.health.WIDE` that hold the planes of
+:data:`~.torch_pass.health.LAG`, in order (two planes each)."""
+
+
 def stacked_rows(rows: Tensor | Sequence[Tensor], field: str) -> Tensor:
     """A pass's per-row ``field`` as one tensor (a compiled pass leaves a list of rows)."""
-    if isinstance(rows, Tensor) and field == "lag" and len(rows) == 8:  # WIDE to LAG
-        rows = torch.cat([rows[0:2], rows[3:5], rows[6:8]])
-        rows = torch.cat([rows[:, 0:2], rows[:, 3:5], rows[:, 6:8]], dim=1)
+    if isinstance(rows, Tensor) and field == "lag" and len(rows) == len(WIDE):  # to LAG's
+        rows = torch.cat([rows[run] for run in _LAG_RUNS])
+        rows = torch.cat([rows[:, run] for run in _LAG_RUNS], dim=1)
     if isinstance(rows, Tensor):
         return rows.flatten(0, 1) if field == "lag" else rows  # [6, 6, B] to [36, B]
     stacked = torch.stack(list(rows))
@@ -363,7 +369,7 @@ def _health(rows: RowSums) -> dict[str, Tensor]:
     }
     # The sums of the products of neighbours x_t y_(t+1), a^2 and b^2 among the planes.
     lag = rows.lag.sum(1).view(6, 6)  # summed over the rows
-    plane = {name: i for i, name in enumerate(("zero", "one", "a", "b", "a^2", "b^2"))}
+    plane = {name: i for i, name in enumerate(LAG)}
 
     def g(left: str, right: str) -> Tensor:
         return lag[plane[left], plane[right]]

@@ -22,7 +22,8 @@ WIDE = ("zero", "one", "b2", "a", "b", "rc", "a^2", "b^2")
 ``rc``, then the squares of ``a`` and ``b`` (``b2``'s copy then holds ``a - b``)."""
 
 LAG = ("zero", "one", "a", "b", "a^2", "b^2")
-"""The planes whose products at neighbouring tokens the finishing reads, in order."""
+"""The planes whose products at neighbouring tokens the finishing reads, in order: in
+pairs that are neighbours in :data:`WIDE` too."""
 
 
 def health_values(p: Planes) -> None:

@@ -38,7 +38,7 @@ from lightning_rollout_debug.metrics.torch_pass.constants import (
     constants,
     on_device,
 )
-from lightning_rollout_debug.metrics.torch_pass.health import Wide, lag_products
+from lightning_rollout_debug.metrics.torch_pass.health import LAG, Wide, lag_products
 from lightning_rollout_debug.metrics.torch_pass.planes import (
     PassPlan,
     Planes,
@@ -314,7 +314,7 @@ def _reduce_compiled(
         for x, y in plan.products
     ]
     if health:  # x_t y_(t+1) of zero, one, a, b, a^2, b^2 (0 after the last)
-        now = [value[name].double() for name in ("zero", "one", "a", "b")]
+        now = [value[name].double() for name in LAG[:4]]
         now += [now[2] * now[2], now[3] * now[3]]
         following = [torch.nn.functional.pad(x[:, 1:], (0, 1)) for x in now]
         rows += [x * y for x in now for y in following]
