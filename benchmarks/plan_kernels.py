@@ -4,7 +4,7 @@ On an accelerator every update runs through ``torch.compile`` (see
 ``lightning_rollout_debug/metrics/backends.py``), and each Triton kernel of the compiled graph is
 one launch. This script asks inductor for the Triton code of the same functions on CPU
 tensors (inductor's Triton backend for CPUs, told to plan for an sm_90 GPU, adding
-atomically as a GPU does) and counts the kernels the generated wrapper calls, without
+atomically and storing values as it does for a GPU) and counts the kernels the generated wrapper calls, without
 compiling or running any of them. It needs the ``triton`` package, not a GPU:
 
     pip install triton
@@ -16,8 +16,8 @@ listed by name) launches one or more. With ``--segments`` the batches carry ``se
 16 turns a row, and a column counts the defaults with them. It counts the compiled graph,
 planned afresh at each shape: the update is that one graph (statistics and extras
 together), and the window's fold, every 32 updates, is outside it; ``bench_launches.py
---device cuda`` counts everything where a GPU is lent. Written against torch 2.13's
-inductor, whose internals it patches: other versions may need other patches.
+--device cuda`` counts everything where a GPU is lent. It patches inductor's internals,
+as torch 2.6, 2.13 and 2.15 have them: other versions may need other patches.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def plan_for_a_gpu() -> None:
     """Make inductor write Triton code for CPU tensors as for an sm_90 GPU, and keep it."""
     import torch._inductor.config as config
     import torch.utils._triton as triton_utils
-    from torch._inductor import async_compile
+    from torch._inductor import async_compile, ir
     from torch._inductor.graph import GraphLowering
     from triton.backends.compiler import GPUTarget
 
@@ -77,6 +77,9 @@ def plan_for_a_gpu() -> None:
     triton_utils.triton_backend = Backend  # type: ignore[assignment]
     triton_utils.triton_hash_with_backend = lambda: "planned"  # type: ignore[assignment]
     config.cpu_backend = "triton"
+    # Which values are stored rather than recomputed, decided as on a GPU: ir.py asks
+    # is_cpu only for its CPU heuristics (store a reused exp, inline larger bodies).
+    ir.is_cpu = lambda node: False
     config.compile_threads = 1
     config.fx_graph_cache = False  # a cached graph writes no code
     config.cpp.fallback_scatter_reduce_sum = False  # a GPU adds atomically in Triton

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from lightning_rollout_debug.metrics.layout import STATE
 from lightning_rollout_debug.metrics.tokens import LOG_RATIO_CLAMP
-from lightning_rollout_debug.metrics.torch_pass.health import LAG, WIDE
+from lightning_rollout_debug.metrics.torch_pass.health import LAG_PAIRS, WIDE
 from lightning_rollout_debug.metrics.torch_pass.planes import PassPlan
 from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
 
@@ -43,10 +43,25 @@ from lightning_rollout_debug.metrics.torch_pass.sums import TokenSums
 def _rows(batches: Sequence[TokenSums], field: str) -> Tensor:
     """The per-row ``field`` of every batch, side by side along the rows, in float64.
 
-    A compiled pass leaves lists of ``[B]`` rows (36 of them for the lag products),
-    stacked here.
+    A compiled pass leaves lists of ``[B]`` rows, stacked here.
     """
     parts = [stacked_rows(getattr(sums, field), field) for sums in batches]
+    joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return joined.to(torch.float64)
+
+
+def _tops(batches: Sequence[TokenSums]) -> Tensor:
+    """``[tops, rows]``: each row's largest value of each plane of :attr:`PassPlan.tops`.
+
+    An eager pass leaves those of the planes of :attr:`PassPlan.top_run`, picked here.
+    """
+    parts = []
+    for sums in batches:
+        top, plan = sums.top, sums.plan
+        if isinstance(top, Tensor) and len(top) != len(plan.tops):
+            start = plan.top_run.start
+            top = torch.stack([top[plan.at[name] - start] for name in plan.tops])
+        parts.append(stacked_rows(top, "top"))
     joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     return joined.to(torch.float64)
 
@@ -65,18 +80,12 @@ def row_count(sums: TokenSums) -> int:
     return first.shape[1] if isinstance(first, Tensor) else len(first[0])
 
 
-_LAG_RUNS = [slice(WIDE.index(LAG[i]), WIDE.index(LAG[i + 1]) + 1) for i in range(0, len(LAG), 2)]
-"""The runs of :data:`~.torch_pass.health.WIDE` that hold the planes of
-:data:`~.torch_pass.health.LAG`, in order (two planes each)."""
-
-
 def stacked_rows(rows: Tensor | Sequence[Tensor], field: str) -> Tensor:
     """A pass's per-row ``field`` as one tensor (a compiled pass leaves a list of rows)."""
-    if isinstance(rows, Tensor) and field == "lag" and len(rows) == len(WIDE):  # to LAG's
-        rows = torch.cat([rows[run] for run in _LAG_RUNS])
-        rows = torch.cat([rows[:, run] for run in _LAG_RUNS], dim=1)
+    if isinstance(rows, Tensor) and field == "lag":  # [8, 8, B] over WIDE: LAG_PAIRS's
+        rows = [rows[WIDE.index(x), WIDE.index(y)] for x, y in LAG_PAIRS]
     if isinstance(rows, Tensor):
-        return rows.flatten(0, 1) if field == "lag" else rows  # [6, 6, B] to [36, B]
+        return rows
     stacked = torch.stack(list(rows))
     return stacked.unsqueeze(-1) if field == "first" else stacked
 
@@ -108,11 +117,10 @@ class RowSums:
         self.n = first[at["one"]]
         totals = self._over(first, torch.sum)
         self.count = totals[at["one"]]
-        self.row_top = _rows(batches, "top")
+        self.row_top = _rows(batches, "top") if groups else _tops(batches)
         self.total = dict(zip(plan.planes, totals.unbind(), strict=True))
-        # Those of ``tops``; of ``segment_tops`` for segment rows.
         largest = self._over(self.row_top, torch.amax).unbind()
-        tops = plan.planes[plan.segment_tops if groups else plan.tops]
+        tops = plan.planes[plan.segment_tops] if groups else plan.tops
         self.largest = dict(zip(tops, largest, strict=True))
         self.smallest: dict[str, Tensor] = {}
         if plan.bottoms and not groups:
@@ -127,7 +135,7 @@ class RowSums:
         moments = self._moments(about, means, first if same else None)
         plain = moments + sums * means  # M + (sum x)^2 / n
         self.squares = dict(zip(plan.planes[plan.centred], plain.unbind(), strict=True))
-        self.lag = _rows(batches, "lag") if batches[0].lag is not None else None  # [36, rows]
+        self.lag = _rows(batches, "lag") if batches[0].lag is not None else None  # [12, rows]
         self.log_ratio = _log_ratios(batches)
         self.total_log_ratio = None
         """The sum of ``r`` over every row (``None``: a plan that needs none)."""
@@ -203,7 +211,7 @@ def _paired(plan: PassPlan, values: Tensor) -> tuple[Tensor, Tensor]:
     sides = []
     for side in zip(*plan.products, strict=True):
         at = [plan.at[name] - start for name in side]
-        sides.append(torch.cat([values, *(values[..., i : i + 1, :] for i in at)], dim=-2))
+        sides.append(torch.cat([values, *(values.narrow(-2, i, 1) for i in at)], dim=-2))
     return sides[0], sides[1]
 
 
@@ -353,7 +361,7 @@ def _sequences(rows: RowSums, bounds: tuple[float, float], sequence: bool) -> di
 def _health(rows: RowSums) -> dict[str, Tensor]:
     """The health group's counts and the log-probs' moments at lags -1, 0 and +1."""
     assert rows.lag is not None
-    at, total = rows.at, rows.total
+    total = rows.total
     count = rows.count.clamp(min=1.0)
     sum_a, sum_b = total["a"], total["b"]
     m_ab = rows.comoment["a", "b"]
@@ -368,11 +376,10 @@ def _health(rows: RowSums) -> dict[str, Tensor]:
         "sum_actor_x_rollout": m_ab + sum_a * sum_b / count,
     }
     # The sums of the products of neighbours x_t y_(t+1), a^2 and b^2 among the planes.
-    lag = rows.lag.sum(1).view(6, 6)  # summed over the rows
-    plane = {name: i for i, name in enumerate(LAG)}
+    lag = rows.lag.sum(1)  # summed over the rows
 
     def g(left: str, right: str) -> Tensor:
-        return lag[plane[left], plane[right]]
+        return lag[LAG_PAIRS.index((left, right))]
 
     slots |= {
         "neighbour_pairs": g("one", "one"),
@@ -388,7 +395,7 @@ def _health(rows: RowSums) -> dict[str, Tensor]:
         "sum_next_actor_x_rollout": g("b", "a"),
     }
     # A row's padding zeros: each right after another, and a lone one at its last token.
-    code = rows.row_top[at["code"]]  # 4 t + 2 zero_t + zero_(t-1) at each row's last token
+    code = rows.row_top[rows.plan.tops.index("code")]  # 4 t + 2 zero_t + zero_(t-1)
     lone_last = (code >= 0) & (torch.remainder(code, 4) >= 2) & (torch.remainder(code, 2) == 0)
     slots["zero_rollout_log_prob_run"] = g("zero", "zero") + lone_last.sum(dtype=torch.float64)
     return slots

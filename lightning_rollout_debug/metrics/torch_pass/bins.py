@@ -175,8 +175,10 @@ def worst_candidates(
     best = keys.topk(min(k, width), dim=-1).values
     found = best.flatten().topk(min(k, best.numel())).values
     flat = places(found)
-    ab = p.run("a", "b") if value is None else torch.stack([value["a"], value["b"]])
-    ab = ab.reshape(2, -1).index_select(1, flat)
+    if value is None:
+        ab = p.run("a", "b").reshape(2, -1).index_select(1, flat)
+    else:  # traced: a and b at those places alone, never laid out whole
+        ab = torch.stack([value["a"].take(flat), value["b"].take(flat)])
     ids = None if token_ids is None else ids_before(token_ids, flat, _context_steps(flat))
     return found, ab, ids, None if segments is None else segments.of_places(flat, width)
 

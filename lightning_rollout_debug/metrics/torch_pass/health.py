@@ -22,8 +22,25 @@ WIDE = ("zero", "one", "b2", "a", "b", "rc", "a^2", "b^2")
 ``rc``, then the squares of ``a`` and ``b`` (``b2``'s copy then holds ``a - b``)."""
 
 LAG = ("zero", "one", "a", "b", "a^2", "b^2")
-"""The planes whose products at neighbouring tokens the finishing reads, in order: in
-pairs that are neighbours in :data:`WIDE` too."""
+"""The planes whose products at neighbouring tokens the finishing reads."""
+
+LAG_PAIRS = (
+    ("zero", "zero"),
+    ("one", "one"),
+    ("a", "one"),
+    ("a^2", "one"),
+    ("b", "one"),
+    ("b^2", "one"),
+    ("one", "a"),
+    ("one", "a^2"),
+    ("one", "b"),
+    ("one", "b^2"),
+    ("a", "b"),
+    ("b", "a"),
+)
+"""The pairs ``(x, y)`` of planes of :data:`LAG` whose sums of ``x_t y_(t+1)`` the
+finishing reads, in order: the neighbouring pairs that both count, the moments of ``a``
+and ``b`` over the first and the second of such pairs, and the products across them."""
 
 
 def health_values(p: Planes) -> None:
@@ -118,8 +135,8 @@ def lag_products(wide: Wide) -> Tensor:
     """``[8, 8, B]``: each row's sums of ``x_t y_(t+1)`` over the planes of :data:`WIDE`.
 
     The planes are 0 where a token does not count, so a product counts a pair of
-    neighbours that both count; the finishing reads those of :data:`LAG`. One square and
-    one batched matrix product (float64: no TF32 rounds it).
+    neighbours that both count; the finishing reads those of :data:`LAG_PAIRS`. One
+    square and one batched matrix product (float64: no TF32 rounds it).
     """
     torch.square(wide.sides, out=wide.squares)
     return torch.einsum("ibt,jbt->ijb", wide.now, wide.following)

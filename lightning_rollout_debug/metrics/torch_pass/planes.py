@@ -29,6 +29,9 @@ from lightning_rollout_debug.metrics.profile import (
     QUANTILE_BINS,
 )
 
+TOPS = ("code", "a", "b", "r", "nr", "l", "d")
+"""The planes whose largest values the finishing reads, in the order of the planes."""
+
 
 @dataclass(frozen=True)
 class PassPlan:
@@ -59,8 +62,8 @@ class PassPlan:
     ``b2, a, b`` (a second ``b`` before ``a``) are copied, compared and floored at once,
     ``[a, b] - [b2, a]`` is ``r`` and ``nr = -r``, and ``pa, pb, rho`` are the exponentials
     of ``a, b, rc`` (``rc``: ``r`` clamped); the health group's float64 copies are those
-    from ``zero`` to ``rc``; the centred planes run from ``a`` to ``d``; ``masked`` comes
-    last."""
+    from ``zero`` to ``rc``; the centred planes run from ``a`` to ``d``, and the planes
+    whose largest values are kept from ``code`` (first) to ``d``; ``masked`` comes last."""
     at: dict[str, int] = field(init=False, compare=False, repr=False)
     """The index of each plane."""
     parts: tuple[tuple[str, int], ...] = field(init=False, compare=False, repr=False)
@@ -80,9 +83,12 @@ class PassPlan:
     their planes ``ab`` and ``papb``."""
     tail: str = field(init=False, compare=False, repr=False)
     """The first of the planes that are not read once the rows are summed."""
-    tops: slice = field(init=False, compare=False, repr=False)
-    """The planes whose rows' largest values a pass keeps: all but ``masked``; of the lean
-    planes, ``a`` to ``d``."""
+    tops: tuple[str, ...] = field(init=False, compare=False, repr=False)
+    """The planes whose rows' largest values the finishing reads: ``a``, ``b``, ``r``,
+    ``l``, ``d``, ``code`` and ``nr`` (the smallest ``r``), those of the pass. An eager
+    pass takes them over :attr:`top_run`."""
+    top_run: slice = field(init=False, compare=False, repr=False)
+    """The planes from the first of :attr:`tops` to the last."""
     segment_tops: slice = field(init=False, compare=False, repr=False)
     """The planes whose largest values a segment row keeps: from ``a`` to ``d``."""
     bottoms: tuple[str, ...] = field(init=False, compare=False, repr=False)
@@ -108,7 +114,8 @@ class PassPlan:
             "centred": slice(centred[0], centred[1] + 1),
             "products": (("a", "b"), ("pa", "pb")) if "ab" in at else (("pa", "pb"),),
             "tail": planes[at["papb"] + 1],
-            "tops": slice(at["a"], at["d"] + 1) if lean else slice(0, len(planes) - 1),
+            "tops": tuple(name for name in TOPS if name in at),
+            "top_run": slice(at.get("code", at["a"]), at["d"] + 1),
             "segment_tops": slice(at["a"], at["d"] + 1),
             "bottoms": ("d",) * histograms,
             "log_ratio": histograms or bool({"kl", "importance_ratio", "sequence"} & groups),
@@ -128,7 +135,9 @@ centred; ``a`` to ``d`` are those whose largest values are kept."""
 def plane_names(plan: PassPlan, index_planes: int) -> tuple[str, ...]:
     """The planes of :attr:`PassPlan.planes` for the other groups and the extras."""
     groups, profile = plan.groups, plan.profile
-    names = ["zero", "one", "b2", "a", "b", "rc", "r", "nr", "l"]  # rc: clamp(r)
+    # code first, so that the planes whose largest values are kept run from code to d.
+    names = ["code"] if "health" in groups else []
+    names += ["zero", "one", "b2", "a", "b", "rc", "r", "nr", "l"]  # rc: clamp(r)
     # ab, papb: a b and pa pb, of centred values (papb is pa - pb until then): one product
     # of [a, pa] and [b, pb] writes them.
     names += ["pa", "pb", "rho", "e", "mult", "d", "ab", "papb"]
@@ -140,7 +149,7 @@ def plane_names(plan: PassPlan, index_planes: int) -> tuple[str, ...]:
     else:
         rest += ["k3"] * bool({"kl"} & groups or profile) + ["far"]
     if "health" in groups:
-        rest += ["zb", "ninf_a", "ninf_b", "code"]  # zb, ninf_a, ninf_b: one comparison
+        rest += ["zb", "ninf_a", "ninf_b"]  # one comparison writes them
     while len(rest) < index_planes or (len(names) + len(rest)) % 2 == 0:
         rest.append(f"spare{len(rest)}")
     rest.append("masked")  # last: kept out of the clearing (its tokens need not count)

@@ -38,7 +38,7 @@ from lightning_rollout_debug.metrics.torch_pass.constants import (
     constants,
     on_device,
 )
-from lightning_rollout_debug.metrics.torch_pass.health import LAG, Wide, lag_products
+from lightning_rollout_debug.metrics.torch_pass.health import LAG, LAG_PAIRS, Wide, lag_products
 from lightning_rollout_debug.metrics.torch_pass.planes import (
     PassPlan,
     Planes,
@@ -69,8 +69,9 @@ class TokenSums:
     first: Tensor
     """``[planes, B]``: each row's sum of every plane over its counting tokens."""
     top: Tensor
-    """``[tops, B]``: each row's largest value of the planes of :attr:`PassPlan.tops`
-    (``-inf``: no token)."""
+    """Each row's largest value (``-inf``: no token) of each plane of
+    :attr:`PassPlan.tops`: ``[B]`` each; eagerly ``[planes, B]``, of
+    :attr:`PassPlan.top_run`."""
     bottom: list[Tensor] | None
     """``[B]`` for each plane of :attr:`PassPlan.bottoms`: each row's smallest value
     (``+inf``: no token; ``None``: no such plane)."""
@@ -82,8 +83,9 @@ class TokenSums:
     """``[seconds, B]``: each row's sums of the squared centred values, then of the products
     ``pa pb`` and ``a b`` of centred values (:attr:`PassPlan.seconds`)."""
     lag: Tensor | None = None
-    """``[6, 6, B]``: each row's sums of ``x_t y_(t+1)`` over ``zero, one, a, b, a^2, b^2``
-    (health; eagerly ``[8, 8, B]``, over the planes of :data:`.health.WIDE`)."""
+    """Each row's sums of ``x_t y_(t+1)`` (health): ``[B]`` for each pair of
+    :data:`.health.LAG_PAIRS`; eagerly ``[8, 8, B]``, over the planes of
+    :data:`.health.WIDE`."""
     counts: Tensor | None = None
     """``[bins]``: the counted bins of the extras' parts (:attr:`PassPlan.parts`). Eagerly
     they count every token: those that do not count in their part's bin of 0 values
@@ -144,7 +146,8 @@ def token_sums(
     if plan.segments and segment_ids is not None:
         segments = SegmentRows(segment_ids, plan.segments, mask.shape[1])
     if p.traced:
-        sums = _reduce_compiled(plan, p, edges, token_ids, segments)
+        following = _following(plan, rollout_log_probs, old_log_probs, mask, dtype)
+        sums = _reduce_compiled(plan, p, edges, token_ids, segments, following)
     else:
         sums = _reduce_eagerly(plan, p, edges, token_ids, segments, wide)
     # Whether it was traced, last: a compiled function may run eagerly after all.
@@ -171,7 +174,8 @@ def _reduce_eagerly(
     """
     one = p["one"]
     missing = _missing(one)
-    tops = p.names[plan.segment_tops.start], p.names[plan.segment_tops.stop - 1]
+    tops = p.names[plan.top_run.start], p.names[plan.top_run.stop - 1]
+    segment_tops = p.names[plan.segment_tops.start], p.names[plan.segment_tops.stop - 1]
     extremes: dict[str, Tensor] = {}
     bottom = _smallest(plan, p, missing)
 
@@ -179,8 +183,8 @@ def _reduce_eagerly(
         planes.add_(missing)
         if plan.worst_tokens_k:
             extremes["key"] = worst_keys(p["l"])
-        extremes["top"] = planes.amax(-1)
-        by_segment.keep_largest(_flat(p, p.run(*tops)))
+        extremes["top"] = p.run(*tops).amax(-1)
+        by_segment.keep_largest(_flat(p, p.run(*segment_tops)))
         return planes.nan_to_num_(nan=math.nan, posinf=INF, neginf=0.0)
 
     if not plan.lean:
@@ -191,7 +195,7 @@ def _reduce_eagerly(
     log_ratio = _log_ratios(plan, p, by_segment, wide)
     if plan.lean:  # a and b, read no more, with -inf where a token does not count
         p.update("a", "b", lambda x: x.add_(missing))
-        extremes["top"] = p.run(p.names[plan.tops.start], p.names[plan.tops.stop - 1]).amax(-1)
+        extremes["top"] = p.run(*tops).amax(-1)
     counts, position, probability, worst = eager_extras(
         plan, p, edges, extremes.get("key"), token_ids, by_segment
     )
@@ -283,12 +287,69 @@ def _missing(one: Tensor) -> Tensor:
     return torch.addcdiv(unit, unit, one, value=-1.0, out=out)
 
 
+def _following(
+    plan: PassPlan,
+    rollout_log_probs: Tensor,
+    old_log_probs: Tensor,
+    mask: Tensor,
+    dtype: torch.dtype,
+) -> dict[str, Tensor] | None:
+    """Traced, the values of :data:`.health.LAG` at each token's next one (0 after the last).
+
+    Computed from the inputs one token on, not read from the values at ``t + 1``: a kernel
+    that reads a stored value of its own at another token cannot be fused with the one
+    that stores it, and the inputs are always stored.
+    """
+    if "health" not in plan.groups:
+        return None
+    inputs = [
+        torch.nn.functional.pad(x[:, 1:], (0, 1)) for x in (rollout_log_probs, old_log_probs, mask)
+    ]
+    q = planes_for(plan, inputs[2], dtype)
+    token_values(plan, q, *inputs)
+    counted = q["one"] > 0
+    return _squared({name: torch.where(counted, q[name], 0.0) for name in LAG[:4]})
+
+
+def _squared(values: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``values`` in float64, with the squares of ``a`` and ``b``."""
+    wide = {name: x.double() for name, x in values.items()}
+    return {**wide, "a^2": wide["a"] * wide["a"], "b^2": wide["b"] * wide["b"]}
+
+
+def _summed_rows(
+    plan: PassPlan, value: dict[str, Tensor], masked: Tensor, following: dict[str, Tensor] | None
+) -> tuple[list[Tensor], Tensor]:
+    """What a compiled pass sums along its rows, and the float64 differences ``a - b``.
+
+    In order: every plane (``r`` as those differences, so that its sum is exact) and
+    ``masked``, the squares of the centred planes, the products, the lag products of
+    :data:`.health.LAG_PAIRS` (health), and the differences where no plane is ``r``.
+    """
+    exact = value["a"].double() - value["b"].double()
+    rows = [exact if name == "r" else plane for name, plane in value.items()]
+    rows.append(masked)
+    rows += [value[name] * value[name] for name in plan.planes[plan.centred]]
+    health = "health" in plan.groups
+    rows += [
+        value[x] * value[y] if (x, y) == ("pa", "pb") or health else value["one"] * 0.0
+        for x, y in plan.products
+    ]
+    if following is not None:  # x_t y_(t+1)
+        now = _squared({name: value[name] for name in LAG[:4]})
+        rows += [now[x] * following[y] for x, y in LAG_PAIRS]
+    if "r" not in value:
+        rows.append(exact)
+    return rows, exact
+
+
 def _reduce_compiled(
     plan: PassPlan,
     p: Planes,
     edges: Constants,
     token_ids: Tensor | None,
     segments: SegmentRows | NoSegments = NO_SEGMENTS,
+    following: dict[str, Tensor] | None = None,
 ) -> tuple[Any, ...]:
     """The sums of the planes, traced by torch.compile: one loop over the rows, one scatter.
 
@@ -305,27 +366,15 @@ def _reduce_compiled(
     names = p.names[:-1]  # masked, last, counts masked tokens
     raw = {name: p.values.get(name, torch.zeros_like(one)) for name in names}
     value = {name: torch.where(counted, plane, 0.0) for name, plane in raw.items()}
-    rows = [*value.values(), p["masked"]]
-    centred = names[plan.centred]
-    rows += [value[name] * value[name] for name in centred]
-    health = "health" in plan.groups
-    rows += [
-        value[x] * value[y] if (x, y) == ("pa", "pb") or health else one * 0.0
-        for x, y in plan.products
-    ]
-    if health:  # x_t y_(t+1) of zero, one, a, b, a^2, b^2 (0 after the last)
-        now = [value[name].double() for name in LAG[:4]]
-        now += [now[2] * now[2], now[3] * now[3]]
-        following = [torch.nn.functional.pad(x[:, 1:], (0, 1)) for x in now]
-        rows += [x * y for x in now for y in following]
+    rows, exact = _summed_rows(plan, value, p["masked"], following)
     # Lists of [B] rows, each written where its reduction is: stacked when a window folds.
-    rows.append(value["a"].double() - value["b"].double())  # r's exact float64 sum
     sums = [row.sum(-1, dtype=f64) for row in rows]
-    top = [torch.where(counted, raw[n], -INF).amax(-1) for n in p.names[plan.tops]]
+    top = [torch.where(counted, raw[n], -INF).amax(-1) for n in plan.tops]
     first = sums[: len(names) + 1]
-    at = len(names) + 1 + len(centred) + len(plan.products)
+    at = len(names) + 1 + len(names[plan.centred]) + len(plan.products)
     second = sums[len(names) + 1 : at]
-    lag = sums[at:-1] if health else None
+    lag = sums[at : at + len(LAG_PAIRS)] if following is not None else None
+    log_ratio = sums[plan.at["r"] if "r" in value else -1]
     counts = position = probability = worst = None
     if plan.parts:
         counts, position, probability = scattered(plan, value, edges, width)
@@ -338,5 +387,7 @@ def _reduce_compiled(
     if isinstance(segments, SegmentRows):  # float64 power sums, as the rows'
         largest = [torch.where(counted, raw[n], -INF) for n in names[plan.segment_tops]]
         seconds = at - len(names) - 1
-        by_segment = segments.traced(rows, len(names) + 1, seconds, torch.stack(largest))
-    return (*fields, sums[-1], by_segment)
+        by_segment = segments.traced(
+            [*rows[:at], exact], len(names) + 1, seconds, torch.stack(largest)
+        )
+    return (*fields, log_ratio, by_segment)
