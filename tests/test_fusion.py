@@ -102,6 +102,24 @@ def test_compiled_update_is_exact_far_from_agreement(spread: str, fused_path: st
     assert_metrics_close(stats.compute(), reference_metrics([rollout], [old], [mask]))
 
 
+def test_a_window_finishes_a_compiled_and_an_eager_pass_together(
+    inductor_only: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch read by the compiled pass and one read eagerly (its compilation failed) in
+    one window: each pass's largest values and lag products are read in their own layout,
+    and every metric matches the float64 reference of both batches."""
+    monkeypatch.setattr(backends, "_compiling", {"functions": {}, "failed": {}})
+    rollout, old, mask, _, _ = _batch(torch.float32)
+    second = (old.flip(1)[:40], rollout.flip(1)[:40], mask.flip(1)[:40])  # -inf in rollout
+    stats = MismatchStats(compile=True)
+    stats.update(rollout, old, mask)
+    (plan,) = backends._compiling["functions"]
+    backends._compiling["failed"][plan] = "eagerly from now on"
+    stats.update(*second)
+    want = reference_metrics([rollout, second[0]], [old, second[1]], [mask, second[2]])
+    assert_metrics_close(stats.compute(), want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_extras_match_eager_ones(inductor_only: None, dtype: torch.dtype) -> None:
     rollout, old, mask, ids, _ = _batch(dtype)
