@@ -143,7 +143,7 @@ def test_the_seed_function_issues_the_same_few_operations_at_every_size(
         counts.append(len(names))
         kernels.append(sum(name not in VIEWS for name in names))
         del batch
-    assert (counts, kernels) == ([82] * len(SHAPES), [57] * len(SHAPES))
+    assert (counts, kernels) == ([82] * len(SHAPES), [57] * len(SHAPES)), names
 
 
 VIEWS = frozenset(
