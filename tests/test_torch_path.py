@@ -150,7 +150,7 @@ VIEWS = frozenset(
     f"aten::{name}"
     for name in (
         *("select", "slice", "unbind", "squeeze", "unsqueeze", "view"),
-        *("flatten", "split_with_sizes", "narrow"),
+        *("flatten", "split", "split_with_sizes", "narrow"),
     )
 ) | {"aten::resolve_conj", "aten::resolve_neg"}
 """Operations that only make views (or no-op flags): no kernel on an accelerator."""
