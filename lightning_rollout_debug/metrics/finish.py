@@ -45,25 +45,27 @@ def _rows(batches: Sequence[TokenSums], field: str) -> Tensor:
 
     A compiled pass leaves lists of ``[B]`` rows, stacked here.
     """
-    parts = [stacked_rows(getattr(sums, field), field) for sums in batches]
-    joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return _side_by_side([stacked_rows(getattr(sums, field), field) for sums in batches])
+
+
+def _side_by_side(parts: Sequence[Tensor]) -> Tensor:
+    """The batches' ``[k, rows]`` parts as one float64 ``[k, all rows]``."""
+    joined = parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=1)
     return joined.to(torch.float64)
 
 
 def _tops(batches: Sequence[TokenSums]) -> Tensor:
-    """``[tops, rows]``: each row's largest value of each plane of :attr:`PassPlan.tops`.
+    """``[tops, rows]``: each row's largest value of each plane of :attr:`PassPlan.tops`."""
+    return _side_by_side([stacked_rows(_picked_tops(sums), "top") for sums in batches])
 
-    An eager pass leaves those of the planes of :attr:`PassPlan.top_run`, picked here.
-    """
-    parts = []
-    for sums in batches:
-        top, plan = sums.top, sums.plan
-        if isinstance(top, Tensor) and len(top) != len(plan.tops):
-            start = plan.top_run.start
-            top = torch.stack([top[plan.at[name] - start] for name in plan.tops])
-        parts.append(stacked_rows(top, "top"))
-    joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    return joined.to(torch.float64)
+
+def _picked_tops(sums: TokenSums) -> Tensor | Sequence[Tensor]:
+    """A pass's largest values of :attr:`PassPlan.tops`, picked from an eager pass's."""
+    top, plan = sums.top, sums.plan
+    if not isinstance(top, Tensor) or len(top) == len(plan.tops):
+        return top
+    start = plan.top_run.start
+    return torch.stack([top[plan.at[name] - start] for name in plan.tops])
 
 
 def _log_ratios(batches: Sequence[TokenSums]) -> Tensor | None:
