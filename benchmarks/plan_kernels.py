@@ -1,11 +1,12 @@
 """The GPU kernels inductor plans for one compiled update, counted on a machine without one.
 
 On an accelerator every update runs through ``torch.compile`` (see
-``lightning_rollout_debug/metrics/backends.py``), and each Triton kernel of the compiled graph is
-one launch. This script asks inductor for the Triton code of the same functions on CPU
-tensors (inductor's Triton backend for CPUs, told to plan for an sm_90 GPU, adding
-atomically and storing values as it does for a GPU) and counts the kernels the generated wrapper calls, without
-compiling or running any of them. It needs the ``triton`` package, not a GPU:
+``lightning_rollout_debug/metrics/backends.py``), and each Triton kernel of the compiled
+graph is one launch. This script asks inductor for the Triton code of the same functions
+on CPU tensors (inductor's Triton backend for CPUs, told to plan for an sm_90 GPU, adding
+atomically and storing values as it does for a GPU) and counts the kernels the generated
+wrapper calls, without compiling or running any of them. It needs the ``triton`` package,
+not a GPU:
 
     pip install triton
     python benchmarks/plan_kernels.py [--shapes 8x512,64x2048,256x4096,1x65536] [--names]
