@@ -201,13 +201,16 @@ def _prob_diff(p: Planes) -> None:
 
 
 def _lean_prob_diff(p: Planes) -> None:
-    """``d`` of the lean planes: ``min(pa, pb) (e^|r| - 1)`` near 0, the difference beyond."""
+    """``d`` of the lean planes: ``min(pa, pb) (e^|r| - 1)``, three operations.
+
+    No cancellation near ``r = 0``; farther out the rounding of ``|r|`` (at most 2^-24 of
+    it, below 20 nats between floored log-probs) moves ``d`` by less than 2e-6 of itself.
+    The statistics alone read it; the extras' bins need :func:`_prob_diff`'s difference,
+    exact for log-probs whose probabilities are.
+    """
     p.write("d", _expm1, p["l"])
     p.write("papb", torch.minimum, p["pa"], p["pb"])
     p.write("d", torch.mul, p["d"], p["papb"])
-    p.write("papb", torch.sub, p["pa"], p["pb"])
-    p.write("d", torch.where, p["l"] < NEAR, p["d"], p["papb"])
-    p.update("d", "d", torch.abs_)
 
 
 def _kl_k3(p: Planes, wide: Wide | None) -> None:
