@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -278,17 +279,25 @@ def test_the_exponential_is_accurate_over_the_log_prob_range() -> None:
 
 
 # ---------------------------------------------------------------------- the extras
-def _assert_same_extras(native_extras: TokenExtras, eager: TokenExtras, rel: float = 1e-9) -> None:
+def _assert_same_extras(
+    native_extras: Any, eager: TokenExtras, rel: float = 1e-9, *batches: Any
+) -> None:
     """The same bins and worst tokens; the histograms' float64 sums within ``rel``.
 
-    The sums within 1e-6: the torch arithmetic sums each row in float32 (its squares about
-    the row's mean), the kernel in float64.
+    The bins of the same float32 values are the same; those of ``|pa - pb|`` but for the
+    tokens of ``batches`` within rounding of an edge (:func:`_assert_moved_at_edges`). The
+    sums within 1e-6: the torch arithmetic sums each row in float32 (its squares about the
+    row's mean), the kernel in float64.
     """
     got, want = (extras.summary(extras.state) for extras in (native_extras, eager))
     assert got.histograms.keys() == want.histograms.keys()
     for tag, histogram in want.histograms.items():
         other = got.histograms[tag]
-        assert other.counts == histogram.counts, tag  # the same bits, the same bins
+        if tag == "rollout_probs_diff_hist":
+            counts = (torch.tensor(h.counts, dtype=torch.float64) for h in (other, histogram))
+            _assert_moved_at_edges(*counts, PROBS_DIFF_BINS.edges, *batches)
+        else:
+            assert other.counts == histogram.counts, tag  # the same bits, the same bins
         assert other.num == histogram.num
         # |pa - pb| near r = 0: the kernel's series and torch's expm1 may differ in the last bit.
         assert (other.min, other.max) == pytest.approx((histogram.min, histogram.max), rel=2.5e-7)
@@ -348,7 +357,7 @@ def test_native_extras_match_the_torch_extras(
         for each in extras:
             each.update(batch.rollout, batch.old, batch.mask, batch_ids, batch_index=index, rank=1)
     assert native_calls == ([True, True] if k <= native.MAX_WORST_TOKENS else [])
-    _assert_same_extras(*extras)
+    _assert_same_extras(*extras, 1e-9, *batches)
     for each in extras:  # no segment labels: the kernel's -1, as the torch pass's
         assert all(t.segment is None for t in each.summary(each.state).worst_tokens)
 
@@ -459,7 +468,8 @@ def _assert_same_profile(
     assert got.keys() == want.keys()
     for stem in ("log_diff_bins", "position_tokens", "probability_tokens", "joint", "width"):
         assert torch.equal(got[stem], want[stem]), stem
-    _assert_moved_at_edges(got["probs_diff_bins"], want["probs_diff_bins"], *batches)
+    fine, edges = got["probs_diff_bins"], QUANTILE_BINS[0][2].edges
+    _assert_moved_at_edges(fine, want["probs_diff_bins"], edges, *batches)
     for stem in (
         "position_probs_diff",
         "position_kl_k3",
@@ -471,8 +481,10 @@ def _assert_same_profile(
         assert got[stem].item() == pytest.approx(want[stem].item(), rel=1e-6, abs=0), stem
 
 
-def _assert_moved_at_edges(got: torch.Tensor, want: torch.Tensor, *batches: Any) -> None:
-    """Counts of ``|pa - pb|`` in the fine bins, equal but for tokens on an edge.
+def _assert_moved_at_edges(
+    got: torch.Tensor, want: torch.Tensor, edges: Sequence[float], *batches: Any
+) -> None:
+    """Counts of ``|pa - pb|`` in the bins of ``edges``, equal but for tokens on an edge.
 
     Two implementations may round a token's d differently in its last bits, which moves it
     to the neighbouring bin where its d lies within that rounding of their edge. So the net
@@ -488,9 +500,9 @@ def _assert_moved_at_edges(got: torch.Tensor, want: torch.Tensor, *batches: Any)
     keys = ("rollout_log_probs", "old_log_probs", "response_mask")
     t = tokens_of([dict(zip(keys, (b.rollout, b.old, b.mask), strict=True)) for b in batches])
     d = np.sort(np.abs(np.exp(t["a"]) - np.exp(t["b"])))
-    edges = np.array(QUANTILE_BINS[0][2].edges)
-    near = np.searchsorted(d, edges * (1 + 2**-20), "right")
-    near -= np.searchsorted(d, edges * (1 - 2**-20), "left")
+    at = np.asarray(edges)
+    near = np.searchsorted(d, at * (1 + 2**-20), "right")
+    near -= np.searchsorted(d, at * (1 - 2**-20), "left")
     crossed = flow.nonzero().flatten().tolist()
     assert all(flow[j] <= near[j] for j in crossed), [(j, flow[j].item(), near[j]) for j in crossed]
 
@@ -730,7 +742,8 @@ def test_the_histograms_beside_the_catalog_match_the_torch_extras(
     eager = TokenExtras(histograms=True, worst_tokens_k=5, profile=profile, compile=False)
     eager.update(batch.rollout, batch.old, batch.mask)
     # Each |pa - pb| within a float32 rounding of torch's (the kernel's exponential).
-    _assert_same_extras(SimpleNamespace(summary=extras.summary, state=found[1]), eager, 6e-8)
+    kernel = SimpleNamespace(summary=extras.summary, state=found[1])
+    _assert_same_extras(kernel, eager, 6e-8, batch)
 
 
 @pytest.mark.parametrize(("histograms", "k"), [(True, 10), (False, 0), (False, 3)])
@@ -862,7 +875,8 @@ def test_native_fine_bins_of_edges_match_the_torch_profile(dtype: torch.dtype) -
     for got in profiles[1:]:
         for stem in ("log_diff_bins", "joint", "probability_tokens"):
             assert torch.equal(got[stem], profiles[0][stem]), stem
-        _assert_moved_at_edges(got["probs_diff_bins"], profiles[0]["probs_diff_bins"], batch)
+        fine, edges = got["probs_diff_bins"], QUANTILE_BINS[0][2].edges
+        _assert_moved_at_edges(fine, profiles[0]["probs_diff_bins"], edges, batch)
 
 
 def test_histogram_bins_beyond_the_kernel_slots_are_refused(
