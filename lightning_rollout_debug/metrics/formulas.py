@@ -10,6 +10,7 @@ correlations of the log-probs at lags -1, 0 and +1 with the lag that fits best.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -92,6 +93,14 @@ class Window:
     def quantile(self, name: str) -> float:
         """A quantile of the profile (NaN without a profile or tokens)."""
         return math.nan if self.profile is None else self.profile.quantiles[name]
+
+    @functools.cached_property
+    def probability_root(self) -> float:
+        """``sqrt(M_xx) sqrt(M_yy)`` of the two probabilities (NaN: no correlation).
+
+        Read once for :func:`pearson` and :func:`one_minus_pearson`.
+        """
+        return float(_pearson_root(*_probability_moments(self)[:5]))
 
     @property
     def sawtooth(self) -> Sawtooth | None:
@@ -182,14 +191,13 @@ def _probability_moments(w: Window) -> tuple[float, ...]:
 
 def pearson(w: Window) -> float:
     """The Pearson correlation of the trainer's and the rollout's probabilities."""
-    return pearson_from_moments(*_probability_moments(w))
+    return _clamp(w["prob_actor*prob_rollout"] / w.probability_root, -1.0, 1.0)
 
 
 def one_minus_pearson(w: Window) -> float:
     """``1 - rho`` as ``(sqrt(M_xx M_yy) - M_xy) / sqrt(M_xx M_yy)``, clamped to ``[0, 2]``."""
-    n, mean_x, mean_y, m_xx, m_yy, m_xy = _probability_moments(w)
-    root = float(_pearson_root(n, mean_x, mean_y, m_xx, m_yy))
-    return math.nan if math.isnan(root) else _clamp((root - m_xy) / root, 0.0, 2.0)
+    root = w.probability_root
+    return _clamp((root - w["prob_actor*prob_rollout"]) / root, 0.0, 2.0)
 
 
 def effective_sample_size(w: Window) -> float:
