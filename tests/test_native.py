@@ -280,7 +280,7 @@ def test_the_exponential_is_accurate_over_the_log_prob_range() -> None:
 
 # ---------------------------------------------------------------------- the extras
 def _assert_same_extras(
-    native_extras: Any, eager: TokenExtras, rel: float = 1e-9, *batches: Any
+    native_extras: Any, eager: TokenExtras, rel: float = 1e-9, batches: Sequence[Any] = ()
 ) -> None:
     """The same bins and worst tokens; the histograms' float64 sums within ``rel``.
 
@@ -357,7 +357,7 @@ def test_native_extras_match_the_torch_extras(
         for each in extras:
             each.update(batch.rollout, batch.old, batch.mask, batch_ids, batch_index=index, rank=1)
     assert native_calls == ([True, True] if k <= native.MAX_WORST_TOKENS else [])
-    _assert_same_extras(*extras, 1e-9, *batches)
+    _assert_same_extras(*extras, batches=batches)
     for each in extras:  # no segment labels: the kernel's -1, as the torch pass's
         assert all(t.segment is None for t in each.summary(each.state).worst_tokens)
 
@@ -743,7 +743,7 @@ def test_the_histograms_beside_the_catalog_match_the_torch_extras(
     eager.update(batch.rollout, batch.old, batch.mask)
     # Each |pa - pb| within a float32 rounding of torch's (the kernel's exponential).
     kernel = SimpleNamespace(summary=extras.summary, state=found[1])
-    _assert_same_extras(kernel, eager, 6e-8, batch)
+    _assert_same_extras(kernel, eager, 6e-8, batches=[batch])
 
 
 @pytest.mark.parametrize(("histograms", "k"), [(True, 10), (False, 0), (False, 3)])

@@ -183,7 +183,7 @@ def test_extras_and_profile_match_the_torch_ones(lanes: int, mask_dtype: torch.d
         )
         for each in (kernel, eager):
             each.update(batch.rollout, batch.old, batch.mask, ids)
-        _assert_same_extras(kernel, eager, 1e-6, batch)
+        _assert_same_extras(kernel, eager, 1e-6, batches=[batch])
         _assert_same_profile(_profile_of(kernel), _profile_of(eager), batch)
 
 
