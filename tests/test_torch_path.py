@@ -47,7 +47,7 @@ OPERATIONS = {
     "defaults, segments": 92,
     "defaults, segments by sequence": 93,
     "scalars only": 42,
-    "seed only": 25,
+    "seed only": 26,
 }
 """Top-level torch operations of one eager update, by configuration (with token ids in the
 batch, the worst tokens take their ids and the ids before them)."""
@@ -102,7 +102,7 @@ def test_an_eager_update_issues_the_same_few_operations_at_every_size(
     """Defaults (statistics, histograms, worst tokens, profile) 74 operations, 77 with
     token ids, 92 with a segment label a token and 93 with one a sequence (at most 110:
     the bound of 100 and 10 for the segments), the statistics alone 42, the seed's group
-    25 (the seed's own algorithm: 39), the same number from 1,024 tokens to 4M: nothing
+    26 (the seed's own algorithm: 39), the same number from 1,024 tokens to 4M: nothing
     loops over chunks or values."""
     counts = []
     for shape in SHAPES:
@@ -133,7 +133,7 @@ def test_the_seed_function_issues_the_same_few_operations_at_every_size(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``calculate_debug_metrics`` on the torch path, eagerly (a CPU without the kernel):
-    its pass and its finishing, 78 operations at every size, 53 of them kernels (the rest
+    its pass and its finishing, 79 operations at every size, 54 of them kernels (the rest
     views); the seed's own algorithm issues 39."""
     monkeypatch.setattr(native.passes, "_pass", lambda *args, **kwargs: None)
     counts, kernels = [], []
@@ -143,7 +143,7 @@ def test_the_seed_function_issues_the_same_few_operations_at_every_size(
         counts.append(len(names))
         kernels.append(sum(name not in VIEWS for name in names))
         del batch
-    assert (counts, kernels) == ([78] * len(SHAPES), [53] * len(SHAPES)), names
+    assert (counts, kernels) == ([79] * len(SHAPES), [54] * len(SHAPES)), names
 
 
 VIEWS = frozenset(
@@ -269,6 +269,56 @@ def test_the_ratio_metrics_are_finite_for_log_probs_beyond_the_float32_exponenti
     names = [*METRIC_NAMES["kl"], *METRIC_NAMES["importance_ratio"]]
     assert all(math.isfinite(want[name]) for name in names)
     assert_metrics_close({name: got[name] for name in names}, want.select(names))
+
+
+LEAN = {**SCALARS_ONLY, "groups": ["seed", "log_space", "sequence"]}
+"""A lean pass: the seed, log-space and sequence groups alone, no extras."""
+
+
+@pytest.mark.parametrize(
+    ("road", "options"),
+    [
+        ("eager", LEAN),
+        ("eager", {**LEAN, "groups": ["seed"]}),
+        ("eager", SCALARS_ONLY),
+        ("eager", {}),
+        ("compiled", LEAN),
+    ],
+    ids=["eager lean", "eager seed", "eager scalars only", "eager defaults", "compiled lean"],
+)
+def test_the_probability_difference_is_exact_up_to_the_float32_exponentials_limit(
+    road: str, options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``|pa - pb|`` is finite wherever both probabilities are: a log-prob up to
+    ``ln(FLT_MAX)`` against one near 0 or floored at -20 (``|r|`` up to 108, whose
+    ``e^|r|`` overflows), exact against the float64 reference on every torch pass, the lean
+    one (:data:`LEAN`) included. One token a row: a float32 row sum of two such values
+    would overflow, and rows add in float64. Compiled, the mean and the largest value: its
+    squares are float32 (summed in float64), which overflow above 1.8e19."""
+    monkeypatch.setattr(native.passes, "_pass", lambda *args, **kwargs: None)
+    monkeypatch.setattr(backends, "_compiling", {"functions": {}, "failed": {}})
+    torch._dynamo.reset()
+    old = torch.tensor([88.0, 88.38, 88.5, 88.6, 88.72, 70.0, 75.0, 1e-3, -1.0, -0.3])
+    rollout = torch.tensor([-0.5] * 5 + [-30.0, -20.0, 0.0, -0.5, -0.2])
+    batch = {"rollout_log_probs": rollout[:, None], "old_log_probs": old[:, None]}
+    batch["response_mask"] = torch.ones(len(old), 1)
+    monitor = RolloutDebugMonitor(alert_ranges={}, compile=road == "compiled", **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # positive log-probs
+        monitor.update(batch)
+        got = monitor._stats.compute()
+    torch._dynamo.reset()
+    assert not backends._compiling["failed"]
+    want = reference_metrics(*(batch[key] for key in _KEYS))
+    names = METRIC_NAMES["seed"]
+    assert all(math.isfinite(want[name]) for name in names if "pearson" not in name)
+    if road == "compiled":
+        names = ["rollout_probs_diff_mean", "rollout_probs_diff_max"]
+    assert want["rollout_probs_diff_max"] > 3e38
+    assert_metrics_close({name: got[name] for name in names}, want.select(names))
+    if options.get("groups") == ["seed"]:  # the function's pass is this lean one
+        seed = calculate_debug_metrics(batch)
+        assert seed["training/rollout_probs_diff_max"] == got["rollout_probs_diff_max"]
 
 
 TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])

@@ -34,7 +34,7 @@ from lightning_rollout_debug.metrics.tokens import (
     RATIO_MIN,
     exp_tail,
 )
-from lightning_rollout_debug.metrics.torch_pass.constants import by_shape
+from lightning_rollout_debug.metrics.torch_pass.constants import by_shape, on_device
 from lightning_rollout_debug.metrics.torch_pass.health import Wide, health_values, wide_planes
 from lightning_rollout_debug.metrics.torch_pass.planes import PassPlan, Planes
 
@@ -201,16 +201,22 @@ def _prob_diff(p: Planes) -> None:
 
 
 def _lean_prob_diff(p: Planes) -> None:
-    """``d`` of the lean planes: ``min(pa, pb) (e^|r| - 1)``, three operations.
+    """``d`` of the lean planes: ``max(pa, pb) (1 - e^-|r|)``, four operations.
 
-    No cancellation near ``r = 0``; farther out the rounding of ``|r|`` (at most 2^-24 of
-    it, below 20 nats between floored log-probs) moves ``d`` by less than 2e-6 of itself.
-    The statistics alone read it; the extras' bins need :func:`_prob_diff`'s difference,
-    exact for log-probs whose probabilities are.
+    No cancellation near ``r = 0``, and no overflow where ``|pa - pb|`` is finite:
+    ``e^-|r| - 1`` lies in ``(-1, 0]`` however large ``|r|`` (a log-prob above 68 and the
+    other floored at -20). The rounding of ``|r|`` (at most 2^-24 of it) moves ``d`` by
+    less than 2^-24 of itself. The statistics alone read it; the extras' bins need
+    :func:`_prob_diff`'s difference, exact for log-probs whose probabilities are.
     """
-    p.write("d", _expm1, p["l"])
-    p.write("papb", torch.minimum, p["pa"], p["pb"])
-    p.write("d", torch.mul, p["d"], p["papb"])
+    if p.traced:
+        p.write("d", torch.mul, _expm1(-p["l"]), -torch.maximum(p["pa"], p["pb"]))
+        return
+    p.write("d", torch.neg, p["l"])
+    p.update("d", "d", torch.expm1_)
+    p.write("papb", torch.maximum, p["pa"], p["pb"])
+    zero = on_device("zero", p["d"])
+    p.write("d", torch.addcmul, zero, p["d"], p["papb"], value=-1.0)
 
 
 def _kl_k3(p: Planes, wide: Wide | None) -> None:
