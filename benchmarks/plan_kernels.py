@@ -14,11 +14,14 @@ not a GPU:
 
 Each Triton kernel is one launch; an operation inductor leaves to ATen (``aten.topk``,
 listed by name) launches one or more. With ``--segments`` the batches carry ``segment_ids``,
-16 turns a row, and a column counts the defaults with them. It counts the compiled graph,
-planned afresh at each shape: the update is that one graph (statistics and extras
-together), and the window's fold, every 32 updates, is outside it; ``bench_launches.py
---device cuda`` counts everything where a GPU is lent. It patches inductor's internals,
-as torch 2.6, 2.13 and 2.15 have them: other versions may need other patches.
+16 turns a row, and a column counts the defaults with them. It counts the compiled graph
+each shape runs, in one process, as a run meets the shapes in turn: a shape the graph
+already compiled serves (``dynamic=True``) runs that graph, and a new one is planned only
+where dynamo compiles one (a batch of one row, say); the ``graphs`` column counts the
+graphs compiled so far. The update is that one graph (statistics and extras together),
+and the window's fold, every 32 updates, is outside it; ``bench_launches.py --device
+cuda`` counts everything where a GPU is lent. It patches inductor's internals, as torch
+2.6, 2.13 and 2.15 have them: other versions may need other patches.
 """
 
 from __future__ import annotations
@@ -43,15 +46,20 @@ from lightning_rollout_debug.metrics.torch_pass.constants import constants
 from lightning_rollout_debug.metrics.torch_pass.planes import PassPlan
 
 _WRAPPERS: list[str] = []
+"""The code of every graph compiled so far, in order."""
+
+_RAN: list[int] = []
+"""The graph (its index in :data:`_WRAPPERS`) whose first kernel stopped each call."""
 
 
 class _NotRun:
     """A kernel inductor planned and did not compile: calling it stops the graph."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
+        self.graph = len(_WRAPPERS) - 1  # made as its graph's code is loaded
 
     def run(self, *args: Any, **kwargs: Any) -> None:
+        _RAN.append(self.graph)
         raise _Planned
 
     __call__ = run
@@ -98,26 +106,32 @@ def plan_for_a_gpu() -> None:
 
 
 def kernels(plan: PassPlan, *tensors: torch.Tensor) -> list[str]:
-    """The kernels, in launch order, of the pass ``plan`` compiled as an update compiles it.
+    """The kernels, in launch order, of the graph an update of ``plan`` runs for ``tensors``.
 
-    Empty where the pass is already compiled for these shapes (nothing new is written).
+    The graphs compiled for the call, or (where the pass already compiled one that serves
+    these shapes) the graph that ran.
     """
-    _WRAPPERS.clear()
+    written, ran = len(_WRAPPERS), len(_RAN)
     try:
         backends._compiled(plan)(*tensors)
     except Exception as error:  # the first kernel call stops the graph
         if not isinstance(error, _Planned) and "_Planned" not in repr(error):
             raise
+    if len(_WRAPPERS) > written:
+        codes = _WRAPPERS[written:]
+    else:
+        assert len(_RAN) > ran, "no graph ran"
+        codes = [_WRAPPERS[_RAN[-1]]]
     names = []
-    for code in _WRAPPERS:
+    for code in codes:
         calls = code[code.find("def call(") : code.find("def benchmark_compiled_module")]
         names += re.findall(r"(\w+\.run|extern_kernels\.\w+|aten\.\w+(?:\.\w+)?)\(", calls)
     return [name.removesuffix(".run") for name in names]
 
 
 def planned(options: dict[str, Any], batch: dict[str, torch.Tensor]) -> list[str]:
-    """The kernels of one compiled update of a callback built with ``options``, planned afresh
-    (with the batch's ``segment_ids``, if any, as its segments)."""
+    """The kernels of one compiled update of a callback built with ``options`` (with the
+    batch's ``segment_ids``, if any, as its segments)."""
     monitor = RolloutDebugCallback(alert_ranges={}, **options).monitor
     labels = batch.get("segment_ids")
     segments = None if labels is None else monitor._segments
@@ -126,8 +140,6 @@ def planned(options: dict[str, Any], batch: dict[str, torch.Tensor]) -> list[str
     if labels is not None:
         tensors += (None, labels)
     constants(torch.float32, batch["response_mask"])  # made before the trace, as an update does
-    torch._dynamo.reset()
-    backends._compiling["functions"].clear()
     return kernels(plan, *tensors)
 
 
@@ -142,18 +154,19 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     plan_for_a_gpu()
     print(f"torch {torch.__version__}: Triton kernels planned per compiled update")
-    print(f"{'shape':>11} {'scalars only':>13} {'defaults':>9}" + " segments" * args.segments)
+    header = f"{'shape':>11} {'graphs':>6} {'scalars only':>13} {'defaults':>9}"
+    print(header + " segments" * args.segments)
     for text in args.shapes.split(","):
         shape = tuple(int(n) for n in text.split("x"))
         batch = make_batch(shape, torch.float32, "cpu")
         scalars = [] if args.defaults_only else planned(SCALARS_ONLY, batch)
         defaults = planned({}, batch)
-        line = f"{text:>11} {len(scalars):>13} {len(defaults):>9}"
+        line = f" {len(scalars):>13} {len(defaults):>9}"
         if args.segments:
             turns = torch.arange(shape[1]).mul(16).div(shape[1], rounding_mode="floor")
             labelled = {**batch, "segment_ids": turns.expand(shape).contiguous()}
             line += f" {len(planned({}, labelled)):>8}"
-        print(line, flush=True)
+        print(f"{text:>11} {len(_WRAPPERS):>6}{line}", flush=True)
         if args.names:
             for name in defaults:
                 print(f"{'':>13}{name}")

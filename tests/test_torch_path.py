@@ -341,16 +341,17 @@ def test_triton_plans_a_handful_of_kernels_for_the_default_update() -> None:
     """``benchmarks/plan_kernels.py``: the Triton kernels inductor plans for one compiled
     default update (planned for an sm_90 GPU, on the CPU: Triton, no GPU) at four shapes,
     at most 8 each (torch 2.6, 2.13 and 2.15 plan 7); with segment labels, 16 turns a row,
-    those of :data:`PLANNED_WITH_SEGMENTS`."""
+    those of :data:`PLANNED_WITH_SEGMENTS`. The shapes come in turn, as in a run: each plan
+    compiles one graph for them all and one more for the batch of one row."""
     if TORCH_RELEASE < (2, 6):
         pytest.skip("inductor writes Triton code for CPU tensors from torch 2.6 on")
     pytest.importorskip("triton", reason="planning Triton kernels needs the triton package")
     shapes = "8x512,64x2048,256x4096,1x65536"
-    rows = _plans("--shapes", shapes, "--defaults-only")
+    rows = _plans("--shapes", shapes, "--defaults-only", "--segments")
     assert [shape for shape, _ in rows] == shapes.split(",")
-    planned = [int(counts.split()[-1]) for _, counts in rows]
+    columns = [[int(count) for count in counts.split()] for _, counts in rows]
+    graphs, _, planned, with_segments = (list(column) for column in zip(*columns, strict=True))
+    assert graphs[:3] == [2, 2, 2] and graphs[3] <= 4  # the second graph: one row
     assert all(1 <= count <= 8 for count in planned), rows
-    [(_, counts)] = _plans("--shapes", "8x512", "--defaults-only", "--segments")
-    defaults, segments = (int(count) for count in counts.split()[-2:])
-    assert defaults == planned[0]
-    assert segments == PLANNED_WITH_SEGMENTS.get(TORCH_RELEASE, segments) > defaults
+    for defaults, segments in zip(planned, with_segments, strict=True):
+        assert segments == PLANNED_WITH_SEGMENTS.get(TORCH_RELEASE, segments) > defaults
