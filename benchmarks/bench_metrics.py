@@ -15,12 +15,14 @@ and prints medians and the ratios. ``read`` and ``ours`` are also timed on their
 (the ``quiet`` columns): the seed's allocations slow every call that follows them, the
 read most. Peak extra memory of one call: on the CPU, Linux's
 peak resident memory above the inputs, in a fresh subprocess; on CUDA, the caching
-allocator's peak above the inputs.
+allocator's peak above the inputs. ``--updates`` adds the peaks of one monitor update
+(not timed): with the defaults and with scalars only.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -34,9 +36,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from configurations import SCALARS_ONLY
 from seed_baseline import seed_calculate_debug_metrics
 
-from lightning_rollout_debug import GROUPS
+from lightning_rollout_debug import GROUPS, RolloutDebugMonitor
 from lightning_rollout_debug.functional import (
     calculate_debug_metrics,
     mismatch_metrics,
@@ -95,6 +98,19 @@ def methods(batch: dict[str, torch.Tensor]) -> dict[str, Callable[[], object]]:
     }
 
 
+UPDATES = {"update": {}, "update scalars": SCALARS_ONLY}
+"""Monitor updates whose memory ``--updates`` measures: the defaults and scalars only."""
+
+
+def probes(batch: dict[str, torch.Tensor]) -> dict[str, Callable[[], object]]:
+    """What the memory probes measure: the methods and one update of a new monitor each."""
+    monitors = {
+        name: RolloutDebugMonitor(alert_ranges={}, **options) for name, options in UPDATES.items()
+    }
+    updates = {name: functools.partial(m.update, batch) for name, m in monitors.items()}
+    return {**methods(batch), **updates}
+
+
 def all_but_the_quantiles(*tensors: torch.Tensor) -> dict[str, float]:
     """Every metric of the catalog but the quantiles (no profile to fill)."""
     stats = MismatchStats(groups=[g for g in GROUPS if g not in ("quantiles", "token_ids")])
@@ -132,7 +148,7 @@ def peak_memory_mb(method: str, shape: tuple[int, int], dtype: str, device: str)
     it; the CPU's resident-memory peak needs a fresh subprocess.
     """
     if device == "cuda":
-        call = methods(make_batch(shape, DTYPES[dtype], device))[method]
+        call = probes(make_batch(shape, DTYPES[dtype], device))[method]
         call()  # warm-up (and compilation, where it happens)
         return cuda_peak_mb(call)
     result = subprocess.run(
@@ -149,9 +165,9 @@ def peak_memory_mb(method: str, shape: tuple[int, int], dtype: str, device: str)
 
 def memory_probe(method: str, rows: int, width: int, dtype: str, device: str) -> None:
     """Print the peak extra memory (MB) of ``method``; run in a fresh process."""
-    methods(make_batch((64, 1024), DTYPES[dtype], device))[method]()  # load, warm up, compile
+    probes(make_batch((64, 1024), DTYPES[dtype], device))[method]()  # load, warm up, compile
     batch = make_batch((rows, width), DTYPES[dtype], device)
-    call = methods(batch)[method]
+    call = probes(batch)[method]
     if device == "cuda":
         print(cuda_peak_mb(call))
         return
@@ -194,6 +210,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory probes")
     parser.add_argument(
+        "--updates", action="store_true", help="also the peak memory of one monitor update"
+    )
+    parser.add_argument(
         "--device",
         action="append",
         choices=["cpu", "cuda"],
@@ -231,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
                 inputs_mb = input_megabytes(batch)
                 mem = {}
                 if not args.no_memory:
-                    for method in ("seed", "ours"):
+                    for method in ("seed", "ours", *list(UPDATES) * args.updates):
                         mem[method] = peak_memory_mb(method, shape, dtype_name, device) / inputs_mb
                 row = {
                     "device": device,
@@ -256,6 +275,11 @@ def main(argv: list[str] | None = None) -> None:
                     f"{row['quiet_ours_over_read']:9.2f} {mem.get('ours', float('nan')):11.3f} "
                     f"{mem.get('seed', float('nan')):11.3f}"
                 )
+                if "update" in mem:
+                    print(
+                        f"{'':18} peak of one update / inputs: the defaults "
+                        f"{mem['update']:.2f}, scalars only {mem['update scalars']:.2f}"
+                    )
     if args.json:
         args.json.write_text(json.dumps(rows_out, indent=2))
 
