@@ -204,8 +204,8 @@ def _lean_prob_diff(p: Planes) -> None:
     """``d`` of the lean planes: ``max(pa, pb) (1 - e^-|r|)``, four operations.
 
     No cancellation near ``r = 0``, and no overflow where ``|pa - pb|`` is finite:
-    ``e^-|r| - 1`` lies in ``(-1, 0]`` however large ``|r|`` (a log-prob above 68 and the
-    other floored at -20). The rounding of ``|r|`` (at most 2^-24 of it) moves ``d`` by
+    ``e^-|r| - 1`` lies in ``(-1, 0]`` however large ``|r|`` (``e^|r|`` overflows where a
+    log-prob above 68 meets one floored at -20). The rounding of ``|r|`` (at most 2^-24 of it) moves ``d`` by
     less than 2^-24 of itself. The statistics alone read it; the extras' bins need
     :func:`_prob_diff`'s difference, exact for log-probs whose probabilities are.
     """
