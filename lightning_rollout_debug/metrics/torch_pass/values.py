@@ -205,9 +205,9 @@ def _lean_prob_diff(p: Planes) -> None:
 
     No cancellation near ``r = 0``, and no overflow where ``|pa - pb|`` is finite:
     ``e^-|r| - 1`` lies in ``(-1, 0]`` however large ``|r|`` (``e^|r|`` overflows where a
-    log-prob above 68 meets one floored at -20). The rounding of ``|r|`` (at most 2^-24 of it) moves ``d`` by
-    less than 2^-24 of itself. The statistics alone read it; the extras' bins need
-    :func:`_prob_diff`'s difference, exact for log-probs whose probabilities are.
+    log-prob above 68 meets one floored at -20). The rounding of ``|r|`` (at most 2^-24 of
+    it) moves ``d`` by less than 2^-24 of itself. The statistics alone read it; the extras'
+    bins need :func:`_prob_diff`'s difference, exact for log-probs whose probabilities are.
     """
     if p.traced:
         p.write("d", torch.mul, _expm1(-p["l"]), -torch.maximum(p["pa"], p["pb"]))
