@@ -84,7 +84,7 @@ def row_count(sums: TokenSums) -> int:
 
 def stacked_rows(rows: Tensor | Sequence[Tensor], field: str) -> Tensor:
     """A pass's per-row ``field`` as one tensor (a compiled pass leaves a list of rows)."""
-    if isinstance(rows, Tensor) and field == "lag":  # [8, 8, B] over WIDE: LAG_PAIRS's
+    if isinstance(rows, Tensor) and field == "lag":  # [6, 6, B] over WIDE: LAG_PAIRS's
         rows = [rows[WIDE.index(x), WIDE.index(y)] for x, y in LAG_PAIRS]
     if isinstance(rows, Tensor):
         return rows

@@ -17,9 +17,11 @@ from lightning_rollout_debug.metrics.tokens import PADDING_ACTOR_LOG_PROB
 from lightning_rollout_debug.metrics.torch_pass.constants import by_shape
 from lightning_rollout_debug.metrics.torch_pass.planes import Planes, keeps, kept
 
-WIDE = ("zero", "one", "b2", "a", "b", "rc", "a^2", "b^2")
-"""The float64 copies of an eager pass (:func:`wide_planes`): the planes from ``zero`` to
-``rc``, then the squares of ``a`` and ``b`` (``b2``'s copy then holds ``a - b``)."""
+WIDE = ("zero", "one", "a^2", "a", "b", "b^2")
+"""The float64 planes of an eager pass (:func:`wide_planes`), once their neighbours'
+products are taken: copies of the planes from ``zero`` to ``rc``, where ``b2``'s copy holds
+``a - b`` until its rows are summed and then ``a^2``, and ``rc``'s holds ``rc`` until
+``k3`` is taken and then ``b^2``."""
 
 LAG = ("zero", "one", "a", "b", "a^2", "b^2")
 """The planes whose products at neighbouring tokens the finishing reads."""
@@ -79,7 +81,7 @@ class Wide(NamedTuple):
     """The float64 copies of an eager pass's planes of :data:`WIDE`, and views of them."""
 
     head: Tensor
-    """``[6, B, T]``: the copies of the planes from ``zero`` to ``rc``."""
+    """``[6, B, T]``: the copies of the planes from ``zero`` to ``rc``; every plane."""
     sides: Tensor
     """``[2, B, T]``: ``a`` and ``b``."""
     a: Tensor
@@ -87,9 +89,9 @@ class Wide(NamedTuple):
     b: Tensor
     """``[B, T]``: ``b``."""
     squares: Tensor
-    """``[2, B, T]``: ``a^2`` and ``b^2``."""
+    """``[2, B, T]``: ``a^2`` and ``b^2``, in the places of ``b2`` and ``rc``."""
     now: Tensor
-    """``[8, B, T - 1]``: the planes of :data:`WIDE` at each token but the last."""
+    """``[6, B, T - 1]``: the planes of :data:`WIDE` at each token but the last."""
     following: Tensor
     """The same at each token but the first."""
     rc: Tensor
@@ -99,10 +101,11 @@ class Wide(NamedTuple):
 
 
 def wide_planes(p: Planes) -> Wide:
-    """Float64 copies of the planes of :data:`WIDE` (eagerly), written from ``p``.
+    """Float64 copies of the planes from ``zero`` to ``rc`` (eagerly), written from ``p``.
 
     The planes are 0 where a token does not count; in float64 the log-probs' squares and
-    products are exact, and no TF32 rounds them.
+    products are exact, and no TF32 rounds them. Six planes: ``a^2`` and ``b^2`` take the
+    places of ``a - b`` and ``rc`` once those are read (:data:`WIDE`).
     """
     one = p["one"]
     rows, width = one.shape
@@ -112,15 +115,15 @@ def wide_planes(p: Planes) -> Wide:
         wide = flat.view(len(WIDE), rows, width)
         at = WIDE.index
         return Wide(
-            wide[: at("rc") + 1],
+            wide,
             wide[at("a") : at("b") + 1],
             wide[at("a")],
             wide[at("b")],
-            wide[at("a^2") :],
+            wide[at("a^2") :: at("b^2") - at("a^2")],
             wide[..., :-1],
             wide[..., 1:],
-            wide[at("rc")],
-            wide[at("b2")],
+            wide[at("b^2")],  # rc's copy
+            wide[at("a^2")],  # b2's copy
         )
 
     if keeps(one):
@@ -132,7 +135,7 @@ def wide_planes(p: Planes) -> Wide:
 
 
 def lag_products(wide: Wide) -> Tensor:
-    """``[8, 8, B]``: each row's sums of ``x_t y_(t+1)`` over the planes of :data:`WIDE`.
+    """``[6, 6, B]``: each row's sums of ``x_t y_(t+1)`` over the planes of :data:`WIDE`.
 
     The planes are 0 where a token does not count, so a product counts a pair of
     neighbours that both count; the finishing reads those of :data:`LAG_PAIRS`. One

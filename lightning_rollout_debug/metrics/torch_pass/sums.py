@@ -84,7 +84,7 @@ class TokenSums:
     ``pa pb`` and ``a b`` of centred values (:attr:`PassPlan.seconds`)."""
     lag: Tensor | None = None
     """Each row's sums of ``x_t y_(t+1)`` (health): ``[B]`` for each pair of
-    :data:`.health.LAG_PAIRS`; eagerly ``[8, 8, B]``, over the planes of
+    :data:`.health.LAG_PAIRS`; eagerly ``[6, 6, B]``, over the planes of
     :data:`.health.WIDE`."""
     counts: Tensor | None = None
     """``[bins]``: the counted bins of the extras' parts (:attr:`PassPlan.parts`). Eagerly
