@@ -21,13 +21,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import NEEDS_CXX, Batch, batches, examples, kernel_skip_reason, reference_for
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from conftest import NEEDS_CXX, kernel_skip_reason
 from reference import assert_metrics_close, reference_metrics
 from torch.profiler import ProfilerActivity, profile
 
-from lightning_rollout_debug import GROUPS, METRIC_NAMES, MismatchStats, RolloutDebugMonitor
+from lightning_rollout_debug import GROUPS, METRIC_NAMES, RolloutDebugMonitor
 from lightning_rollout_debug.functional import calculate_debug_metrics
 from lightning_rollout_debug.metrics import backends, native
 
@@ -321,29 +319,6 @@ def test_the_probability_difference_is_exact_up_to_the_float32_exponentials_limi
     if options.get("groups") == ["seed"]:  # the function's pass is this lean one
         seed = calculate_debug_metrics(batch)
         assert seed["training/rollout_probs_diff_max"] == got["rollout_probs_diff_max"]
-
-
-EAGER_GROUPS = {
-    "seed": ("seed",),
-    "lean": ("seed", "log_space", "sequence"),
-    "every group": tuple(GROUPS),
-}
-"""The statistics' groups of the eager property test: two lean passes and the full one."""
-
-
-@settings(max_examples=examples(200), deadline=None)
-@given(batch=batches(), groups=st.sampled_from(list(EAGER_GROUPS.values())))
-def test_eager_statistics_match_the_reference_on_random_batches(
-    batch: Batch, groups: tuple[str, ...]
-) -> None:
-    """``compile=False`` (no kernel, no compiler: the eager torch pass at every dtype):
-    the lean passes and that of every group against the float64 reference, on batches of
-    every dtype, mask and special value (NaN, infinities, log-probs far below the floor)."""
-    stats = MismatchStats(groups=list(groups), compile=False)
-    stats.update(*batch.args())
-    got = stats.compute()
-    want = reference_for([batch])
-    assert_metrics_close(got, want.select([n for g in groups for n in METRIC_NAMES[g]]))
 
 
 TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
