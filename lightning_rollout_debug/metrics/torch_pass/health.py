@@ -80,8 +80,8 @@ def health_values(p: Planes) -> None:
 class Wide(NamedTuple):
     """The float64 copies of an eager pass's planes of :data:`WIDE`, and views of them."""
 
-    head: Tensor
-    """``[6, B, T]``: the copies of the planes from ``zero`` to ``rc``; every plane."""
+    planes: Tensor
+    """``[6, B, T]``: every plane, first the copies of the planes from ``zero`` to ``rc``."""
     sides: Tensor
     """``[2, B, T]``: ``a`` and ``b``."""
     a: Tensor
@@ -130,7 +130,7 @@ def wide_planes(p: Planes) -> Wide:
         wide = kept("lag", size, torch.float64, (rows, width), make)
     else:
         wide = make(torch.empty(size, dtype=torch.float64, device=one.device))
-    wide.head.copy_(p.run("zero", "rc"))
+    wide.planes.copy_(p.run("zero", "rc"))
     return wide
 
 
