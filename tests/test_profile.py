@@ -59,6 +59,26 @@ def test_profile_matches_the_reference(width: int) -> None:
     assert_profile(got, reference_profile([data]))
 
 
+@pytest.mark.parametrize(
+    "groups",
+    [[group for group in GROUPS if group != "token_ids"], ["seed", "quantiles"]],
+    ids=["every group", "seed"],
+)
+def test_the_eager_update_profile_matches_the_reference(groups: list[str]) -> None:
+    """The torch pass's profile, float32 as the callback gets it: with every group, the
+    health group's float64 planes lend the sums by probability their room; with the seed
+    group alone, a buffer of their own does."""
+    batches = [skewed_batch(seed, rows=5, width=333) for seed in (3, 4)]
+    for data in batches:
+        data["old_log_probs"] = data["old_log_probs"].float()
+    monitor = RolloutDebugMonitor(alert_ranges={}, groups=groups, compile=False)
+    for data in batches:
+        monitor.update(data)
+    monitor.log(1)
+    assert monitor.profile is not None
+    assert_profile(monitor.profile.as_dict(), reference_profile(batches))
+
+
 def test_a_profile_reads_its_views_from_its_own_copy_of_the_block() -> None:
     """The buckets and the joint histogram are read on first use: from the block as it
     was when the profile was made, whatever becomes of the caller's array."""

@@ -62,11 +62,13 @@ def eager_extras(
     key: Tensor | None,
     token_ids: Tensor | None,
     by_segment: SegmentRows | NoSegments,
+    room: Tensor | None = None,
 ) -> tuple[Tensor | None, ...]:
     """An eager pass's counted bins, sums by position and by probability, and candidates.
 
     The candidates are the worst tokens of ``key`` (:func:`worst_keys`); each is ``None``
-    where the plan has none.
+    where the plan has none. ``room``: two float64 planes no longer read, for
+    :func:`by_probability`.
     """
     width = p["one"].shape[-1]
     position = probability = counts = worst = None
@@ -76,7 +78,7 @@ def eager_extras(
             position = by_position(every.sum(1), width, edges.position)
         indices = bin_indices(plan, p, edges)
         if plan.profile:
-            probability = by_probability(p, indices["probability"])
+            probability = by_probability(p, indices["probability"], room)
         counts = count_bins(plan, indices)
     if key is not None:
         worst = worst_candidates(key, p, token_ids, plan.worst_tokens_k, width, None, by_segment)
@@ -156,11 +158,24 @@ def by_position(columns: Tensor, width: int, edges: Tensor) -> Tensor:
     return sums.index_add_(1, bucket, columns.double())
 
 
-def by_probability(p: Planes, bucket: Tensor) -> Tensor:
-    """``|pa - pb|`` and ``|a - b|`` summed by the trainer's probability bucket, in float64."""
-    values = torch.stack([p["d"], p["l"]]).view(2, -1).double()
+def by_probability(p: Planes, bucket: Tensor, room: Tensor | None = None) -> Tensor:
+    """``|pa - pb|`` and ``|a - b|`` summed by the trainer's probability bucket, in float64.
+
+    The two planes are copied to float64 into ``room`` (``[2, B T]``: planes no longer
+    read, else a new buffer), then each is added to its buckets along the flat batch: on
+    the CPU a scatter of a single row adds in one tight loop, where a scatter along the
+    buckets of ``[2, buckets]`` sums makes an operation of every token.
+    """
+    if room is None:
+        room = torch.empty((2, bucket.numel()), dtype=torch.float64, device=bucket.device)
+    room.copy_(p.derived("l, d", lambda: p.spaced("l", "d").flatten(1)))
     sums = torch.zeros(2, PROBABILITY_BUCKETS, dtype=torch.float64, device=bucket.device)
-    return sums.index_add_(1, bucket.reshape(-1), values)
+    flat = p.derived(("flat index", bucket.data_ptr()), lambda: bucket.view(-1))
+    of_l, of_d = room.unbind()
+    sums_d, sums_l = sums.unbind()
+    sums_d.index_add_(0, flat, of_d)
+    sums_l.index_add_(0, flat, of_l)
+    return sums
 
 
 def worst_candidates(

@@ -98,6 +98,9 @@ class Wide(NamedTuple):
     """``[B, T]``: ``rc``, ``r`` clamped."""
     difference: Tensor
     """``[B, T]``: room for ``a - b`` (``b2``'s copy)."""
+    pair: Tensor
+    """``[2, B T]``: the copies of ``zero`` and ``one``, flat: room for two float64 planes
+    once the lag products are taken."""
 
 
 def wide_planes(p: Planes) -> Wide:
@@ -124,6 +127,7 @@ def wide_planes(p: Planes) -> Wide:
             wide[..., 1:],
             wide[at("b^2")],  # rc's copy
             wide[at("a^2")],  # b2's copy
+            wide[:2].view(2, -1),
         )
 
     if keeps(one):

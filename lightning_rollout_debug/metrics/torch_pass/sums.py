@@ -196,10 +196,11 @@ def _reduce_eagerly(
     if plan.lean:  # a and b, read no more, with -inf where a token does not count
         p.update("a", "b", lambda x: x.add_(missing))
         extremes["top"] = p.run(*tops).amax(-1)
+    lag = lag_products(wide) if wide is not None else None  # wide's planes are free then
+    room = wide.pair if wide is not None else None
     counts, position, probability, worst = eager_extras(
-        plan, p, edges, extremes.get("key"), token_ids, by_segment
+        plan, p, edges, extremes.get("key"), token_ids, by_segment, room
     )
-    lag = lag_products(wide) if wide is not None else None
     # Centre each row's (segment row's) values at its mean, then sum squares and products.
     start, stop = p.names[plan.centred.start], p.names[plan.centred.stop - 1]
     shift, centre = _centres(plan, first, one, by_segment)
