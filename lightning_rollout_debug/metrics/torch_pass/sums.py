@@ -280,12 +280,16 @@ def _smallest(plan: PassPlan, p: Planes, missing: Tensor) -> list[Tensor] | None
 
 
 def _missing(one: Tensor) -> Tensor:
-    """``1 - 1 / one``: 0 where a token counts, -inf where it does not (eagerly)."""
+    """``one - 1 / one``: 0 where a token counts, -inf where it does not (eagerly).
+
+    ``one`` is the input added to, not a broadcast 1: on the CPU an operation whose first
+    two inputs are both broadcast scalars takes a loop four times slower.
+    """
     unit = on_device("one", one)
     out = None
     if keeps(one):
         out = kept("missing", one.numel(), one.dtype, one.shape, lambda f: f.view(one.shape))
-    return torch.addcdiv(unit, unit, one, value=-1.0, out=out)
+    return torch.addcdiv(one, unit, one, value=-1.0, out=out)
 
 
 def _following(

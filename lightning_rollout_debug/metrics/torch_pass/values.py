@@ -62,9 +62,7 @@ def token_values(
         torch.sub(p.run("a", "b"), p.run("b2", "a"), out=p.run("r", "nr"))
     if not plan.lean:
         p.write("l", torch.abs, p["r"])
-    if mask.dtype == torch.bool and not p.traced:  # compared as bytes, not widened to int64
-        mask = mask.view(torch.uint8)
-    p.write("masked", torch.ne, mask, 0)
+    p.write("masked", torch.ne, *_mask_and_zero(mask, p.traced))
     p.write("one", torch.lt, p["l"], INF)
     p.update("one", "one", lambda x: x.mul_(p["masked"]))
     _zero_where_uncounted(p)
@@ -126,6 +124,22 @@ def _health_flags(dtype: torch.dtype) -> Callable[[torch.device], Tensor]:
         return flags
 
     return make
+
+
+def _mask_and_zero(mask: Tensor, traced: bool) -> tuple[Tensor, Tensor | int]:
+    """The mask and the zero it is compared with, each in the form compared fastest.
+
+    Eagerly a bool mask is compared as bytes (not widened to int64), and an int64 mask
+    with a float32 zero: on the CPU a loop three times faster than against an int 0, and
+    exact, since no non-zero int64 rounds to 0.
+    """
+    if traced:
+        return mask, 0
+    if mask.dtype == torch.bool:
+        return mask.view(torch.uint8), 0
+    if mask.dtype == torch.int64:
+        return mask, on_device("zero", mask)
+    return mask, 0
 
 
 def _zero_where_uncounted(p: Planes) -> None:
