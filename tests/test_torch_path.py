@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import NEEDS_CXX, kernel_skip_reason
@@ -28,6 +29,9 @@ from torch.profiler import ProfilerActivity, profile
 from lightning_rollout_debug import GROUPS, METRIC_NAMES, RolloutDebugMonitor
 from lightning_rollout_debug.functional import calculate_debug_metrics
 from lightning_rollout_debug.metrics import backends, native
+from lightning_rollout_debug.metrics.torch_pass.bins import bin_indices
+from lightning_rollout_debug.metrics.torch_pass.constants import constants
+from lightning_rollout_debug.metrics.torch_pass.planes import PassPlan, Planes
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(4, 256), (64, 2048), (512, 8192)]
@@ -42,10 +46,10 @@ SCALARS_ONLY: dict[str, Any] = {
 """The statistics alone, as scalars (``benchmarks/configurations.py``)."""
 
 OPERATIONS = {
-    "defaults": 74,
-    "defaults, token ids": 77,
-    "defaults, segments": 92,
-    "defaults, segments by sequence": 93,
+    "defaults": 75,
+    "defaults, token ids": 78,
+    "defaults, segments": 93,
+    "defaults, segments by sequence": 94,
     "scalars only": 42,
     "seed only": 26,
 }
@@ -99,8 +103,8 @@ CONFIGURATIONS: dict[str, dict[str, Any]] = {
 def test_an_eager_update_issues_the_same_few_operations_at_every_size(
     configuration: str,
 ) -> None:
-    """Defaults (statistics, histograms, worst tokens, profile) 74 operations, 77 with
-    token ids, 92 with a segment label a token and 93 with one a sequence (at most 110:
+    """Defaults (statistics, histograms, worst tokens, profile) 75 operations, 78 with
+    token ids, 93 with a segment label a token and 94 with one a sequence (at most 110:
     the bound of 100 and 10 for the segments), the statistics alone 42, the seed's group
     26 (the seed's own algorithm: 39), the same number from 1,024 tokens to 4M: nothing
     loops over chunks or values."""
@@ -335,6 +339,32 @@ def _plans(*arguments: str) -> list[tuple[str, ...]]:
     command = [sys.executable, str(ROOT / "benchmarks" / "plan_kernels.py"), *arguments]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=True)
     return re.findall(r"^\s*(\d+x\d+)((?:\s+\d+)+)$", done.stdout, re.MULTILINE)
+
+
+def test_the_eager_fine_bins_are_those_of_the_edges() -> None:
+    """An eager pass reads the quantiles' fine bins of ``|a - b|`` and ``|pa - pb|`` off
+    their float32 bits: for random bit patterns of every non-negative float, the edges,
+    their neighbours, zero, subnormals and infinity, each value's bin is
+    ``searchsorted(edges, x, side="right")`` of the edges of the formula
+    ``2**e (1 + j / 32)``, from ``2**-27`` up to 2 and 32."""
+    generator = torch.Generator().manual_seed(5)
+    patterns = torch.randint(0, 0x7F800001, (100_000,), generator=generator, dtype=torch.int32)
+    edges = {
+        name: np.array([2.0 ** (-27 + j // 32) * (1 + (j % 32) / 32) for j in range(32 * k + 1)])
+        for name, k in (("fine_d", 28), ("fine_l", 32))
+    }
+    known = torch.tensor(np.concatenate(list(edges.values())), dtype=torch.float32)
+    near = [torch.nextafter(known, torch.tensor(side)) for side in (0.0, math.inf)]
+    special = torch.tensor([0.0, -0.0, 1e-45, 1e-38, 3.0, 40.0, 1e30, math.inf])
+    values = torch.cat([patterns.view(torch.float32), known, *near, special]).view(1, -1)
+    plan = PassPlan(frozenset({"seed"}), profile=True)
+    planes = Planes(plan.planes, values, torch.float32)
+    planes["d"].copy_(values)
+    planes["l"].copy_(values)
+    index = bin_indices(plan, planes, constants(torch.float32, values))
+    for name, bounds in edges.items():
+        want = np.searchsorted(bounds, values[0].double().numpy(), side="right")
+        np.testing.assert_array_equal(index[name][0].numpy(), want, err_msg=name)
 
 
 def test_triton_plans_a_handful_of_kernels_for_the_default_update() -> None:

@@ -55,19 +55,29 @@ class LogBins:
         self.edges: tuple[float, ...] = (*negative, *magnitudes)
         """The sorted edges; ``len(edges) + 1`` bins."""
 
-    def index(self, values: Tensor) -> Tensor:
-        """The bin of each of the (finite, contiguous) float32 or float64 ``values``."""
-        if values.dtype == torch.float64:
-            int_dtype, mantissa, bias, magnitude = torch.int64, 52, 1023, (1 << 63) - 1
-        elif values.dtype == torch.float32:
-            int_dtype, mantissa, bias, magnitude = torch.int32, 23, 127, (1 << 31) - 1
+    def layout(self, dtype: torch.dtype) -> tuple[torch.dtype, int, int]:
+        """How :meth:`index` reads a float of ``dtype``: float32 or float64.
+
+        Returns the integer dtype of its bits, the right shift that turns the bits of a
+        magnitude into its step (its exponent and leading mantissa bits), and the step of
+        the lowest edge ``m_0``. The bin of a value ``x >= 0`` is
+        ``clamp(step(x) - step(m_0) + 1, 0, top + 1)``.
+        """
+        if dtype == torch.float64:
+            int_dtype, mantissa, bias = torch.int64, 52, 1023
+        elif dtype == torch.float32:
+            int_dtype, mantissa, bias = torch.int32, 23, 127
         else:
-            raise TypeError(f"{type(self).__name__}: float32 or float64 values, got {values.dtype}")
-        shift = mantissa - self.bits
-        bits = values.view(int_dtype)
+            raise TypeError(f"{type(self).__name__}: float32 or float64 values, got {dtype}")
         # A product, not a shift: traced with symbolic ints, a shift of two ints is what
         # some torch.compile releases cannot evaluate.
-        offset = (bias + self.low) * self.steps
+        return int_dtype, mantissa - self.bits, (bias + self.low) * self.steps
+
+    def index(self, values: Tensor) -> Tensor:
+        """The bin of each of the (finite, contiguous) float32 or float64 ``values``."""
+        int_dtype, shift, offset = self.layout(values.dtype)
+        magnitude = torch.iinfo(int_dtype).max
+        bits = values.view(int_dtype)
         if not self.signed:
             # A negative value has the sign bit set: a negative int, clamped to bin 0.
             return ((bits >> shift) - offset).clamp_(-1, self.top).add_(1).long()

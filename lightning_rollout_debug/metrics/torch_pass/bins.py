@@ -19,6 +19,7 @@ from lightning_rollout_debug.metrics.profile import (
     JOINT_BINS,
     POSITION_BUCKETS,
     PROBABILITY_BUCKETS,
+    QUANTILE_BINS,
 )
 from lightning_rollout_debug.metrics.torch_pass.constants import (
     HOST,
@@ -26,8 +27,9 @@ from lightning_rollout_debug.metrics.torch_pass.constants import (
     by_shape,
     on_device,
     part_starts,
+    plane_starts,
 )
-from lightning_rollout_debug.metrics.torch_pass.planes import PassPlan, Planes
+from lightning_rollout_debug.metrics.torch_pass.planes import PassPlan, Planes, counted_planes
 from lightning_rollout_debug.metrics.torch_pass.segments import NoSegments, SegmentRows
 from lightning_rollout_debug.metrics.worst_tokens import CONTEXT_TOKENS, ids_before
 
@@ -88,10 +90,10 @@ def eager_extras(
 def bin_indices(plan: PassPlan, p: Planes, edges: Constants) -> Planes:
     """Each token's bin in every counted part (:func:`counted_parts`), from 0 in its part.
 
-    ``joint`` counts the bins of ``a`` and ``b`` backwards (``3843 - bin``): the
-    finishing reverses the part.
+    The planes lie as :func:`.planes.counted_planes` says. ``joint`` counts the bins of
+    ``a`` and ``b`` backwards (``3843 - bin``): the finishing reverses the part.
     """
-    names = [name for name, _ in plan.parts]
+    names = list(counted_planes(plan.parts))
     if plan.profile:  # the joint bins take two planes: a's, then b's, added into a's
         names.append("joint_b")
 
@@ -101,11 +103,14 @@ def bin_indices(plan: PassPlan, p: Planes, edges: Constants) -> Planes:
 
     index: Planes = p.derived(("index", *names), make)
     sources = {"fine_d": "d", "fine_l": "l", "ratio": "r", "diff": "d", "probability": "a"}
+    by_bits = FINE if plan.profile and p.dtype == torch.float32 else ()
     for name in names:
-        if name in sources:
+        if name in sources and name not in by_bits:
             right = name != "probability"
             values, bins = p[sources[name]], getattr(edges, name)
             index.write(name, torch.bucketize, values, bins, out_int32=True, right=right)
+    if by_bits:
+        _fine_bins(p, index)
     if plan.profile:
         index.write(
             ("joint", "joint_b"), torch.bucketize, p.run("a", "b"), edges.joint, out_int32=True
@@ -115,6 +120,28 @@ def bin_indices(plan: PassPlan, p: Planes, edges: Constants) -> Planes:
     return index
 
 
+FINE = ("fine_l", "fine_d")
+"""The fine bins' planes, as their values' planes ``l`` and ``d`` lie."""
+
+
+def _fine_bins(p: Planes, index: Planes) -> None:
+    """The fine bins of ``|a - b|`` and ``|pa - pb|`` (float32), read off their bits.
+
+    :meth:`.LogBins.layout`: each value's step (its bits shifted) less the lowest edge's,
+    clamped to its part; three integer operations for the two planes, where
+    ``torch.bucketize`` searches a thousand edges for each value. The two parts' bins
+    share their shift and lowest edge and differ in their top.
+    """
+    (_, _, d_bins), (_, _, l_bins) = QUANTILE_BINS
+    _, shift, lowest = l_bins.layout(torch.float32)
+    assert (shift, lowest) == d_bins.layout(torch.float32)[1:]
+    bits = p.derived(("bits", *FINE), lambda: p.spaced("l", "d").view(torch.int32))
+    out = index.run(*FINE)
+    torch.bitwise_right_shift(bits, shift, out=out)
+    out.sub_(lowest - 1)
+    out.clamp_(on_device("fine floor", out), on_device("fine top", out))
+
+
 def count_bins(plan: PassPlan, index: Planes) -> Tensor:
     """The counted bins of every token, those that do not count too: one scatter-add.
 
@@ -122,13 +149,14 @@ def count_bins(plan: PassPlan, index: Planes) -> Tensor:
     them to an int64 copy: 8 bytes a token a part), adding a 1 seen as a vector (made once
     for a set of planes). Float32 counts of whole numbers below 2^24 are exact in any order.
     """
-    parts = plan.parts
-    starts = part_starts(parts)
-    like = index[parts[0][0]]
-    run = index.update(parts[0][0], parts[-1][0], lambda i: i.add_(_offsets(starts[:-1], like)))
+    planes = counted_planes(plan.parts)
+    like = index[planes[0]]
+    offsets = _offsets(plane_starts(plan.parts), like)
+    run = index.update(planes[0], planes[-1], lambda i: i.add_(offsets))
     flat = run.reshape(-1)
     ones = index.derived(("ones", len(flat)), lambda: _one(like).expand(len(flat)))
-    counts = torch.zeros(starts[-1], dtype=torch.float32, device=like.device)
+    total = part_starts(plan.parts)[-1]
+    counts = torch.zeros(total, dtype=torch.float32, device=like.device)
     return counts.index_add_(0, flat, ones)
 
 

@@ -28,7 +28,7 @@ from lightning_rollout_debug.metrics.profile import (
     PROBABILITY_BUCKETS,
     QUANTILE_BINS,
 )
-from lightning_rollout_debug.metrics.torch_pass.planes import counted_parts
+from lightning_rollout_debug.metrics.torch_pass.planes import counted_parts, counted_planes
 
 INF = math.inf
 
@@ -165,6 +165,12 @@ def constants(dtype: torch.dtype, like: Tensor) -> Constants:
 
 
 @functools.lru_cache(maxsize=64)
+def plane_starts(parts: tuple[tuple[str, int], ...]) -> tuple[int, ...]:
+    """Where the part of each plane of :func:`.planes.counted_planes` starts in the bins."""
+    starts = dict(zip([name for name, _ in parts], part_starts(parts), strict=False))
+    return tuple(starts[name] for name in counted_planes(parts))
+
+
 def part_starts(parts: tuple[tuple[str, int], ...]) -> tuple[int, ...]:
     """Where each counted part starts in the counted bins, then their total."""
     starts, start = [], 0
@@ -181,5 +187,10 @@ HOST |= {"-inf": torch.tensor(-INF), "inf": torch.tensor(INF), "zero": torch.ten
 
 
 for _histograms, _profile in ((True, False), (True, True), (False, True)):
-    _starts = part_starts(counted_parts(_histograms, _profile))[:-1]
+    _starts = plane_starts(counted_parts(_histograms, _profile))
     HOST["offsets", _starts] = torch.tensor(_starts, dtype=torch.int32).view(-1, 1, 1)
+
+
+_FINE = (QUANTILE_BINS[1][2], QUANTILE_BINS[0][2])  # |a - b|'s, then |pa - pb|'s
+HOST["fine floor"] = torch.zeros((), dtype=torch.int32)
+HOST["fine top"] = torch.tensor([bins.top + 1 for bins in _FINE], dtype=torch.int32).view(2, 1, 1)

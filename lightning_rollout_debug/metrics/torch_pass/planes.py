@@ -378,3 +378,17 @@ def counted_parts(histograms: bool, profile: bool) -> tuple[tuple[str, int], ...
             ("joint", (len(JOINT_BINS.edges) + 1) ** 2),  # last: its second plane follows
         ]
     return tuple(parts)
+
+
+def counted_planes(parts: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
+    """The planes of an eager pass's bin indices of ``parts``, as they lie.
+
+    In the order of the parts, but the fine bins of ``|a - b|`` before those of
+    ``|pa - pb|``: as ``l`` lies before ``d``, so that one chain of operations reads the two
+    planes and writes their bins (:func:`.bins.bin_indices`).
+    """
+    names = [name for name, _ in parts]
+    if "fine_d" in names:
+        at = names.index("fine_d")
+        names[at : at + 2] = ["fine_l", "fine_d"]
+    return tuple(names)
