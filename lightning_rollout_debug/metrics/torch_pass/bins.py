@@ -29,11 +29,19 @@ from lightning_rollout_debug.metrics.torch_pass.constants import (
     part_starts,
     plane_starts,
 )
-from lightning_rollout_debug.metrics.torch_pass.planes import PassPlan, Planes, counted_planes
+from lightning_rollout_debug.metrics.torch_pass.planes import (
+    FINE,
+    PassPlan,
+    Planes,
+    counted_planes,
+)
 from lightning_rollout_debug.metrics.torch_pass.segments import NoSegments, SegmentRows
 from lightning_rollout_debug.metrics.worst_tokens import CONTEXT_TOKENS, ids_before
 
 INF = math.inf
+
+SOURCES = {"fine_d": "d", "fine_l": "l", "ratio": "r", "diff": "d", "probability": "a"}
+"""The plane each counted part (but the joint bins) bins."""
 
 
 def worst_keys(abs_r: Tensor) -> Tensor:
@@ -102,12 +110,11 @@ def bin_indices(plan: PassPlan, p: Planes, edges: Constants) -> Planes:
         return Planes(names, p["one"], torch.int32, buffer, pairs=False)
 
     index: Planes = p.derived(("index", *names), make)
-    sources = {"fine_d": "d", "fine_l": "l", "ratio": "r", "diff": "d", "probability": "a"}
     by_bits = FINE if plan.profile and p.dtype == torch.float32 else ()
     for name in names:
-        if name in sources and name not in by_bits:
+        if name in SOURCES and name not in by_bits:
             right = name != "probability"
-            values, bins = p[sources[name]], getattr(edges, name)
+            values, bins = p[SOURCES[name]], getattr(edges, name)
             index.write(name, torch.bucketize, values, bins, out_int32=True, right=right)
     if by_bits:
         _fine_bins(p, index)
@@ -118,10 +125,6 @@ def bin_indices(plan: PassPlan, p: Planes, edges: Constants) -> Planes:
         side = len(JOINT_BINS.edges) + 1
         index.write("joint", torch.add, index["joint_b"], index["joint"], alpha=side)
     return index
-
-
-FINE = ("fine_l", "fine_d")
-"""The fine bins' planes, as their values' planes ``l`` and ``d`` lie."""
 
 
 def _fine_bins(p: Planes, index: Planes) -> None:
@@ -135,7 +138,8 @@ def _fine_bins(p: Planes, index: Planes) -> None:
     (_, _, d_bins), (_, _, l_bins) = QUANTILE_BINS
     _, shift, lowest = l_bins.layout(torch.float32)
     assert (shift, lowest) == d_bins.layout(torch.float32)[1:]
-    bits = p.derived(("bits", *FINE), lambda: p.spaced("l", "d").view(torch.int32))
+    values = [SOURCES[name] for name in FINE]
+    bits = p.derived(("bits", *FINE), lambda: p.spaced(*values).view(torch.int32))
     out = index.run(*FINE)
     torch.bitwise_right_shift(bits, shift, out=out)
     out.sub_(lowest - 1)
@@ -263,13 +267,12 @@ def scattered(
     slots: list[Tensor] = []
     values: list[Tensor] = []
     start = 0
-    sources = {"fine_d": "d", "fine_l": "l", "ratio": "r", "diff": "d", "probability": "a"}
     for name, size in plan.parts:
         if name == "joint":
             ia, ib = (torch.bucketize(p[side], edges.joint) for side in ("a", "b"))
             bins = ia * (len(JOINT_BINS.edges) + 1) + ib
         else:
-            values_of = p[sources[name]]
+            values_of = p[SOURCES[name]]
             bins = torch.bucketize(values_of, getattr(edges, name), right=name != "probability")
         slots.append(bins + start)
         values.append(one)

@@ -28,7 +28,7 @@ from lightning_rollout_debug.metrics.profile import (
     PROBABILITY_BUCKETS,
     QUANTILE_BINS,
 )
-from lightning_rollout_debug.metrics.torch_pass.planes import counted_parts, counted_planes
+from lightning_rollout_debug.metrics.torch_pass.planes import FINE, counted_parts, counted_planes
 
 INF = math.inf
 
@@ -171,6 +171,7 @@ def plane_starts(parts: tuple[tuple[str, int], ...]) -> tuple[int, ...]:
     return tuple(starts[name] for name in counted_planes(parts))
 
 
+@functools.lru_cache(maxsize=64)
 def part_starts(parts: tuple[tuple[str, int], ...]) -> tuple[int, ...]:
     """Where each counted part starts in the counted bins, then their total."""
     starts, start = [], 0
@@ -191,6 +192,7 @@ for _histograms, _profile in ((True, False), (True, True), (False, True)):
     HOST["offsets", _starts] = torch.tensor(_starts, dtype=torch.int32).view(-1, 1, 1)
 
 
-_FINE = (QUANTILE_BINS[1][2], QUANTILE_BINS[0][2])  # |a - b|'s, then |pa - pb|'s
+_FINE_TOPS = {"fine_d": QUANTILE_BINS[0][2].top + 1, "fine_l": QUANTILE_BINS[1][2].top + 1}
 HOST["fine floor"] = torch.zeros((), dtype=torch.int32)
-HOST["fine top"] = torch.tensor([bins.top + 1 for bins in _FINE], dtype=torch.int32).view(2, 1, 1)
+HOST["fine top"] = torch.tensor([_FINE_TOPS[name] for name in FINE], dtype=torch.int32)
+HOST["fine top"] = HOST["fine top"].view(-1, 1, 1)

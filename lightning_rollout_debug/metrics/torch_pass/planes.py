@@ -380,15 +380,19 @@ def counted_parts(histograms: bool, profile: bool) -> tuple[tuple[str, int], ...
     return tuple(parts)
 
 
+FINE = ("fine_l", "fine_d")
+"""The index planes of the fine bins of ``|a - b|`` and ``|pa - pb|``, as ``l`` and ``d``
+lie: one chain of operations reads the two planes and writes their bins."""
+
+
 def counted_planes(parts: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
     """The planes of an eager pass's bin indices of ``parts``, as they lie.
 
-    In the order of the parts, but the fine bins of ``|a - b|`` before those of
-    ``|pa - pb|``: as ``l`` lies before ``d``, so that one chain of operations reads the two
-    planes and writes their bins (:func:`.bins.bin_indices`).
+    In the order of the parts, but the fine bins in the order of :data:`FINE`
+    (:func:`.bins.bin_indices`).
     """
     names = [name for name, _ in parts]
-    if "fine_d" in names:
-        at = names.index("fine_d")
-        names[at : at + 2] = ["fine_l", "fine_d"]
+    if FINE[0] in names:
+        at = min(names.index(name) for name in FINE)
+        names[at : at + len(FINE)] = FINE
     return tuple(names)
