@@ -19,9 +19,9 @@ from lightning_rollout_debug.metrics.profile import (
     JOINT_BINS,
     POSITION_BUCKETS,
     PROBABILITY_BUCKETS,
-    QUANTILE_BINS,
 )
 from lightning_rollout_debug.metrics.torch_pass.constants import (
+    FINE_STEPS,
     HOST,
     Constants,
     by_shape,
@@ -135,9 +135,7 @@ def _fine_bins(p: Planes, index: Planes) -> None:
     ``torch.bucketize`` searches a thousand edges for each value. The two parts' bins
     share their shift and lowest edge and differ in their top.
     """
-    (_, _, d_bins), (_, _, l_bins) = QUANTILE_BINS
-    _, shift, lowest = l_bins.layout(torch.float32)
-    assert (shift, lowest) == d_bins.layout(torch.float32)[1:]
+    shift, lowest = FINE_STEPS
     values = [SOURCES[name] for name in FINE]
     bits = p.derived(("bits", *FINE), lambda: p.spaced(*values).view(torch.int32))
     out = index.run(*FINE)

@@ -192,6 +192,10 @@ for _histograms, _profile in ((True, False), (True, True), (False, True)):
     HOST["offsets", _starts] = torch.tensor(_starts, dtype=torch.int32).view(-1, 1, 1)
 
 
+FINE_STEPS: tuple[int, int] = QUANTILE_BINS[1][2].layout(torch.float32)[1:]
+"""The right shift of the float32 bits of ``|a - b|`` and ``|pa - pb|`` that gives their fine
+bins' steps, and the step of the lowest edge: the same for the two (:meth:`.LogBins.layout`)."""
+
 _FINE_TOPS = {"fine_d": QUANTILE_BINS[0][2].top + 1, "fine_l": QUANTILE_BINS[1][2].top + 1}
 HOST["fine floor"] = torch.zeros((), dtype=torch.int32)
 HOST["fine top"] = torch.tensor([_FINE_TOPS[name] for name in FINE], dtype=torch.int32)
