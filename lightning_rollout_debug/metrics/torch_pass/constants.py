@@ -198,5 +198,4 @@ bins' steps, and the step of the lowest edge: the same for the two (:meth:`.LogB
 
 _FINE_TOPS = {"fine_d": QUANTILE_BINS[0][2].top + 1, "fine_l": QUANTILE_BINS[1][2].top + 1}
 HOST["fine floor"] = torch.zeros((), dtype=torch.int32)
-HOST["fine top"] = torch.tensor([_FINE_TOPS[name] for name in FINE], dtype=torch.int32)
-HOST["fine top"] = HOST["fine top"].view(-1, 1, 1)
+HOST["fine top"] = torch.tensor([[[_FINE_TOPS[name]]] for name in FINE], dtype=torch.int32)
